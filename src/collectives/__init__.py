@@ -1,0 +1,47 @@
+"""collectives: collective communication for data-parallel training, on any array-API array.
+
+>>> import numpy as np, collectives as coll
+>>> comm = coll.init()                          # MPI under mpiexec, else a single process
+>>> x = np.ones(3) * comm.rank
+>>> _ = coll.allreduce(x, op="mean")            # in place on NumPy and torch arrays
+
+Host arrays travel over MPI (mpi4py); the transport is chosen from the array's device.
+"""
+
+from ._comm import (
+    Communicator,
+    allgather,
+    allreduce,
+    barrier,
+    broadcast,
+    finalize,
+    init,
+    reduce,
+    world,
+)
+from ._errors import (
+    BackendUnavailableError,
+    CollectiveError,
+    CollectiveTimeoutError,
+    MismatchError,
+    NcclError,
+)
+from ._version import __version__
+
+__all__ = [
+    "BackendUnavailableError",
+    "CollectiveError",
+    "CollectiveTimeoutError",
+    "Communicator",
+    "MismatchError",
+    "NcclError",
+    "__version__",
+    "allgather",
+    "allreduce",
+    "barrier",
+    "broadcast",
+    "finalize",
+    "init",
+    "reduce",
+    "world",
+]

@@ -1,0 +1,182 @@
+"""The one place that knows array libraries.
+
+Everything above this module sees an array through an *adapter*: its device (from ``__dlpack_device__``),
+a NumPy view of its host memory in logical (C) order, whether the result may be written into it, and how
+to make a new array of the same library and device from a NumPy buffer. Below this module transports see
+only contiguous NumPy buffers.
+
+Array libraries are recognised by looking in ``sys.modules`` (as array-api-compat does), never by
+importing them: a torch tensor can only exist if torch was imported already.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+
+from . import _dtypes
+
+# DLPack device types (dlpack.h, DLDeviceType)
+CPU, CUDA, CUDA_HOST, OPENCL, VULKAN, METAL, VPI, ROCM, ROCM_HOST = 1, 2, 3, 4, 7, 8, 9, 10, 11
+CUDA_MANAGED, ONEAPI = 13, 14
+HOST_DEVICE_TYPES = frozenset({CPU, CUDA_HOST, ROCM_HOST})
+DEVICE_NAMES = {CPU: "cpu", CUDA: "cuda", CUDA_HOST: "cuda_host", ROCM: "rocm", ROCM_HOST: "rocm_host",
+                CUDA_MANAGED: "cuda_managed", METAL: "metal", ONEAPI: "oneapi", VULKAN: "vulkan",
+                OPENCL: "opencl", VPI: "vpi"}
+HOST = (CPU, 0)
+
+
+def device_name(device: tuple[int, int]) -> str:
+    return f"{DEVICE_NAMES.get(device[0], f'dlpack-device-{device[0]}')}:{device[1]}"
+
+
+class Adapter:
+    """How one kind of array is seen. Subclasses override what differs."""
+
+    name = "array"
+    mutable = False  # may results be written into the caller's array?
+
+    def device(self, x) -> tuple[int, int]:
+        dev = x.__dlpack_device__()
+        return int(dev[0]), int(dev[1])
+
+    def host_view(self, x) -> tuple[np.ndarray, _dtypes.DType]:
+        """A NumPy view (no copy where possible) of x's host memory, in x's logical order."""
+        try:
+            view = np.from_dlpack(x)
+        except (TypeError, BufferError, RuntimeError, ValueError):
+            view = np.asarray(x)
+        info = _dtypes.from_numpy(view.dtype)
+        if info.storage != view.dtype:
+            view = view.view(info.storage)
+        return view, info
+
+    def writable(self, x, view: np.ndarray) -> bool:
+        return False
+
+    def write_back(self, x, view: np.ndarray, result: np.ndarray) -> None:
+        view[...] = result
+
+    def wrap(self, result: np.ndarray, info: _dtypes.DType, like) -> Any:
+        """A new array of like's library, on like's device, holding ``result`` (storage dtype)."""
+        from array_api_compat import array_namespace, device as device_of
+
+        xp = array_namespace(like)
+        native = result
+        like_dtype = getattr(like, "dtype", None)
+        if info.name == "bfloat16":
+            native = _numpy_bfloat16_view(result)
+        try:
+            return xp.asarray(native, device=device_of(like))
+        except (TypeError, ValueError):
+            return xp.asarray(native, dtype=like_dtype)
+
+
+def _numpy_bfloat16_view(result: np.ndarray) -> np.ndarray:
+    import ml_dtypes  # present wherever a library handed us an ml_dtypes bfloat16 array (JAX)
+
+    return result.view(ml_dtypes.bfloat16)
+
+
+class NumpyAdapter(Adapter):
+    name = "numpy"
+
+    def device(self, x):
+        return HOST
+
+    def host_view(self, x):
+        info = _dtypes.from_numpy(x.dtype)
+        return (x if info.storage == x.dtype else x.view(info.storage)), info
+
+    def writable(self, x, view):
+        return bool(x.flags.writeable)
+
+    def wrap(self, result, info, like):
+        if info.storage != like.dtype:
+            return result.view(like.dtype)
+        return result
+
+
+class TorchAdapter(Adapter):
+    name = "torch"
+    mutable = True
+
+    def device(self, x):
+        dev = x.device
+        if dev.type == "cpu":
+            return HOST
+        return super().device(x.detach())
+
+    def host_view(self, x):
+        torch = sys.modules["torch"]
+        t = x.detach()
+        if t.is_conj() or t.is_neg():  # lazily conjugated/negated: numpy cannot see it; work on a copy
+            t = t.resolve_conj().resolve_neg()
+        dtype = t.dtype
+        if dtype == torch.bfloat16:
+            return t.view(torch.int16).numpy().view(np.uint16), _dtypes.bfloat16()
+        if dtype == torch.complex32:
+            return t.view(torch.int32).numpy(), _dtypes.opaque("complex32", np.dtype(np.int32))
+        if dtype.is_floating_point and dtype.itemsize == 1:  # float8 variants
+            return t.view(torch.uint8).numpy(), _dtypes.opaque(str(dtype).replace("torch.", ""), np.dtype(np.uint8))
+        view = t.numpy()
+        return view, _dtypes.from_numpy(view.dtype)
+
+    def writable(self, x, view):
+        return not (x.is_conj() or x.is_neg())
+
+    def write_back(self, x, view, result):
+        if self.writable(x, view):
+            view[...] = result
+            return
+        torch = sys.modules["torch"]
+        with torch.no_grad():
+            x.copy_(self.wrap(result, None, x))
+
+    def wrap(self, result, info, like):
+        torch = sys.modules["torch"]
+        dtype = like.dtype
+        if result.dtype.itemsize != dtype.itemsize or dtype in (torch.bfloat16, torch.complex32) or (
+            dtype.is_floating_point and dtype.itemsize == 1
+        ):
+            signed = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}[dtype.itemsize]
+            t = torch.from_numpy(np.ascontiguousarray(result).view(signed)).view(dtype)
+        else:
+            t = torch.from_numpy(result)
+        return t if like.device.type == "cpu" else t.to(like.device)
+
+
+_NUMPY = NumpyAdapter()
+_TORCH = TorchAdapter()
+_GENERIC = Adapter()
+_BY_TYPE: dict[type, Adapter] = {np.ndarray: _NUMPY}
+
+
+def adapter(x) -> Adapter:
+    """The adapter for x, or TypeError when x is not an array."""
+    hit = _BY_TYPE.get(type(x))
+    if hit is not None:
+        return hit
+    if isinstance(x, np.ndarray):
+        found = _NUMPY
+    elif "torch" in sys.modules and isinstance(x, sys.modules["torch"].Tensor):
+        found = _TORCH
+    elif hasattr(x, "__dlpack_device__") and hasattr(x, "__dlpack__") and not isinstance(x, np.generic):
+        found = _GENERIC
+    else:
+        raise TypeError(_not_an_array(x))
+    _BY_TYPE[type(x)] = found
+    return found
+
+
+def _not_an_array(x) -> str:
+    kind = type(x).__name__
+    if isinstance(x, (list, tuple)):
+        hint = "convert it first, e.g. np.asarray(x) (or use synchronize()/allreduce_tree() for trees)"
+    elif isinstance(x, (int, float, complex, bool, np.generic)):
+        hint = "wrap it in a 0-d array first, e.g. np.asarray(x)"
+    else:
+        hint = "pass a NumPy, torch, CuPy, JAX or array-API array (anything with __dlpack__)"
+    return f"expected an array, got {kind}; {hint}"

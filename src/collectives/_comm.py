@@ -1,0 +1,463 @@
+"""Communicators and the array collectives.
+
+A :class:`Communicator` is a group of processes that call collectives together. :func:`init` makes one
+(over MPI when it works, else the single-process ``"self"`` backend); :func:`world` returns the default
+one. Every collective is both a method (``comm.allreduce(x)``) and a function (``allreduce(x, comm=comm)``).
+
+How a call runs:
+
+1. validate everything (kind of array, op, dtype/op pair, root) before any communication;
+2. choose the transport from the array's device (:meth:`Communicator._transport_for`, the only place);
+3. take a NumPy view of the array's memory (``_arrays``), make it contiguous if it is not;
+4. move or reduce the bytes, widening dtypes the transport cannot reduce (float16, bfloat16);
+5. write the result back into the caller's array when it is writable, else return a new array.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+
+import numpy as np
+
+from . import _arrays, _config, _dtypes
+from ._backends.base import Transport
+from ._backends.self import SelfTransport
+from ._errors import BackendUnavailableError
+
+BACKENDS = ("auto", "mpi", "self")
+
+
+class Communicator:
+    """A group of processes that call collectives together.
+
+    Made by :func:`init` (or :func:`world`); not constructed directly. Every rank of the group must call
+    every collective on it, in the same order.
+
+    Attributes:
+        rank: this process's index in the group, ``0 <= rank < size``.
+        size: the number of processes.
+        local_rank: this process's index among the group's processes on the same node (shared memory).
+        local_size: the number of the group's processes on this node.
+        backend: ``"mpi"`` or ``"self"``.
+        check: whether a cross-rank agreement check runs before every collective.
+
+    Example:
+        >>> import numpy as np, collectives as coll
+        >>> comm = coll.init()
+        >>> x = np.full(3, float(comm.rank + 1))
+        >>> y = comm.allreduce(x, op="mean")     # in place: y is x
+        >>> bool(y is x and (x == (comm.size + 1) / 2).all())
+        True
+    """
+
+    def __init__(self, host: Transport, *, check: bool = False, mpi_comm=None):
+        self._host = host
+        self._mpi_comm = mpi_comm  # the user's communicator we duplicated, if any
+        self.check = bool(check)
+
+    # ---- identity ----
+    @property
+    def rank(self) -> int:
+        return self._host.rank
+
+    @property
+    def size(self) -> int:
+        return self._host.size
+
+    @property
+    def local_rank(self) -> int:
+        return self._host.local_rank
+
+    @property
+    def local_size(self) -> int:
+        return self._host.local_size
+
+    @property
+    def backend(self) -> str:
+        return self._host.name
+
+    @property
+    def closed(self) -> bool:
+        return self._host is None
+
+    def __repr__(self) -> str:
+        if self._host is None:
+            return "<collectives.Communicator closed>"
+        return (f"<collectives.Communicator backend={self.backend!r} rank={self.rank} size={self.size} "
+                f"local_rank={self.local_rank} local_size={self.local_size}>")
+
+    # ---- dispatch: the one place a transport is chosen ----
+    def _transport_for(self, device: tuple[int, int]) -> Transport:
+        if self._host is None:
+            raise BackendUnavailableError("this communicator was finalized; call collectives.init() again")
+        if device[0] in _arrays.HOST_DEVICE_TYPES:
+            return self._host
+        if device[0] in (_arrays.CUDA, _arrays.CUDA_MANAGED):
+            raise BackendUnavailableError(
+                f"array on {_arrays.device_name(device)}: CUDA arrays need the NCCL transport, which this "
+                f"build does not have yet; copy the array to host memory first"
+            )
+        raise BackendUnavailableError(
+            f"array on {_arrays.device_name(device)}: no transport for this device; copy it to host memory"
+        )
+
+    def _check_root(self, root) -> int:
+        if isinstance(root, (bool, np.bool_)) or not isinstance(root, (int, np.integer)):
+            raise TypeError(f"root must be an integer rank, got {type(root).__name__} {root!r}")
+        root = int(root)
+        if not 0 <= root < self.size:
+            raise ValueError(f"root={root} is out of range for a communicator of size {self.size} "
+                             f"(valid: 0..{self.size - 1})")
+        return root
+
+    # ---- the array collectives ----
+    def broadcast(self, x, root: int = 0):
+        """Root's ``x`` on every rank. See :func:`collectives.broadcast`."""
+        a = _arrays.adapter(x)
+        transport = self._transport_for(a.device(x))
+        root = self._check_root(root)
+        view, info = a.host_view(x)
+        return self._in_place(x, a, view, info, lambda buf: transport.broadcast(buf, root))
+
+    def allreduce(self, x, op: str = "sum"):
+        """Reduce ``x`` over all ranks, result on every rank. See :func:`collectives.allreduce`."""
+        a = _arrays.adapter(x)
+        transport = self._transport_for(a.device(x))
+        op = _dtypes.check_op(op)
+        view, info = a.host_view(x)
+        _dtypes.check_reduction(info, op)
+        return self._in_place(x, a, view, info,
+                              lambda buf: self._reduce_buffer(transport, buf, info, op, transport.allreduce))
+
+    def reduce(self, x, op: str = "sum", root: int = 0):
+        """Reduce ``x`` over all ranks, result on ``root``. See :func:`collectives.reduce`."""
+        a = _arrays.adapter(x)
+        transport = self._transport_for(a.device(x))
+        op = _dtypes.check_op(op)
+        root = self._check_root(root)
+        view, info = a.host_view(x)
+        _dtypes.check_reduction(info, op)
+        if self.rank != root:  # non-root ranks contribute x and get it back unchanged
+            buf = view if view.flags.c_contiguous else np.array(view, order="C")
+            self._reduce_buffer(transport, buf, info, op,
+                                lambda b, o: transport.reduce(b, o, root), divide=False)
+            return x
+        return self._in_place(x, a, view, info, lambda buf: self._reduce_buffer(
+            transport, buf, info, op, lambda b, o: transport.reduce(b, o, root)))
+
+    def allgather(self, x):
+        """Every rank's ``x``, stacked along a new leading axis. See :func:`collectives.allgather`."""
+        a = _arrays.adapter(x)
+        transport = self._transport_for(a.device(x))
+        view, info = a.host_view(x)
+        send = view if view.flags.c_contiguous else np.array(view, order="C")
+        out = np.empty((self.size,) + view.shape, dtype=view.dtype)
+        transport.allgather(send, out.reshape(self.size, -1))
+        return a.wrap(out, info, x)
+
+    def barrier(self) -> None:
+        """Block until every rank has called it. See :func:`collectives.barrier`."""
+        self._transport_for(_arrays.HOST).barrier()
+
+    # ---- helpers ----
+    @staticmethod
+    def _in_place(x, a, view, info, run):
+        """Run ``run(buf)`` on a contiguous buffer holding x's elements; put the result where it belongs."""
+        can_write = a.writable(x, view)
+        if can_write and view.flags.writeable and view.flags.c_contiguous:
+            run(view)
+            return x
+        buf = np.array(view, order="C")  # a copy: the caller's array is untouched until the end
+        run(buf)
+        if can_write:
+            a.write_back(x, view, buf)
+            return x
+        return a.wrap(buf, info, x)
+
+    def _reduce_buffer(self, transport, buf, info, op, collective, divide=True):
+        """Reduce a contiguous buffer in place with ``collective(wire, op)``, widening where needed."""
+        wire_op = "sum" if op == "mean" else op
+        if info.kind == "b":
+            collective(buf.view(np.uint8), wire_op)
+            return
+        if info.name == "bfloat16":
+            wire = _dtypes.bf16_to_f32(buf)
+        elif not transport.reduces(buf.dtype, wire_op):
+            wire = buf.astype(np.float32)
+        else:
+            wire = buf
+        collective(wire, wire_op)
+        if op == "mean" and divide:
+            np.divide(wire, self.size, out=wire)
+        if wire is buf:
+            return
+        if info.name == "bfloat16":
+            _dtypes.f32_to_bf16(wire, out=buf)
+        else:
+            buf[...] = wire  # float32 -> float16, round to nearest
+
+    def close(self) -> None:
+        """Release this communicator's resources (its MPI duplicate). Idempotent."""
+        host, self._host = self._host, None
+        if host is not None:
+            host.close()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# init / world / finalize
+
+_lock = threading.RLock()
+_world: Communicator | None = None
+_by_comm: dict[int, tuple[object, Communicator]] = {}
+_atexit_registered = False
+
+
+def _make_transport(backend: str, comm) -> Transport:
+    if backend == "self":
+        if comm is not None:
+            raise ValueError("backend='self' is a single process and takes no comm=; use backend='mpi'")
+        return SelfTransport()
+    if backend == "mpi":
+        from ._backends.mpi import MPITransport
+
+        return MPITransport(comm)
+    # auto
+    try:
+        from ._backends.mpi import MPITransport
+
+        transport = MPITransport(comm)
+    except BackendUnavailableError as exc:
+        if comm is not None:
+            raise
+        launched = _config.launcher_size()
+        if launched is not None:
+            name, n = launched
+            raise BackendUnavailableError(
+                f"this process was started by a launcher for {n} processes ({name}={n}), but MPI cannot be "
+                f"used ({exc}); refusing to run {n} independent single-process copies. Install mpi4py "
+                f"for the launcher's MPI (pip install 'collectives[mpi]', or build mpi4py against your "
+                f"cluster's MPI), or set COLLECTIVES_BACKEND=self to really run alone"
+            ) from exc
+        return SelfTransport()
+    launched = _config.launcher_size()
+    if comm is None and transport.size == 1 and launched is not None:
+        name, n = launched
+        transport.close()
+        raise BackendUnavailableError(
+            f"this process was started by a launcher for {n} processes ({name}={n}), but MPI's world has "
+            f"1 process: mpi4py's MPI library is not the launcher's. Launch with the mpiexec that belongs to "
+            f"mpi4py's MPI (python -m collectives info shows it), or rebuild mpi4py against the launcher's"
+        )
+    return transport
+
+
+def init(backend: str = "auto", *, comm=None, check: bool | None = None) -> Communicator:
+    """Start the library and return a :class:`Communicator`. Idempotent.
+
+    Args:
+        backend: ``"auto"`` (MPI when mpi4py works, else ``"self"``; ``COLLECTIVES_BACKEND`` overrides),
+            ``"mpi"`` (fail with :class:`BackendUnavailableError` if MPI is unusable) or ``"self"`` (one
+            process, no communication).
+        comm: an existing mpi4py intra-communicator to work within (for frameworks with their own job).
+            The library duplicates it and never talks on the original.
+        check: turn the cross-rank agreement check on or off (default: ``COLLECTIVES_CHECK``).
+
+    Returns:
+        The default communicator (``comm=None``), or the communicator for ``comm``. The first call also
+        sets the default returned by :func:`world`. Calling again with the same arguments returns the
+        same object.
+
+    Raises:
+        BackendUnavailableError: MPI was required (explicitly, or by a multi-process launcher) but cannot
+            be used.
+        ValueError: an unknown backend, or a backend other than the one already initialised.
+
+    Example:
+        >>> import collectives as coll
+        >>> comm = coll.init()
+        >>> comm is coll.init() is coll.world()
+        True
+        >>> comm.backend in ("mpi", "self")
+        True
+    """
+    global _world, _atexit_registered
+    if not isinstance(backend, str) or backend.lower() not in BACKENDS:
+        raise ValueError(f"unknown backend={backend!r}; expected one of {', '.join(map(repr, BACKENDS))}")
+    backend = backend.lower()
+    if backend == "auto":
+        backend = _config.backend()
+        if backend not in BACKENDS:
+            raise ValueError(f"COLLECTIVES_BACKEND={backend!r}: expected one of {', '.join(BACKENDS)}")
+    with _lock:
+        if comm is None and _world is not None:
+            existing = _world
+        elif comm is not None and id(comm) in _by_comm:
+            existing = _by_comm[id(comm)][1]
+        else:
+            existing = None
+        if existing is not None:
+            if backend != "auto" and backend != existing.backend:
+                raise ValueError(f"already initialised with backend {existing.backend!r}; "
+                                 f"call collectives.finalize() before init(backend={backend!r})")
+            if check is not None:
+                existing.check = bool(check)
+            return existing
+        transport = _make_transport(backend, comm)
+        result = Communicator(transport, check=_config.check() if check is None else check, mpi_comm=comm)
+        if comm is not None:
+            _by_comm[id(comm)] = (comm, result)
+        if _world is None:
+            _world = result
+        if not _atexit_registered:
+            atexit.register(finalize)  # runs before mpi4py's MPI_Finalize (registered earlier)
+            _atexit_registered = True
+        return result
+
+
+def world() -> Communicator:
+    """The default communicator; calls ``init()`` on first use.
+
+    Example:
+        >>> import collectives as coll
+        >>> 0 <= coll.world().rank < coll.world().size
+        True
+    """
+    w = _world
+    return w if w is not None else init()
+
+
+def finalize() -> None:
+    """Release every communicator the library made; :func:`init` may be called again afterwards.
+
+    MPI itself is left initialised (mpi4py finalises it at exit), so other MPI users in the process are
+    not disturbed. Idempotent; also runs at interpreter exit.
+
+    Example:
+        >>> import collectives as coll
+        >>> coll.finalize(); coll.finalize()
+        >>> coll.world().closed
+        False
+    """
+    global _world
+    with _lock:
+        comms = [c for _, c in _by_comm.values()]
+        if _world is not None:
+            comms.append(_world)
+        _world = None
+        _by_comm.clear()
+    for c in comms:
+        c.close()
+
+
+def _resolve(comm) -> Communicator:
+    if comm is None:
+        w = _world
+        return w if w is not None else init()
+    if isinstance(comm, Communicator):
+        return comm
+    return init(comm=comm)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the collectives as functions
+
+def broadcast(x, root: int = 0, *, comm=None):
+    """Make every rank's ``x`` equal to root's.
+
+    Every rank of ``comm`` must call it with the same ``root`` and an array of the same shape and dtype.
+    Works on every dtype, bit for bit.
+
+    Args:
+        x: an array (NumPy, torch, array-api-strict, JAX, ... in host memory).
+        root: the rank whose values are sent.
+        comm: a :class:`Communicator` or an mpi4py communicator (default: :func:`world`).
+
+    Returns:
+        ``x`` itself, holding root's values, when ``x`` is a writable NumPy array or a torch tensor (also a
+        non-contiguous view: only its elements change; also a tensor that requires grad). Otherwise (a
+        read-only array, array-api-strict, JAX) a new array of the same library and device.
+
+    Example:
+        >>> import numpy as np, collectives as coll
+        >>> comm = coll.world()
+        >>> x = np.arange(4) * (comm.rank + 1)
+        >>> coll.broadcast(x, root=0).tolist()
+        [0, 1, 2, 3]
+    """
+    return _resolve(comm).broadcast(x, root)
+
+
+def allreduce(x, op: str = "sum", *, comm=None):
+    """Combine ``x`` element-wise over all ranks; every rank gets the result.
+
+    Every rank must call it with the same ``op`` and an array of the same shape and dtype.
+
+    Args:
+        x: an array in host memory.
+        op: ``"sum"``, ``"prod"``, ``"min"``, ``"max"`` or ``"mean"``. Legal pairs: sum/prod on integers,
+            floating and complex; min/max on integers, floating and bool (max = any, min = all); mean on
+            floating and complex only. Other pairs raise ``TypeError`` before any communication.
+        comm: a :class:`Communicator` or an mpi4py communicator (default: :func:`world`).
+
+    Returns:
+        The result, in ``x`` itself when it is writable (see :func:`broadcast`), else a new array.
+        float16/bfloat16 are accumulated in float32 where MPI cannot reduce them, then rounded back.
+
+    Example:
+        >>> import numpy as np, collectives as coll
+        >>> comm = coll.world()
+        >>> x = np.array([1.0, 2.0]) * (comm.rank + 1)
+        >>> coll.allreduce(x, op="mean").tolist() == [(comm.size + 1) / 2, comm.size + 1.0]
+        True
+    """
+    return _resolve(comm).allreduce(x, op)
+
+
+def reduce(x, op: str = "sum", root: int = 0, *, comm=None):
+    """Combine ``x`` element-wise over all ranks; only ``root`` gets the result.
+
+    Every rank must call it with the same ``op``, ``root``, shape and dtype. Same op/dtype rules as
+    :func:`allreduce`.
+
+    Returns:
+        On ``root``: the result (in ``x`` when writable, else a new array). On every other rank: ``x``
+        itself, unchanged.
+
+    Example:
+        >>> import numpy as np, collectives as coll
+        >>> comm = coll.world()
+        >>> x = np.ones(2, dtype=np.int64)
+        >>> y = coll.reduce(x, op="sum", root=0)
+        >>> y.tolist() == ([comm.size] * 2 if comm.rank == 0 else [1, 1])
+        True
+    """
+    return _resolve(comm).reduce(x, op, root)
+
+
+def allgather(x, *, comm=None):
+    """Every rank's ``x``, stacked: ``result[r]`` is rank r's ``x``.
+
+    Every rank must call it with an array of the same shape and dtype.
+
+    Returns:
+        A new array of shape ``(size, *x.shape)``, of x's library, dtype and device.
+
+    Example:
+        >>> import numpy as np, collectives as coll
+        >>> comm = coll.world()
+        >>> g = coll.allgather(np.array([comm.rank]))
+        >>> g.shape == (comm.size, 1) and g[:, 0].tolist() == list(range(comm.size))
+        True
+    """
+    return _resolve(comm).allgather(x)
+
+
+def barrier(*, comm=None) -> None:
+    """Return once every rank of ``comm`` has called it.
+
+    Example:
+        >>> import collectives as coll
+        >>> coll.barrier()
+    """
+    _resolve(comm).barrier()

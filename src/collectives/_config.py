@@ -1,0 +1,123 @@
+"""Every environment variable the library reads, read in one place.
+
+==============================  ===========================================================  ==========
+variable                        meaning                                                      default
+==============================  ===========================================================  ==========
+``COLLECTIVES_BACKEND``         backend for ``init("auto")``: ``auto``, ``mpi``, ``self``    ``auto``
+``COLLECTIVES_CHECK``           ``1``: cross-rank agreement check before every collective    ``0``
+``COLLECTIVES_TIMEOUT``         seconds before a blocked collective is declared hung         unset/300
+``COLLECTIVES_MPI_THREAD_LEVEL`` thread level when *we* initialise MPI                       ``serialized``
+``COLLECTIVES_MAX_COUNT``       largest element count handed to one MPI call (chunking)      ``2**31-1``
+``COLLECTIVES_BUCKET_BYTES``    size bound of a fused tree bucket                            25 MiB
+``COLLECTIVES_NCCL_LIBRARY``    explicit path of ``libnccl.so.2``                            search
+``COLLECTIVES_DISABLE_NCCL``    ``1``: never use NCCL (CUDA arrays go through MPI or host)   ``0``
+``COLLECTIVES_CUDA_AWARE_MPI``  ``1``: hand CUDA pointers to MPI; ``0``: stage through host  unset
+``COLLECTIVES_ABORT_ON_ERROR``  ``0``: do not abort the job on an uncaught exception         ``1``
+==============================  ===========================================================  ==========
+"""
+
+from __future__ import annotations
+
+import os
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def flag(name: str, default: bool = False) -> bool:
+    """Read a boolean environment variable; anything unrecognised is a ValueError naming it."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"environment variable {name}={raw!r}: expected 1/0, true/false, yes/no or on/off")
+
+
+def integer(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw, 0)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r}: expected an integer") from None
+    if value <= 0:
+        raise ValueError(f"environment variable {name}={raw!r}: expected a positive integer")
+    return value
+
+
+def seconds(name: str) -> float | None:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r}: expected a number of seconds") from None
+    return value if value > 0 else None
+
+
+def string(name: str, default: str) -> str:
+    raw = os.environ.get(name)
+    return default if raw is None or raw.strip() == "" else raw.strip()
+
+
+def backend() -> str:
+    return string("COLLECTIVES_BACKEND", "auto").lower()
+
+
+def check() -> bool:
+    return flag("COLLECTIVES_CHECK")
+
+
+def timeout() -> float | None:
+    return seconds("COLLECTIVES_TIMEOUT")
+
+
+def mpi_thread_level() -> str:
+    level = string("COLLECTIVES_MPI_THREAD_LEVEL", "serialized").lower()
+    if level not in ("single", "funneled", "serialized", "multiple"):
+        raise ValueError(
+            f"COLLECTIVES_MPI_THREAD_LEVEL={level!r}: expected single, funneled, serialized or multiple"
+        )
+    return level
+
+
+def max_count() -> int:
+    return integer("COLLECTIVES_MAX_COUNT", 2**31 - 1)
+
+
+def bucket_bytes() -> int:
+    return integer("COLLECTIVES_BUCKET_BYTES", 25 * 2**20)
+
+
+# Variables set by process launchers, giving the number of processes they started. If one of these says
+# more than one and MPI is unusable, init() refuses instead of running N independent size-1 copies.
+LAUNCHER_SIZE_VARIABLES = (
+    "PMI_SIZE",  # MPICH hydra, Intel MPI, PMI-1/2
+    "PMIX_SIZE",
+    "OMPI_COMM_WORLD_SIZE",  # Open MPI
+    "MPI_LOCALNRANKS",  # MPICH hydra
+    "MV2_COMM_WORLD_SIZE",  # MVAPICH2
+    "PALS_SIZE",  # HPE/Cray PALS
+    "SLURM_STEP_NUM_TASKS",  # srun (the step, not the allocation)
+)
+
+
+def launcher_size() -> tuple[str, int] | None:
+    """The first launcher variable claiming more than one process, as (name, size), else None."""
+    for name in LAUNCHER_SIZE_VARIABLES:
+        raw = os.environ.get(name)
+        if raw is None:
+            continue
+        try:
+            n = int(raw.split("(")[0])
+        except ValueError:
+            continue
+        if n > 1:
+            return name, n
+    return None

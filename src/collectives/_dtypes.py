@@ -1,0 +1,109 @@
+"""One table: which dtypes exist for us, which reduction ops are legal on them, and how they travel.
+
+Every rule about dtypes and ops lives here, so the host (MPI) and the GPU (NCCL) transports raise the same
+errors with the same words. A dtype is described by :class:`DType`: its name, the NumPy *storage* dtype of
+its host buffer (``uint16`` for ``bfloat16`` where NumPy has no such type) and its kind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+OPS = ("sum", "prod", "min", "max", "mean")
+
+# kind letters: b bool, i signed, u unsigned, f floating (incl. float16/bfloat16), c complex,
+# x opaque (fixed-size but not a number we reduce: structured, strings, datetimes, float8, complex32).
+_LEGAL = {"sum": "iufc", "prod": "iufc", "min": "biuf", "max": "biuf", "mean": "fc"}
+
+
+@dataclass(frozen=True)
+class DType:
+    name: str
+    storage: np.dtype
+    kind: str
+
+    @property
+    def itemsize(self) -> int:
+        return self.storage.itemsize
+
+
+_BF16 = DType("bfloat16", np.dtype(np.uint16), "f")
+_CACHE: dict[np.dtype, DType] = {}
+
+
+def from_numpy(dtype: np.dtype) -> DType:
+    """Describe a NumPy dtype (including ml_dtypes' bfloat16/float8 used by JAX)."""
+    hit = _CACHE.get(dtype)
+    if hit is not None:
+        return hit
+    kind = dtype.kind
+    if kind == "O":
+        raise TypeError(
+            "object arrays hold Python object pointers, which cannot be sent between processes; "
+            "convert to a numeric dtype first (or use synchronize() for arbitrary picklable objects)"
+        )
+    if dtype.name == "bfloat16":  # ml_dtypes (JAX)
+        info = DType("bfloat16", np.dtype(np.uint16), "f")
+    elif kind in "biufc" and dtype.names is None and dtype.subdtype is None:
+        info = DType(dtype.name, dtype, kind)
+    else:  # structured, void, strings, datetimes, ml_dtypes float8 ...: fixed-size bytes
+        info = DType(dtype.name or str(dtype), dtype, "x")
+    _CACHE[dtype] = info
+    return info
+
+
+def bfloat16() -> DType:
+    return _BF16
+
+
+def opaque(name: str, storage: np.dtype) -> DType:
+    """A dtype we can only move bit for bit (e.g. torch.complex32, float8)."""
+    return DType(name, storage, "x")
+
+
+def check_op(op) -> str:
+    """Validate the op argument itself (independent of dtype)."""
+    if not isinstance(op, str):
+        raise TypeError(f"op must be a string, one of {', '.join(map(repr, OPS))}; got {type(op).__name__}")
+    if op not in _LEGAL:
+        raise ValueError(f"unknown op={op!r}; expected one of {', '.join(map(repr, OPS))}")
+    return op
+
+
+def check_reduction(dtype: DType, op: str) -> None:
+    """Raise TypeError if ``op`` is not defined on ``dtype`` (same words on every transport)."""
+    if dtype.kind in _LEGAL[op]:
+        return
+    name = dtype.name
+    if dtype.kind == "b":
+        raise TypeError(
+            f"op={op!r} is not defined for bool arrays; use op='max' (logical any) or op='min' "
+            f"(logical all), or cast to an integer dtype to count"
+        )
+    if dtype.kind == "c":
+        raise TypeError(f"op={op!r} is not defined for complex dtype {name}: complex numbers have no order")
+    if op == "mean" and dtype.kind in "iu":
+        raise TypeError(
+            f"op='mean' on integer dtype {name} would truncate; cast to a floating dtype first, "
+            f"or use op='sum' and divide yourself"
+        )
+    raise TypeError(
+        f"op={op!r} needs a numeric dtype; got {name}, which can only be broadcast or gathered bit for bit"
+    )
+
+
+# ---- bfloat16 <-> float32 on host buffers (round to nearest even, NaN stays NaN) ----
+
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def f32_to_bf16(values: np.ndarray, out: np.ndarray) -> None:
+    b = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    rounded = ((b + (((b >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
+    nan = np.isnan(values)
+    if nan.any():
+        rounded[nan] = ((b[nan] >> 16) | 0x0040).astype(np.uint16)
+    out[...] = rounded.reshape(out.shape)
