@@ -113,7 +113,9 @@ class TorchAdapter(Adapter):
         torch = sys.modules["torch"]
         t = x.detach()
         if t.is_conj() or t.is_neg():  # lazily conjugated/negated: numpy cannot see it; work on a copy
-            t = t.resolve_conj().resolve_neg()
+            view = t.resolve_conj().resolve_neg().numpy()
+            view.flags.writeable = False  # a copy: results go back through write_back (torch copy_)
+            return view, _dtypes.from_numpy(view.dtype)
         dtype = t.dtype
         if dtype == torch.bfloat16:
             return t.view(torch.int16).numpy().view(np.uint16), _dtypes.bfloat16()
@@ -125,10 +127,10 @@ class TorchAdapter(Adapter):
         return view, _dtypes.from_numpy(view.dtype)
 
     def writable(self, x, view):
-        return not (x.is_conj() or x.is_neg())
+        return True
 
     def write_back(self, x, view, result):
-        if self.writable(x, view):
+        if view.flags.writeable:
             view[...] = result
             return
         torch = sys.modules["torch"]

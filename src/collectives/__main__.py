@@ -1,0 +1,106 @@
+"""``python -m collectives info``: what this installation can use, for bug reports.
+
+``python -m collectives info`` prints the library and Python versions, the array libraries found, the
+MPI library and its version, whether a launcher started this process, rank and size, and the NCCL
+library (path, where it came from, version). ``--json`` prints the same as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import platform
+import sys
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def gather_info(start_mpi: bool = True) -> dict:
+    from . import _config, __version__
+
+    info: dict = {
+        "collectives": __version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "array_libraries": {},
+    }
+    for module, dist in (("numpy", "numpy"), ("array_api_compat", "array-api-compat"), ("torch", "torch"),
+                         ("cupy", None), ("jax", "jax"), ("array_api_strict", "array-api-strict")):
+        if importlib.util.find_spec(module) is not None:
+            version = _dist_version(dist) if dist else None
+            if version is None and module == "cupy":
+                version = next((v for d in ("cupy-cuda13x", "cupy-cuda12x", "cupy")
+                                if (v := _dist_version(d))), "installed")
+            info["array_libraries"][module] = version
+    launched = _config.launcher_size()
+    info["launcher"] = None if launched is None else {"variable": launched[0], "size": launched[1]}
+    mpi: dict = {"mpi4py": _dist_version("mpi4py")}
+    if mpi["mpi4py"] and start_mpi:
+        try:
+            from ._backends.mpi import import_mpi
+
+            MPI = import_mpi()
+            mpi["library"] = MPI.Get_library_version().strip().splitlines()[0]
+            mpi["standard"] = "%d.%d" % MPI.Get_version()
+            level = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
+                     MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
+            mpi["thread_level"] = level.get(MPI.Query_thread(), str(MPI.Query_thread()))
+            mpi["mpich_wheel"] = _dist_version("mpich")
+        except Exception as exc:  # report, never fail: this is for bug reports
+            mpi["error"] = f"{type(exc).__name__}: {exc}"
+    info["mpi"] = mpi
+    try:
+        from . import _comm
+
+        comm = _comm.init()
+        info["backend"] = comm.backend
+        info["rank"], info["size"] = comm.rank, comm.size
+        info["local_rank"], info["local_size"] = comm.local_rank, comm.local_size
+    except Exception as exc:
+        info["backend"] = f"unavailable: {type(exc).__name__}: {exc}"
+    try:
+        from ._backends import _libnccl
+
+        info["nccl"] = _libnccl.info()
+    except Exception as exc:
+        info["nccl"] = {"error": f"{type(exc).__name__}: {exc}"}
+    return info
+
+
+def _print_info(info: dict) -> None:
+    width = 18
+    for key, value in info.items():
+        if isinstance(value, dict):
+            print(f"{key}:")
+            for k, v in value.items():
+                print(f"  {k:<{width - 2}} {v}")
+        else:
+            print(f"{key:<{width}} {value}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m collectives", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command")
+    p_info = sub.add_parser("info", help="show versions, MPI, NCCL and array libraries")
+    p_info.add_argument("--json", action="store_true", help="print JSON")
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        info = gather_info()
+        rank = info.get("rank", 0)
+        if rank == 0:  # under mpiexec, one report
+            print(json.dumps(info, indent=2)) if args.json else _print_info(info)
+        return 0
+    parser.print_help()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

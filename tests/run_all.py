@@ -1,0 +1,121 @@
+"""Run the whole test suite: unit tests in one process, then the MPI tests and the conformance suite
+under ``mpiexec`` at 1, 2 and 3 ranks. Every mpiexec runs under a timeout; a multi-rank run that
+collected or passed zero tests is a failure. Exit status 0 only if everything passed.
+
+    python tests/run_all.py               # everything
+    python tests/run_all.py --sizes 2     # only the 2-rank MPI runs (plus unit tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LOGS = ROOT / ".test-logs"
+
+
+def mpiexec() -> str:
+    here = Path(sys.executable).parent / "mpiexec"
+    return str(here) if here.exists() else (shutil.which("mpiexec") or "mpiexec")
+
+
+def run(cmd, timeout, env=None):
+    print(f"\n$ {' '.join(map(str, cmd))}   (timeout {timeout}s)", flush=True)
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, timeout=timeout, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+        out, rc = proc.stdout, proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        out += f"\nTIMEOUT after {timeout}s\n"
+        rc = 124
+    print(out, end="" if out.endswith("\n") else "\n", flush=True)
+    print(f"  -> exit {rc} in {time.monotonic() - start:.1f}s", flush=True)
+    return rc, out
+
+
+def pytest_counts(out: str) -> tuple[int, int]:
+    passed = sum(int(n) for n in re.findall(r"(\d+) passed", out[-3000:]))
+    failed = sum(int(n) for n in re.findall(r"(\d+) (?:failed|errors?)\b", out[-3000:]))
+    return passed, failed
+
+
+def mpi_run(target: str, n: int, timeout: int, extra=()) -> tuple[int, int, bool]:
+    for f in LOGS.glob(f"summary-n{n}-rank*.json"):
+        f.unlink()
+    cmd = [mpiexec(), "-n", str(n), sys.executable, "tests/mpi_pytest.py", target, "-q", "-x",
+           "--timeout", "240", *extra]
+    rc, out = run(cmd, timeout)
+    counts = []
+    for r in range(n):
+        f = LOGS / f"summary-n{n}-rank{r}.json"
+        counts.append(json.loads(f.read_text()) if f.exists() else None)
+    ok = rc == 0
+    for r, c in enumerate(counts):
+        if c is None:
+            print(f"  rank {r} wrote no summary: it did not finish")
+            ok = False
+        elif c["passed"] == 0 or c["failed"]:
+            print(f"  rank {r}: {c}: a run must pass at least one test and fail none")
+            ok = False
+    if not ok:
+        for log in sorted(LOGS.glob(f"{Path(target).name}-n{n}-rank*.log")):
+            print(f"---- {log.name} (tail) ----\n{log.read_text()[-4000:]}")
+    passed = counts[0]["passed"] if counts and counts[0] else 0
+    failed = 0 if ok else max(1, counts[0]["failed"] if counts and counts[0] else 1)
+    return passed, failed, ok
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="1,2,3", help="world sizes for the MPI runs (default 1,2,3)")
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per mpiexec run")
+    ap.add_argument("--skip-unit", action="store_true")
+    args = ap.parse_args()
+    LOGS.mkdir(exist_ok=True)
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    total_passed = total_failed = 0
+    results = []
+
+    if not args.skip_unit:
+        rc, out = run([sys.executable, "-m", "pytest", "tests/unit", "-q"], 1800)
+        p, f = pytest_counts(out)
+        ok = rc == 0 and p > 0
+        total_passed += p
+        total_failed += f if f or ok else 1
+        results.append(("unit", ok))
+        rc, out = run([sys.executable, "-m", "pytest", "-q", "--doctest-modules", "src/collectives"], 600)
+        p, f = pytest_counts(out)
+        ok = rc == 0 and p > 0
+        total_passed += p
+        total_failed += f if f or ok else 1
+        results.append(("doctests", ok))
+
+    suites = [("tests/mpi", ())]
+    if (ROOT / "conformance" / "conftest.py").exists():
+        suites.append(("conformance", ()))
+    for target, extra in suites:
+        for n in sizes:
+            p, f, ok = mpi_run(target, n, args.timeout, extra)
+            total_passed += p
+            total_failed += f
+            results.append((f"{target} -n {n}", ok))
+
+    print("\nsummary:")
+    for name, ok in results:
+        print(f"  {'ok  ' if ok else 'FAIL'} {name}")
+    print(f"{total_passed} passed, {total_failed} failed")
+    return 0 if all(ok for _, ok in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""Single-process checks of the foundation: imports, backend choice, self backend, info, dtype rules."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import collectives as coll
+from collectives import _dtypes
+
+HEAVY = ("torch", "cupy", "jax", "mpi4py", "mpi4py.MPI", "array_api_strict", "ml_dtypes")
+
+
+def run_python(code: str, env_extra=None, path_prefix=None, timeout=120):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "PMIX_", "OMPI_", "MPI_LOCAL", "HYDRA", "SLURM_", "MV2_", "PALS_"))}
+    env.pop("COLLECTIVES_BACKEND", None)
+    if path_prefix:
+        env["PYTHONPATH"] = os.pathsep.join([str(path_prefix), env.get("PYTHONPATH", "")])
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+def test_import_pulls_in_no_heavy_library():
+    proc = run_python(f"""
+        import sys, collectives
+        heavy = [m for m in {HEAVY!r} if m in sys.modules]
+        assert not heavy, heavy
+        print("clean")
+    """)
+    assert proc.returncode == 0 and "clean" in proc.stdout, proc.stderr
+
+
+def test_self_backend_needs_no_mpi(tmp_path):
+    (tmp_path / "mpi4py").mkdir()
+    (tmp_path / "mpi4py" / "__init__.py").write_text("raise ImportError('mpi4py is not installed (test)')\n")
+    proc = run_python("""
+        import sys, numpy as np, collectives as coll
+        c = coll.init()
+        x = np.array([1.0, 3.0])
+        assert coll.allreduce(x, op="mean") is x and x.tolist() == [1.0, 3.0]
+        assert coll.allgather(x).shape == (1, 2)
+        print(c.backend, c.size, "mpi4py.MPI" in sys.modules)
+    """, path_prefix=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["self", "1", "False"]
+
+
+@pytest.mark.parametrize("variable", ["PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS"])
+def test_launcher_without_mpi_is_refused(tmp_path, variable):
+    (tmp_path / "mpi4py").mkdir()
+    (tmp_path / "mpi4py" / "__init__.py").write_text("raise ImportError('mpi4py is not installed (test)')\n")
+    proc = run_python("""
+        import collectives as coll
+        try:
+            coll.init()
+        except coll.BackendUnavailableError as e:
+            print("refused:", e)
+        else:
+            print("ran alone")
+    """, env_extra={variable: "4"}, path_prefix=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("refused:"), proc.stdout
+    assert f"{variable}=4" in proc.stdout and "mpi4py is not installed" in proc.stdout
+
+
+def test_launcher_with_foreign_mpi_is_refused():
+    """Open MPI's launcher said 4 processes, but mpi4py's MPI (MPICH here) sees a world of 1."""
+    proc = run_python("""
+        import collectives as coll
+        try:
+            coll.init()
+        except coll.BackendUnavailableError as e:
+            print("refused:", e)
+    """, env_extra={"OMPI_COMM_WORLD_SIZE": "4"})
+    assert "refused:" in proc.stdout and "not the launcher's" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_explicit_mpi_backend_without_mpi_fails(tmp_path):
+    (tmp_path / "mpi4py").mkdir()
+    (tmp_path / "mpi4py" / "__init__.py").write_text("raise ImportError('no mpi4py')\n")
+    proc = run_python("""
+        import collectives as coll
+        try:
+            coll.init("mpi")
+        except coll.BackendUnavailableError as e:
+            print("refused:", e)
+    """, path_prefix=tmp_path)
+    assert "refused: MPI is not usable: no mpi4py" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_init_arguments_and_idempotence():
+    proc = run_python("""
+        import collectives as coll
+        c = coll.init("self", check=False)
+        assert coll.init() is c and coll.init("self") is c and coll.world() is c
+        assert coll.init(check=True) is c and c.check
+        try:
+            coll.init("mpi")
+        except ValueError as e:
+            assert "already initialised with backend 'self'" in str(e)
+        else:
+            raise AssertionError("no error")
+        try:
+            coll.init("tcp")
+        except ValueError as e:
+            assert "unknown backend='tcp'" in str(e)
+        coll.finalize()
+        assert c.closed
+        d = coll.init()
+        assert d is not c and d.backend == "mpi"
+        print("ok", repr(c), repr(d))
+    """)
+    assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stdout + proc.stderr
+
+
+def test_environment_backend_choice():
+    proc = run_python("import collectives as coll; print(coll.init().backend)",
+                      env_extra={"COLLECTIVES_BACKEND": "self"})
+    assert proc.stdout.strip() == "self", proc.stderr
+    proc = run_python("import collectives as coll; coll.init()", env_extra={"COLLECTIVES_BACKEND": "nope"})
+    assert proc.returncode != 0 and "COLLECTIVES_BACKEND='nope'" in proc.stderr
+
+
+def test_cuda_like_array_is_refused_clearly():
+    class FakeCuda:
+        dtype = np.dtype(np.float32)
+
+        def __dlpack_device__(self):
+            return (2, 0)
+
+        def __dlpack__(self, **kw):
+            raise AssertionError("must not be touched")
+
+    with pytest.raises(coll.BackendUnavailableError, match="cuda:0"):
+        coll.allreduce(FakeCuda(), comm=coll.init())
+
+
+def test_info_command_text_and_json():
+    proc = subprocess.run([sys.executable, "-m", "collectives", "info", "--json"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    assert info["collectives"] == coll.__version__
+    assert "numpy" in info["array_libraries"]
+    assert info["mpi"]["mpi4py"] and "MPICH" in info["mpi"]["library"]
+    assert info["rank"] == 0 and info["size"] == 1
+    assert "nccl" in info
+    text = subprocess.run([sys.executable, "-m", "collectives", "info"], capture_output=True, text=True,
+                          timeout=120)
+    assert text.returncode == 0 and "mpi4py" in text.stdout and "nccl" in text.stdout
+
+
+# ---- the dtype table ----
+
+@pytest.mark.parametrize("dtype,op,ok", [
+    ("bool", "max", True), ("bool", "min", True), ("bool", "sum", False), ("bool", "mean", False),
+    ("int32", "mean", False), ("uint8", "prod", True), ("float16", "mean", True),
+    ("complex64", "max", False), ("complex128", "mean", True), ("int64", "min", True),
+])
+def test_reduction_legality(dtype, op, ok):
+    info = _dtypes.from_numpy(np.dtype(dtype))
+    if ok:
+        _dtypes.check_reduction(info, op)
+    else:
+        with pytest.raises(TypeError):
+            _dtypes.check_reduction(info, op)
+
+
+def test_opaque_and_object_dtypes():
+    assert _dtypes.from_numpy(np.dtype("U3")).kind == "x"
+    assert _dtypes.from_numpy(np.dtype([("a", "i4")])).kind == "x"
+    with pytest.raises(TypeError, match="object arrays"):
+        _dtypes.from_numpy(np.dtype(object))
+
+
+def test_bfloat16_rounding_matches_torch():
+    torch = pytest.importorskip("torch")
+    values = np.array([1.0, 1 / 3, -2.5e-3, 3.0e38, np.inf, -np.inf, 1.00390625, 1.01171875,
+                       np.nan, 0.0, -0.0, 1e-40], dtype=np.float32)
+    out = np.empty(values.shape, np.uint16)
+    _dtypes.f32_to_bf16(values, out)
+    want = torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    same = (out == want) | (np.isnan(values))
+    assert same.all(), (out, want)
+    assert np.isnan(_dtypes.bf16_to_f32(out)[np.isnan(values)]).all()
+    np.testing.assert_array_equal(_dtypes.bf16_to_f32(want)[~np.isnan(values)],
+                                  torch.from_numpy(values).to(torch.bfloat16).float().numpy()[~np.isnan(values)])
+
+
+def test_every_public_name_has_a_docstring_with_an_example():
+    for name in coll.__all__:
+        if name.startswith("__"):
+            continue
+        obj = getattr(coll, name)
+        doc = obj.__doc__ or ""
+        assert ">>>" in doc, f"collectives.{name} needs a docstring with an example"
