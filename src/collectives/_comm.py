@@ -20,7 +20,7 @@ import threading
 
 import numpy as np
 
-from . import _arrays, _config, _dtypes
+from . import _arrays, _check, _config, _dtypes
 from ._backends.base import Transport
 from ._backends.self import SelfTransport
 from ._errors import BackendUnavailableError
@@ -118,6 +118,8 @@ class Communicator:
         transport = self._transport_for(a.device(x))
         root = self._check_root(root)
         view, info = a.host_view(x)
+        if self.check:
+            self._agree(transport, "broadcast", view, info, root=root)
         return self._in_place(x, a, view, info, lambda buf: transport.broadcast(buf, root))
 
     def allreduce(self, x, op: str = "sum"):
@@ -127,6 +129,8 @@ class Communicator:
         op = _dtypes.check_op(op)
         view, info = a.host_view(x)
         _dtypes.check_reduction(info, op)
+        if self.check:
+            self._agree(transport, "allreduce", view, info, op=op)
         return self._in_place(x, a, view, info,
                               lambda buf: self._reduce_buffer(transport, buf, info, op, transport.allreduce))
 
@@ -138,6 +142,8 @@ class Communicator:
         root = self._check_root(root)
         view, info = a.host_view(x)
         _dtypes.check_reduction(info, op)
+        if self.check:
+            self._agree(transport, "reduce", view, info, op=op, root=root)
         if self.rank != root:  # non-root ranks contribute x and get it back unchanged
             buf = view if view.flags.c_contiguous else np.array(view, order="C")
             self._reduce_buffer(transport, buf, info, op,
@@ -151,6 +157,8 @@ class Communicator:
         a = _arrays.adapter(x)
         transport = self._transport_for(a.device(x))
         view, info = a.host_view(x)
+        if self.check:
+            self._agree(transport, "allgather", view, info)
         send = view if view.flags.c_contiguous else np.array(view, order="C")
         out = np.empty((self.size,) + view.shape, dtype=view.dtype)
         transport.allgather(send, out.reshape(self.size, -1))
@@ -158,7 +166,16 @@ class Communicator:
 
     def barrier(self) -> None:
         """Block until every rank has called it. See :func:`collectives.barrier`."""
-        self._transport_for(_arrays.HOST).barrier()
+        transport = self._transport_for(_arrays.HOST)
+        if self.check:
+            _check.agree(transport, {"collective": "barrier"})
+        transport.barrier()
+
+    @staticmethod
+    def _agree(transport, collective, view, info, **args):
+        call = {"collective": collective, **args, "shape": tuple(view.shape), "dtype": info.name,
+                "device": "host"}
+        _check.agree(transport, call)
 
     # ---- helpers ----
     @staticmethod
