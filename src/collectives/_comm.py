@@ -54,6 +54,7 @@ class Communicator:
     def __init__(self, host: Transport, *, check: bool = False, mpi_comm=None):
         self._host = host
         self._mpi_comm = mpi_comm  # the user's communicator we duplicated, if any
+        self._devices: dict = {}  # (dlpack device type, id) -> device transport
         self.check = bool(check)
 
     # ---- identity ----
@@ -88,16 +89,25 @@ class Communicator:
                 f"local_rank={self.local_rank} local_size={self.local_size}>")
 
     # ---- dispatch: the one place a transport is chosen ----
-    def _transport_for(self, device: tuple[int, int]) -> Transport:
+    def _transport_for(self, device: tuple[int, int]):
+        """The transport for an array on ``device`` (a DLPack ``(type, id)`` pair).
+
+        Host memory goes to the host transport (MPI or self), which moves NumPy buffers. CUDA memory goes
+        to a device transport (NCCL, else CUDA-aware MPI, else staged through host memory), made on first
+        use per device; device transports take arrays (``array_level``), since they need the library's
+        stream as well as the pointer.
+        """
         if self._host is None:
             raise BackendUnavailableError("this communicator was finalized; call collectives.init() again")
         if device[0] in _arrays.HOST_DEVICE_TYPES:
             return self._host
         if device[0] in (_arrays.CUDA, _arrays.CUDA_MANAGED):
-            raise BackendUnavailableError(
-                f"array on {_arrays.device_name(device)}: CUDA arrays need the NCCL transport, which this "
-                f"build does not have yet; copy the array to host memory first"
-            )
+            hit = self._devices.get(device)
+            if hit is None:
+                from ._backends import cuda
+
+                hit = self._devices[device] = cuda.make_transport(self, device)
+            return hit
         raise BackendUnavailableError(
             f"array on {_arrays.device_name(device)}: no transport for this device; copy it to host memory"
         )
@@ -117,6 +127,8 @@ class Communicator:
         a = _arrays.adapter(x)
         transport = self._transport_for(a.device(x))
         root = self._check_root(root)
+        if transport.array_level:
+            return transport.broadcast(x, a, root)
         view, info = a.host_view(x)
         if self.check:
             self._agree(transport, "broadcast", view, info, root=root)
@@ -127,6 +139,8 @@ class Communicator:
         a = _arrays.adapter(x)
         transport = self._transport_for(a.device(x))
         op = _dtypes.check_op(op)
+        if transport.array_level:
+            return transport.allreduce(x, a, op)
         view, info = a.host_view(x)
         _dtypes.check_reduction(info, op)
         if self.check:
@@ -140,6 +154,8 @@ class Communicator:
         transport = self._transport_for(a.device(x))
         op = _dtypes.check_op(op)
         root = self._check_root(root)
+        if transport.array_level:
+            return transport.reduce(x, a, op, root)
         view, info = a.host_view(x)
         _dtypes.check_reduction(info, op)
         if self.check:
@@ -156,6 +172,8 @@ class Communicator:
         """Every rank's ``x``, stacked along a new leading axis. See :func:`collectives.allgather`."""
         a = _arrays.adapter(x)
         transport = self._transport_for(a.device(x))
+        if transport.array_level:
+            return transport.allgather(x, a)
         view, info = a.host_view(x)
         if self.check:
             self._agree(transport, "allgather", view, info)
@@ -217,6 +235,9 @@ class Communicator:
     def close(self) -> None:
         """Release this communicator's resources (its MPI duplicate). Idempotent."""
         host, self._host = self._host, None
+        devices, self._devices = list(self._devices.values()), {}
+        for d in devices:  # device transports first: NCCL communicators were set up over the host one
+            d.close()
         if host is not None:
             host.close()
 

@@ -15,6 +15,7 @@ import numpy as np
 
 class Transport(abc.ABC):
     name: str = "abstract"
+    array_level = False  # host transports take NumPy buffers; device transports take arrays
     rank: int = 0
     size: int = 1
     local_rank: int = 0
