@@ -150,7 +150,7 @@ class TorchAdapter(Adapter):
         return t if like.device.type == "cpu" else t.to(like.device)
 
 
-_NUMPY = NumpyAdapter()
+NUMPY = _NUMPY = NumpyAdapter()
 _TORCH = TorchAdapter()
 _GENERIC = Adapter()
 _BY_TYPE: dict[type, Adapter] = {np.ndarray: _NUMPY}

@@ -55,6 +55,7 @@ class Communicator:
         self._host = host
         self._mpi_comm = mpi_comm  # the user's communicator we duplicated, if any
         self._devices: dict = {}  # (dlpack device type, id) -> device transport
+        self._fast: dict = {}  # (op or "broadcast", NumPy dtype) -> direct transport call (hot path)
         self.check = bool(check)
 
     # ---- identity ----
@@ -124,6 +125,11 @@ class Communicator:
     # ---- the array collectives ----
     def broadcast(self, x, root: int = 0):
         """Root's ``x`` on every rank. See :func:`collectives.broadcast`."""
+        if type(x) is np.ndarray and type(root) is int and not self.check:  # hot path, see _fast_path
+            run = self._fast.get(("broadcast", x.dtype))
+            if run is not None and 0 <= root < self.size and x.flags.c_contiguous and x.flags.writeable:
+                run(x, root)
+                return x
         a = _arrays.adapter(x)
         transport = self._transport_for(a.device(x))
         root = self._check_root(root)
@@ -132,10 +138,17 @@ class Communicator:
         view, info = a.host_view(x)
         if self.check:
             self._agree(transport, "broadcast", view, info, root=root)
+        elif a is _arrays.NUMPY:
+            self._fast_path(("broadcast", x.dtype), transport)
         return self._in_place(x, a, view, info, lambda buf: transport.broadcast(buf, root))
 
     def allreduce(self, x, op: str = "sum"):
         """Reduce ``x`` over all ranks, result on every rank. See :func:`collectives.allreduce`."""
+        if type(x) is np.ndarray and not self.check:  # hot path, see _fast_path
+            run = self._fast.get((op, x.dtype))
+            if run is not None and x.flags.c_contiguous and x.flags.writeable:
+                run(x)
+                return x
         a = _arrays.adapter(x)
         transport = self._transport_for(a.device(x))
         op = _dtypes.check_op(op)
@@ -145,6 +158,8 @@ class Communicator:
         _dtypes.check_reduction(info, op)
         if self.check:
             self._agree(transport, "allreduce", view, info, op=op)
+        elif a is _arrays.NUMPY:
+            self._fast_path((op, x.dtype), transport)
         return self._in_place(x, a, view, info,
                               lambda buf: self._reduce_buffer(transport, buf, info, op, transport.allreduce))
 
@@ -188,6 +203,20 @@ class Communicator:
         if self.check:
             _check.agree(transport, {"collective": "barrier"})
         transport.barrier()
+
+    def _fast_path(self, key, transport) -> None:
+        """Cache the transport's direct call for (op, dtype) of contiguous writable NumPy arrays.
+
+        Filled by the general path once a call with that key has been fully validated, so the cache holds
+        only legal, natively supported pairs; a later call with the same key skips the adapter, the dtype
+        table and the op checks (a dictionary look-up and two flag reads instead). Bounded: a handful of
+        ops times the dtypes in use.
+        """
+        if key not in self._fast:
+            fast = getattr(transport, "fast_call", None)
+            run = fast(key[0], key[1], self.size) if fast is not None else None
+            if run is not None:
+                self._fast[key] = run
 
     @staticmethod
     def _agree(transport, collective, view, info, **args):
@@ -235,11 +264,25 @@ class Communicator:
     def close(self) -> None:
         """Release this communicator's resources (its MPI duplicate). Idempotent."""
         host, self._host = self._host, None
+        self._fast = {}
         devices, self._devices = list(self._devices.values()), {}
         for d in devices:  # device transports first: NCCL communicators were set up over the host one
             d.close()
         if host is not None:
             host.close()
+
+    # ---- the tree collectives ----
+    def synchronize(self, tree, root: int = 0):
+        """Root's values for every leaf of ``tree``. See :func:`collectives.synchronize`."""
+        from ._tree import synchronize
+
+        return synchronize(tree, root, comm=self)
+
+    def allreduce_tree(self, tree, op: str = "mean"):
+        """Reduce every array leaf of ``tree``, fused. See :func:`collectives.allreduce_tree`."""
+        from ._tree import allreduce_tree
+
+        return allreduce_tree(tree, op, comm=self)
 
 
 # ---------------------------------------------------------------------------------------------------------

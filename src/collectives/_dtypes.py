@@ -44,7 +44,9 @@ def from_numpy(dtype: np.dtype) -> DType:
             "object arrays hold Python object pointers, which cannot be sent between processes; "
             "convert to a numeric dtype first (or use synchronize() for arbitrary picklable objects)"
         )
-    if dtype.name == "bfloat16":  # ml_dtypes (JAX)
+    if not dtype.isnative:  # byte-swapped: movable bit for bit, not reducible by MPI's native types
+        info = DType(f"{dtype.name} ({'big' if dtype.byteorder == '>' else 'little'}-endian)", dtype, "x")
+    elif dtype.name == "bfloat16":  # ml_dtypes (JAX)
         info = DType("bfloat16", np.dtype(np.uint16), "f")
     elif kind in "biufc" and dtype.names is None and dtype.subdtype is None:
         info = DType(dtype.name, dtype, kind)

@@ -199,6 +199,7 @@ def test_float16_widened_path_matches_native(comm, monkeypatch):
     x = np.full(8, 0.1 * (comm.rank + 1), dtype=np.float16)
     native = coll.allreduce(x.copy(), op="mean", comm=comm)
     monkeypatch.setattr(comm._host, "_float16", False)  # as on an MPI without MPI_FLOAT16
+    monkeypatch.setattr(comm, "_fast", {})
     widened = coll.allreduce(x.copy(), op="mean", comm=comm)
     want = (sum(np.float32(np.float16(0.1 * (r + 1))) for r in range(comm.size)) / comm.size)
     np.testing.assert_allclose(widened.astype(np.float32), want, rtol=1e-3)
@@ -219,6 +220,7 @@ def test_bfloat16_rounds_to_nearest(comm):
 def test_chunked_counts(comm, monkeypatch):
     """Messages past the per-call count limit are split; checked with a small limit."""
     monkeypatch.setattr(comm._host, "_max_count", 7)
+    monkeypatch.setattr(comm, "_fast", {})
     x = np.arange(50, dtype=np.int64) * (comm.rank + 1)
     coll.allreduce(x, comm=comm)
     np.testing.assert_array_equal(x, np.arange(50) * comm.size * (comm.size + 1) // 2)

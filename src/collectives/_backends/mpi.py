@@ -87,6 +87,46 @@ class MPITransport(Transport):
         self._in_place = MPI.IN_PLACE
 
     # ---- data ----
+    def fast_call(self, op: str, dtype: np.dtype, size: int):
+        """A direct call for contiguous writable NumPy arrays of ``dtype`` (the Communicator's hot path),
+        or None when this pair needs the general path (widening, chunking). ``op`` "broadcast" means
+        broadcast; the returned callable then takes ``(x, root)``."""
+        comm, in_place, max_count = self.comm, self._in_place, self._max_count
+        if op == "broadcast":
+            bcast, byte = comm.Bcast, self.MPI.BYTE
+
+            def run_bcast(x, root):
+                if x.nbytes > max_count:
+                    return self.broadcast(x, root)
+                bcast([x, byte], root)
+
+            return run_bcast
+        datatype = self._types.get(dtype)
+        if datatype is None or (dtype == np.float16 and not self._float16):
+            return None
+        allreduce = comm.Allreduce
+        if op == "mean":
+            if dtype.kind not in "fc":
+                return None
+            mop, n = self._ops["sum"], float(size)
+
+            def run_mean(x):
+                if x.size > max_count:
+                    self.allreduce(x, "sum")
+                else:
+                    allreduce(in_place, [x, datatype], mop)
+                np.divide(x, n, out=x)
+
+            return run_mean
+        mop = self._ops[op]
+
+        def run(x):
+            if x.size > max_count:
+                return self.allreduce(x, op)
+            allreduce(in_place, [x, datatype], mop)
+
+        return run
+
     def _chunks(self, buf: np.ndarray, datatype_size: int = 1):
         """Yield 1-d pieces of ``buf`` no longer than the largest count one MPI call takes."""
         flat = buf.reshape(-1)
