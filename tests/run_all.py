@@ -1,6 +1,7 @@
-"""Run the whole test suite: unit tests in one process, then the MPI tests and the conformance suite
-under ``mpiexec`` at 1, 2 and 3 ranks. Every mpiexec runs under a timeout; a multi-rank run that
-collected or passed zero tests is a failure. Exit status 0 only if everything passed.
+"""Run the whole test suite: unit tests in one process, the crash suite (which launches its own
+``mpiexec`` jobs), then the MPI tests and the conformance suite under ``mpiexec`` at 1, 2 and 3 ranks.
+Every mpiexec runs under a timeout; a multi-rank run that collected or passed zero tests is a failure.
+Exit status 0 only if everything passed.
 
     python tests/run_all.py               # everything
     python tests/run_all.py --sizes 2     # only the 2-rank MPI runs (plus unit tests)
@@ -13,8 +14,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -28,19 +31,32 @@ def mpiexec() -> str:
 
 
 def run(cmd, timeout, env=None):
+    """Run cmd in its own process group, streaming its output; on timeout kill the whole group (mpiexec
+    and every rank it started), so nothing outlives the run."""
     print(f"\n$ {' '.join(map(str, cmd))}   (timeout {timeout}s)", flush=True)
     start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    lines: list[str] = []
+
+    def pump():
+        for line in proc.stdout:
+            lines.append(line)
+            print(line, end="", flush=True)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, timeout=timeout, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
-        out, rc = proc.stdout, proc.returncode
-    except subprocess.TimeoutExpired as exc:
-        out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        out += f"\nTIMEOUT after {timeout}s\n"
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        lines.append(f"\nTIMEOUT after {timeout}s: killed the process group\n")
+        print(lines[-1], flush=True)
         rc = 124
-    print(out, end="" if out.endswith("\n") else "\n", flush=True)
+    reader.join(timeout=10)
     print(f"  -> exit {rc} in {time.monotonic() - start:.1f}s", flush=True)
-    return rc, out
+    return rc, "".join(lines)
 
 
 def pytest_counts(out: str) -> tuple[int, int]:
@@ -78,7 +94,7 @@ def mpi_run(target: str, n: int, timeout: int, extra=()) -> tuple[int, int, bool
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1,2,3", help="world sizes for the MPI runs (default 1,2,3)")
-    ap.add_argument("--timeout", type=int, default=900, help="seconds per mpiexec run")
+    ap.add_argument("--timeout", type=int, default=1800, help="seconds per mpiexec run")
     ap.add_argument("--skip-unit", action="store_true")
     args = ap.parse_args()
     LOGS.mkdir(exist_ok=True)
@@ -99,6 +115,15 @@ def main() -> int:
         total_passed += p
         total_failed += f if f or ok else 1
         results.append(("doctests", ok))
+
+    # The crash suite: one process of pytest that launches each failure scenario under mpiexec itself
+    # (exception, SIGKILL, mismatch, deadline, clean exit at 2 and 3 ranks) and times how the job ends.
+    rc, out = run([sys.executable, "-m", "pytest", "tests/crash", "-q", "-s", "--timeout", "300"], 1200)
+    p, f = pytest_counts(out)
+    ok = rc == 0 and p > 0
+    total_passed += p
+    total_failed += f if f or ok else 1
+    results.append(("crash", ok))
 
     suites = [("tests/mpi", ())]
     if (ROOT / "conformance" / "conftest.py").exists():

@@ -26,6 +26,9 @@ from ._errors import (
     MismatchError,
     NcclError,
 )
+from ._optim import DistributedOptimizer
+from ._shard import shard
+from ._tree import allreduce_tree, synchronize
 from ._version import __version__
 
 __all__ = [
@@ -33,15 +36,19 @@ __all__ = [
     "CollectiveError",
     "CollectiveTimeoutError",
     "Communicator",
+    "DistributedOptimizer",
     "MismatchError",
     "NcclError",
     "__version__",
     "allgather",
     "allreduce",
+    "allreduce_tree",
     "barrier",
     "broadcast",
     "finalize",
     "init",
     "reduce",
+    "shard",
+    "synchronize",
     "world",
 ]

@@ -3,6 +3,9 @@
 ``python -m collectives info`` prints the library and Python versions, the array libraries found, the
 MPI library and its version, whether a launcher started this process, rank and size, and the NCCL
 library (path, where it came from, version). ``--json`` prints the same as JSON.
+
+``mpiexec -n 2 python -m collectives bench`` times the collectives (nccl-tests style; see
+``python -m collectives bench --help``).
 """
 
 from __future__ import annotations
@@ -91,6 +94,12 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command")
     p_info = sub.add_parser("info", help="show versions, MPI, NCCL and array libraries")
     p_info.add_argument("--json", action="store_true", help="print JSON")
+    sub.add_parser("bench", add_help=False, help="time the collectives (bench --help for its options)")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # its own options, parsed by _bench
+        from . import _bench
+
+        return _bench.main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "info":
         info = gather_info()

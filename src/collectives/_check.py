@@ -3,11 +3,21 @@
 Before a collective moves data, every rank contributes a small description of the call it is making
 (operation, op, root, shape, dtype, device kind, tree fingerprint). If the descriptions differ, every
 rank raises the same :class:`MismatchError`, naming each rank's values; no data has moved.
+
+A rank whose own arguments are invalid (an integer array with ``op="mean"``, a root out of range, a list
+where an array belongs) must not simply raise: the other ranks are already waiting in the agreement step
+and would wait forever. In checked mode it contributes its error instead (:func:`refuse`); then it raises
+its own ``TypeError``/``ValueError`` and every other rank raises :class:`MismatchError` naming that rank
+and its error. Without checked mode nothing of this runs: an invalid call raises on the ranks that made it,
+and the others block in the collective (the deadline, ``COLLECTIVES_TIMEOUT``, and the abort on uncaught
+exceptions end such a job; see ``docs/troubleshooting.md``).
 """
 
 from __future__ import annotations
 
 from ._errors import MismatchError
+
+ERROR = "error"  # the key of a refused call: {"collective": ..., "error": "TypeError: ..."}
 
 
 def agree(transport, call: dict) -> None:
@@ -21,7 +31,36 @@ def agree(transport, call: dict) -> None:
     raise MismatchError(describe_mismatch(calls))
 
 
+def refuse(transport, collective: str, error: BaseException) -> None:
+    """Contribute this rank's validation ``error`` to the agreement step of ``collective``, then return.
+
+    Called (in checked mode only) by a rank that found its own arguments invalid, *before* it raises its
+    error: the other ranks, inside :func:`agree` for the same call, then raise :class:`MismatchError`
+    naming this rank and its error, instead of waiting for it. ``transport`` is the host transport (the
+    agreement always travels over it), or ``None`` when the communicator is closed.
+    """
+    if transport is None or transport.size == 1:
+        return
+    text = f"{type(error).__name__}: {error}"
+    transport.allgather_object({"collective": collective, ERROR: text})
+    note = (f"collectives (checked mode): rank {transport.rank} refused this {collective} call; the other "
+            f"ranks were told and raise MismatchError; nothing was sent or changed on any rank")
+    if hasattr(error, "add_note"):  # Python >= 3.11
+        error.add_note(note)
+
+
 def describe_mismatch(calls: list[dict]) -> str:
+    """The message of the MismatchError for ``calls`` (one dict per rank, in rank order)."""
+    refused = [(rank, c[ERROR]) for rank, c in enumerate(calls) if ERROR in c]
+    if refused:
+        what = calls[refused[0][0]].get("collective", "a collective")
+        who = "; ".join(f"rank {rank} raised {text}" for rank, text in refused)
+        others = sorted({c.get("collective") for c in calls if ERROR not in c} - {what})
+        also = f" (other ranks called {', '.join(others)})" if others else ""
+        ranks = ",".join(str(r) for r, _ in refused)
+        return (f"{what} refused by {'rank' if len(refused) == 1 else 'ranks'} {ranks} (checked mode): "
+                f"{who}{also}. Nothing was sent or changed on any rank; fix the arguments on "
+                f"{'that rank' if len(refused) == 1 else 'those ranks'} (see its traceback).")
     keys = []
     for c in calls:
         keys.extend(k for k in c if k not in keys)

@@ -130,12 +130,22 @@ class Communicator:
             if run is not None and 0 <= root < self.size and x.flags.c_contiguous and x.flags.writeable:
                 run(x, root)
                 return x
-        a = _arrays.adapter(x)
-        transport = self._transport_for(a.device(x))
-        root = self._check_root(root)
+        try:
+            a = _arrays.adapter(x)
+            device = a.device(x)
+            root = self._check_root(root)
+            transport = self._local_transport(device)
+            if transport is not None and not transport.array_level:
+                view, info = a.host_view(x)
+        except Exception as exc:
+            if self.check:  # the others wait in the agreement step: tell them, then raise (see _check)
+                _check.refuse(self._host, "broadcast", exc)
+            raise
+        if transport is None:  # checked mode, an array outside host memory
+            self._agree_device("broadcast", x, device, root=root)
+            transport = self._transport_for(device)
         if transport.array_level:
             return transport.broadcast(x, a, root)
-        view, info = a.host_view(x)
         if self.check:
             self._agree(transport, "broadcast", view, info, root=root)
         elif a is _arrays.NUMPY:
@@ -149,13 +159,23 @@ class Communicator:
             if run is not None and x.flags.c_contiguous and x.flags.writeable:
                 run(x)
                 return x
-        a = _arrays.adapter(x)
-        transport = self._transport_for(a.device(x))
-        op = _dtypes.check_op(op)
+        try:
+            a = _arrays.adapter(x)
+            device = a.device(x)
+            op = _dtypes.check_op(op)
+            transport = self._local_transport(device)
+            if transport is not None and not transport.array_level:
+                view, info = a.host_view(x)
+                _dtypes.check_reduction(info, op)
+        except Exception as exc:
+            if self.check:
+                _check.refuse(self._host, "allreduce", exc)
+            raise
+        if transport is None:
+            self._agree_device("allreduce", x, device, op=op)
+            transport = self._transport_for(device)
         if transport.array_level:
             return transport.allreduce(x, a, op)
-        view, info = a.host_view(x)
-        _dtypes.check_reduction(info, op)
         if self.check:
             self._agree(transport, "allreduce", view, info, op=op)
         elif a is _arrays.NUMPY:
@@ -165,14 +185,24 @@ class Communicator:
 
     def reduce(self, x, op: str = "sum", root: int = 0):
         """Reduce ``x`` over all ranks, result on ``root``. See :func:`collectives.reduce`."""
-        a = _arrays.adapter(x)
-        transport = self._transport_for(a.device(x))
-        op = _dtypes.check_op(op)
-        root = self._check_root(root)
+        try:
+            a = _arrays.adapter(x)
+            device = a.device(x)
+            op = _dtypes.check_op(op)
+            root = self._check_root(root)
+            transport = self._local_transport(device)
+            if transport is not None and not transport.array_level:
+                view, info = a.host_view(x)
+                _dtypes.check_reduction(info, op)
+        except Exception as exc:
+            if self.check:
+                _check.refuse(self._host, "reduce", exc)
+            raise
+        if transport is None:
+            self._agree_device("reduce", x, device, op=op, root=root)
+            transport = self._transport_for(device)
         if transport.array_level:
             return transport.reduce(x, a, op, root)
-        view, info = a.host_view(x)
-        _dtypes.check_reduction(info, op)
         if self.check:
             self._agree(transport, "reduce", view, info, op=op, root=root)
         if self.rank != root:  # non-root ranks contribute x and get it back unchanged
@@ -185,11 +215,21 @@ class Communicator:
 
     def allgather(self, x):
         """Every rank's ``x``, stacked along a new leading axis. See :func:`collectives.allgather`."""
-        a = _arrays.adapter(x)
-        transport = self._transport_for(a.device(x))
+        try:
+            a = _arrays.adapter(x)
+            device = a.device(x)
+            transport = self._local_transport(device)
+            if transport is not None and not transport.array_level:
+                view, info = a.host_view(x)
+        except Exception as exc:
+            if self.check:
+                _check.refuse(self._host, "allgather", exc)
+            raise
+        if transport is None:
+            self._agree_device("allgather", x, device)
+            transport = self._transport_for(device)
         if transport.array_level:
             return transport.allgather(x, a)
-        view, info = a.host_view(x)
         if self.check:
             self._agree(transport, "allgather", view, info)
         send = view if view.flags.c_contiguous else np.array(view, order="C")
@@ -217,6 +257,26 @@ class Communicator:
             run = fast(key[0], key[1], self.size) if fast is not None else None
             if run is not None:
                 self._fast[key] = run
+
+    def _local_transport(self, device):
+        """``_transport_for(device)``, except in checked mode for an array outside host memory: None.
+
+        Choosing a device transport is itself collective the first time (``_backends.cuda``), so in
+        checked mode it must wait until the ranks have agreed on the call (:meth:`_agree_device`);
+        otherwise a rank with a CUDA array among ranks with host arrays would start it alone.
+        """
+        if self.check and device[0] not in _arrays.HOST_DEVICE_TYPES:
+            return None
+        return self._transport_for(device)
+
+    def _agree_device(self, collective, x, device, **args):
+        """Checked mode, an array outside host memory: agree on the call from the array's own shape and
+        dtype, before its transport is chosen."""
+        dtype = str(getattr(x, "dtype", None)).replace("torch.", "")
+        kind = _arrays.DEVICE_NAMES.get(device[0], f"dlpack-device-{device[0]}")
+        call = {"collective": collective, **args, "shape": tuple(getattr(x, "shape", ())), "dtype": dtype,
+                "device": kind}
+        _check.agree(self._transport_for(_arrays.HOST), call)
 
     @staticmethod
     def _agree(transport, collective, view, info, **args):
@@ -385,6 +445,9 @@ def init(backend: str = "auto", *, comm=None, check: bool | None = None) -> Comm
                 existing.check = bool(check)
             return existing
         transport = _make_transport(backend, comm)
+        from . import _failure
+
+        _failure.install(transport)  # an uncaught exception on one rank aborts the job (see _failure)
         result = Communicator(transport, check=_config.check() if check is None else check, mpi_comm=comm)
         if comm is not None:
             _by_comm[id(comm)] = (comm, result)

@@ -12,7 +12,11 @@ variable                        meaning                                         
 ``COLLECTIVES_NCCL_LIBRARY``    explicit path of ``libnccl.so.2``                            search
 ``COLLECTIVES_DISABLE_NCCL``    ``1``: never use NCCL (CUDA arrays go through MPI or host)   ``0``
 ``COLLECTIVES_CUDA_AWARE_MPI``  ``1``: hand CUDA pointers to MPI; ``0``: stage through host  unset
+``COLLECTIVES_NCCL_EAGER``      ``1``: make the NCCL communicator at init, not at first use  ``0``
 ``COLLECTIVES_ABORT_ON_ERROR``  ``0``: do not abort the job on an uncaught exception         ``1``
+``COLLECTIVES_SHM``             ``0``: never reduce through node-shared memory, MPI only     ``1``
+``COLLECTIVES_SHM_THRESHOLD``   host allreduces of this many bytes and up use shared memory  256 KiB
+``COLLECTIVES_SHM_SLOT_BYTES``  shared-memory window bytes per rank (the piece size)         8 MiB
 ==============================  ===========================================================  ==========
 """
 
@@ -95,6 +99,21 @@ def bucket_bytes() -> int:
     return integer("COLLECTIVES_BUCKET_BYTES", 25 * 2**20)
 
 
+def shm() -> bool:
+    """Whether large host allreduces may go through a node-shared MPI window (agreed over ranks)."""
+    return flag("COLLECTIVES_SHM", True)
+
+
+def shm_threshold() -> int:
+    """Smallest buffer, in bytes, reduced through shared memory; MPI's own allreduce below it."""
+    return integer("COLLECTIVES_SHM_THRESHOLD", 256 * 2**10)
+
+
+def shm_slot_bytes() -> int:
+    """Shared-window bytes per rank; larger messages go through in pieces of about this size."""
+    return integer("COLLECTIVES_SHM_SLOT_BYTES", 8 * 2**20)
+
+
 # Variables set by process launchers, giving the number of processes they started. If one of these says
 # more than one and MPI is unusable, init() refuses instead of running N independent size-1 copies.
 LAUNCHER_SIZE_VARIABLES = (
@@ -121,3 +140,40 @@ def launcher_size() -> tuple[str, int] | None:
         if n > 1:
             return name, n
     return None
+
+
+# ---- CUDA arrays (read by _backends/cuda.py and _backends/nccl.py) ----
+
+DEVICE_TIMEOUT_DEFAULT = 300.0  # seconds: NCCL set-up and every poll of a non-blocking NCCL call
+
+
+def device_timeout() -> float:
+    """``COLLECTIVES_TIMEOUT``, or 300 s when unset: how long a NCCL call may stay in progress."""
+    return timeout() or DEVICE_TIMEOUT_DEFAULT
+
+
+def disable_nccl() -> bool:
+    return flag("COLLECTIVES_DISABLE_NCCL")
+
+
+def cuda_aware_mpi() -> bool | None:
+    """``COLLECTIVES_CUDA_AWARE_MPI``: True/False when set, None when unset (CUDA arrays are then staged
+    through host memory when NCCL is unavailable, with a one-time warning)."""
+    raw = os.environ.get("COLLECTIVES_CUDA_AWARE_MPI")
+    if raw is None or raw.strip() == "":
+        return None
+    return flag("COLLECTIVES_CUDA_AWARE_MPI")
+
+
+def nccl_eager() -> bool:
+    """``COLLECTIVES_NCCL_EAGER=1``: create this rank's NCCL communicator at ``init()``, not at first use."""
+    return flag("COLLECTIVES_NCCL_EAGER")
+
+
+def nccl_multi_rank_gpu() -> bool:
+    """NCCL's own ``NCCL_MULTI_RANK_GPU_ENABLE``, read the way NCCL reads it (an integer, non-zero = on)."""
+    raw = os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE", "").strip()
+    try:
+        return int(raw, 0) != 0
+    except ValueError:
+        return False

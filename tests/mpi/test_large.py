@@ -12,6 +12,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("COLLECTIVES_TEST_SKIP_LARGE") ==
                                 reason="COLLECTIVES_TEST_SKIP_LARGE=1")
 
 
+@pytest.mark.timeout(1200)
 def test_broadcast_and_allreduce_past_int_max(comm):
     x = np.zeros(N, dtype=np.uint8)
     root = comm.size - 1

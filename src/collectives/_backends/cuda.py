@@ -1,13 +1,698 @@
-"""CUDA arrays: choose NCCL, else CUDA-aware MPI (opt-in), else staging through host memory."""
+"""CUDA arrays: NCCL, else CUDA-aware MPI (opt-in), else staging through host memory.
+
+:func:`make_transport` is called by ``Communicator._transport_for`` the first time a collective meets an
+array on a CUDA device, on every rank (all ranks call collectives in the same order, so they all arrive).
+It is itself collective:
+
+1. every rank gathers local facts without communicating (which array library can reach the GPU, the
+   device's PCI bus id and host, whether NCCL loads and its version, the opt-in variables), catching
+   every failure;
+2. one ``allgather_object`` of those facts; any rank's failure is raised on *every* rank, so no rank is
+   left waiting in a collective the others will never enter;
+3. :func:`decide` picks the transport from everybody's facts (:func:`choose_transport`, a pure function)
+   and, for NCCL, refuses two ranks on one GPU with a table (:func:`check_gpu_sharing`);
+4. the transport is built: ``nccl.NCCLTransport``, :class:`CudaAwareMPITransport` or
+   :class:`HostStagingTransport` (``.name``: ``"nccl"``, ``"cuda-aware-mpi"``, ``"host-staging"``).
+
+Device transports are *array level*: they take the caller's torch tensor or CuPy array (they need its
+library's current stream, not only a pointer) and keep the host contract: results are written into the
+caller's array, also a non-contiguous view (through a contiguous temporary on the device), and
+``allgather`` returns a new array on the same device. The few array operations they need are the
+``_TorchCUDA`` / ``_CupyCUDA`` classes below; neither library is ever imported here: a tensor of a
+library exists only if the user imported it, so we look in ``sys.modules``.
+"""
 
 from __future__ import annotations
 
+import os
+import platform
+import sys
+import warnings
+
+import numpy as np
+
+from .. import _check, _config, _dtypes
 from .._errors import BackendUnavailableError
+
+NCCL = "nccl"
+CUDA_AWARE_MPI = "cuda-aware-mpi"
+HOST_STAGING = "host-staging"
+TRANSPORT_NAMES = (NCCL, CUDA_AWARE_MPI, HOST_STAGING)
+
+MIN_NCCL = (2, 14, 0)  # non-blocking communicators (ncclCommInitRankConfig, ncclCommFinalize)
+MULTI_RANK_NCCL = (2, 30, 0)  # first NCCL that runs several ranks on one GPU (NCCL_MULTI_RANK_GPU_ENABLE=1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# pure decisions (tested on CPU in tests/unit/test_cuda_unit.py)
+
+def choose_transport(nccl_loadable: bool, cuda_aware_opt_in: bool | None, *, mpi: bool = True) -> str:
+    """The transport for CUDA arrays, given what every rank can do.
+
+    Args:
+        nccl_loadable: NCCL (>= 2.14) loads on every rank and is not disabled (``COLLECTIVES_DISABLE_NCCL``).
+        cuda_aware_opt_in: ``COLLECTIVES_CUDA_AWARE_MPI`` on every rank (True), on no rank/off (False),
+            or unset (None).
+        mpi: the host transport is MPI (the single-process ``self`` backend has no MPI to hand pointers to).
+
+    Example:
+        >>> choose_transport(True, None), choose_transport(False, True), choose_transport(False, None)
+        ('nccl', 'cuda-aware-mpi', 'host-staging')
+    """
+    if nccl_loadable:
+        return NCCL
+    if cuda_aware_opt_in and mpi:
+        return CUDA_AWARE_MPI
+    return HOST_STAGING
+
+
+def staging_warning_due(nccl_loadable: bool, cuda_aware_opt_in: bool | None, *, mpi: bool = True) -> bool:
+    """Warn (once) when arrays are staged only because nobody said whether MPI is CUDA-aware."""
+    return not nccl_loadable and cuda_aware_opt_in is None and mpi
+
+
+def choose_device(local_rank: int, visible: int) -> int:
+    """The CUDA device index for a rank: its node-local rank modulo the devices it sees.
+
+    ``visible`` is the count the array library reports, which already honours ``CUDA_VISIBLE_DEVICES``
+    (device 0 is the first device listed there).
+
+    Example:
+        >>> [choose_device(r, 2) for r in range(4)]
+        [0, 1, 0, 1]
+    """
+    if visible <= 0:
+        raise BackendUnavailableError(
+            f"no CUDA device is visible to this process "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!r})")
+    return int(local_rank) % int(visible)
+
+
+def multi_rank_allowed(env_enabled: bool, nccl_version) -> bool:
+    """Several ranks may share a GPU under NCCL only if the user opted in and NCCL supports it."""
+    return bool(env_enabled) and nccl_version is not None and tuple(nccl_version) >= MULTI_RANK_NCCL
+
+
+def shared_devices(identities) -> list[list[int]]:
+    """Groups (lists of ranks, two or more) whose ``(host, device id)`` is the same.
+
+    ``identities[r]`` is rank r's ``(host, device id)``; a device id of ``None`` (unknown) is never
+    considered shared.
+
+    Example:
+        >>> shared_devices([("a", "0000:01:00.0"), ("a", "0000:01:00.0"), ("b", "0000:01:00.0")])
+        [[0, 1]]
+    """
+    groups: dict = {}
+    for rank, (host, dev) in enumerate(identities):
+        if dev is not None:
+            groups.setdefault((host, dev), []).append(rank)
+    return [ranks for ranks in groups.values() if len(ranks) > 1]
+
+
+def device_table(facts: list[dict], shared: list[list[int]] = ()) -> str:
+    """A table rank -> host -> device, the shared rows marked, and the device each rank should use."""
+    marked = {r for group in shared for r in group}
+    header = ("rank", "host", "device", "PCI bus id", "local rank", "should use")
+    rows = [header]
+    for rank, f in enumerate(facts):
+        visible = f.get("visible") or 0
+        hint = f"cuda:{choose_device(f['local_rank'], visible)}" if visible > 0 else "?"
+        rows.append((str(rank), str(f.get("host")), f"cuda:{f.get('index')}", str(f.get("pci") or "?"),
+                     str(f.get("local_rank")), hint))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = []
+    for i, row in enumerate(rows):
+        text = "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
+        if i > 0 and (i - 1) in marked:
+            text += "   <- shared"
+        lines.append("  " + text)
+    return "\n".join(lines)
+
+
+def check_gpu_sharing(facts: list[dict]) -> None:
+    """Refuse (BackendUnavailableError, on every rank) two ranks on one GPU under NCCL, unless allowed."""
+    shared = shared_devices([(f.get("host"), f.get("pci")) for f in facts])
+    if not shared:
+        return
+    if all(multi_rank_allowed(f.get("multi_rank"), f.get("nccl_version")) for f in facts):
+        return
+    groups = "; ".join("ranks " + ", ".join(map(str, g)) for g in shared)
+    version = facts[0].get("nccl_version")
+    have = ".".join(map(str, version)) if version else "unknown"
+    need = ".".join(map(str, MULTI_RANK_NCCL))
+    raise BackendUnavailableError(
+        f"{groups} would share one GPU in a NCCL communicator, which NCCL refuses or hangs on:\n"
+        f"{device_table(facts, shared)}\n"
+        f"Give each rank its own GPU: before making CUDA arrays, select node-local rank modulo the "
+        f"visible devices (torch.cuda.set_device(comm.local_rank % torch.cuda.device_count()), or "
+        f"cupy.cuda.Device(comm.local_rank % cupy.cuda.runtime.getDeviceCount()).use()), or give each rank "
+        f"its own CUDA_VISIBLE_DEVICES. To share a GPU on purpose set NCCL_MULTI_RANK_GPU_ENABLE=1 on every "
+        f"rank (needs NCCL >= {need}; this is {have}), or COLLECTIVES_DISABLE_NCCL=1 to use MPI instead")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the array libraries, seen from the device transports
+
+class _TorchCUDA:
+    """torch: devices, current streams, and the few tensor operations the device transports need."""
+
+    name = "torch"
+
+    def __init__(self, torch):
+        self.torch = torch
+        self._dtypes: dict = {}
+
+    # -- devices --
+    def unusable(self) -> str | None:
+        torch = self.torch
+        if torch.cuda.is_available():
+            return None
+        build = "" if torch.version.cuda else f" (torch {torch.__version__} is a CPU-only build)"
+        return f"torch is imported but torch.cuda.is_available() is False{build}"
+
+    def device_count(self) -> int:
+        return self.torch.cuda.device_count()
+
+    def pci_bus_id(self, index: int) -> str | None:
+        p = self.torch.cuda.get_device_properties(index)
+        try:
+            return f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
+        except (AttributeError, TypeError, ValueError):
+            uuid = getattr(p, "uuid", None)
+            return f"uuid:{uuid}" if uuid else None
+
+    def using(self, index: int):
+        return self.torch.cuda.device(index)
+
+    # -- arrays --
+    def owns(self, x) -> bool:
+        return isinstance(x, self.torch.Tensor)
+
+    def dtype(self, x) -> _dtypes.DType:
+        hit = self._dtypes.get(x.dtype)
+        if hit is None:
+            name = str(x.dtype).replace("torch.", "")
+            if name == "bfloat16":
+                hit = _dtypes.bfloat16()
+            else:
+                try:
+                    hit = _dtypes.from_numpy(np.dtype(name))
+                except TypeError:  # float8 variants, complex32, quantized: only moved bit for bit
+                    hit = _dtypes.opaque(name, np.dtype(f"u{x.element_size()}"))
+            self._dtypes[x.dtype] = hit
+        return hit
+
+    def numel(self, x) -> int:
+        return x.numel()
+
+    def itemsize(self, x) -> int:
+        return x.element_size()
+
+    def shape(self, x) -> tuple:
+        return tuple(x.shape)
+
+    def index(self, x) -> int:
+        return x.device.index
+
+    def stream(self, x) -> int:
+        return self.torch.cuda.current_stream(x.device).cuda_stream
+
+    def synchronize(self, x) -> None:
+        self.torch.cuda.current_stream(x.device).synchronize()
+
+    def contiguous(self, x, copy: bool = True):
+        """``(buf, in_place)``: x's own memory when it is plain and contiguous, else a contiguous
+        temporary on x's device (holding x's values when ``copy``)."""
+        t = x.detach()
+        if t.is_contiguous() and not t.is_conj() and not t.is_neg():
+            return t, True
+        if not copy:
+            return self.torch.empty(t.shape, dtype=t.dtype, device=t.device), False
+        return t.resolve_conj().resolve_neg().contiguous(), False
+
+    def ptr(self, buf) -> int:
+        return buf.data_ptr()
+
+    def copy_back(self, x, buf) -> None:
+        x.detach().copy_(buf)  # honours x's strides and lazy conj/neg bits; no autograd record
+
+    def empty(self, shape, like):
+        return self.torch.empty(tuple(shape), dtype=like.dtype, device=like.device)
+
+    def to_host(self, x):
+        return x.detach().cpu()  # waits for the producer stream
+
+    def from_host(self, x, host) -> None:
+        x.detach().copy_(host)
+
+    def to_device(self, host, like):
+        return host.to(like.device)
+
+    def widen(self, buf):
+        return buf.to(self.torch.float32)
+
+    def divide_(self, buf, n: int) -> None:
+        buf.div_(n)
+
+
+class _CupyCUDA:
+    """CuPy: the same operations as :class:`_TorchCUDA`. CuPy arrays are always writable."""
+
+    name = "cupy"
+
+    def __init__(self, cupy):
+        self.cupy = cupy
+
+    # -- devices --
+    def unusable(self) -> str | None:
+        try:
+            n = self.cupy.cuda.runtime.getDeviceCount()
+        except Exception as exc:  # noqa: BLE001 - reported, not raised
+            return f"CuPy is imported but cannot reach a GPU ({type(exc).__name__}: {exc})"
+        return None if n > 0 else "CuPy is imported but sees no GPU"
+
+    def device_count(self) -> int:
+        return self.cupy.cuda.runtime.getDeviceCount()
+
+    def pci_bus_id(self, index: int) -> str | None:
+        return str(self.cupy.cuda.Device(index).pci_bus_id).lower()
+
+    def using(self, index: int):
+        return self.cupy.cuda.Device(index)
+
+    # -- arrays --
+    def owns(self, x) -> bool:
+        return isinstance(x, self.cupy.ndarray)
+
+    def dtype(self, x) -> _dtypes.DType:
+        return _dtypes.from_numpy(x.dtype)
+
+    def numel(self, x) -> int:
+        return x.size
+
+    def itemsize(self, x) -> int:
+        return x.itemsize
+
+    def shape(self, x) -> tuple:
+        return tuple(x.shape)
+
+    def index(self, x) -> int:
+        return x.device.id
+
+    def stream(self, x) -> int:
+        with x.device:
+            return self.cupy.cuda.get_current_stream().ptr
+
+    def synchronize(self, x) -> None:
+        with x.device:
+            self.cupy.cuda.get_current_stream().synchronize()
+
+    def contiguous(self, x, copy: bool = True):
+        if x.flags.c_contiguous:
+            return x, True
+        with x.device:
+            return (self.cupy.ascontiguousarray(x) if copy else self.cupy.empty(x.shape, x.dtype)), False
+
+    def ptr(self, buf) -> int:
+        return buf.data.ptr
+
+    def copy_back(self, x, buf) -> None:
+        with x.device:
+            self.cupy.copyto(x, buf, casting="unsafe")
+
+    def empty(self, shape, like):
+        with like.device:
+            return self.cupy.empty(tuple(shape), dtype=like.dtype)
+
+    def to_host(self, x):
+        with x.device:
+            return self.cupy.asnumpy(x)  # blocking: waits for the current stream
+
+    def from_host(self, x, host) -> None:
+        with x.device:
+            if x.flags.c_contiguous:
+                x.set(np.ascontiguousarray(host))
+            else:
+                x[...] = self.cupy.asarray(host)
+
+    def to_device(self, host, like):
+        with like.device:
+            return self.cupy.asarray(host)
+
+    def widen(self, buf):
+        return buf.astype(self.cupy.float32)
+
+    def divide_(self, buf, n: int) -> None:
+        buf /= n
+
+
+_APIS: dict = {}
+
+
+def _api(module_name: str):
+    """The cached helper for an imported library (torch or cupy), else None."""
+    module = sys.modules.get(module_name)
+    if module is None:
+        return None
+    hit = _APIS.get(module_name)
+    if hit is None or (hit.torch if module_name == "torch" else hit.cupy) is not module:
+        hit = _APIS[module_name] = (_TorchCUDA if module_name == "torch" else _CupyCUDA)(module)
+    return hit
+
+
+def library_of(x):
+    """The helper for x's library: torch tensors and CuPy arrays; any other CUDA array is refused."""
+    for name in ("torch", "cupy"):
+        api = _api(name)
+        if api is not None and api.owns(x):
+            return api
+    kind = f"{type(x).__module__}.{type(x).__qualname__}"
+    raise BackendUnavailableError(
+        f"CUDA array of type {kind}: collectives moves CUDA memory of torch tensors and CuPy arrays only; "
+        f"convert it to one of those (e.g. torch.from_dlpack(x)) or copy it to host memory first")
+
+
+def device_api():
+    """A helper that can talk to the GPU (torch preferred, then CuPy), or BackendUnavailableError."""
+    reasons = []
+    for name in ("torch", "cupy"):
+        api = _api(name)
+        if api is None:
+            reasons.append(f"{'torch' if name == 'torch' else 'CuPy'} is not imported")
+            continue
+        why = api.unusable()
+        if why is None:
+            return api
+        reasons.append(why)
+    raise BackendUnavailableError(
+        "no usable CUDA array library in this process: " + "; ".join(reasons)
+        + ". collectives handles CUDA arrays of torch (CUDA build) and CuPy; on a machine without a GPU, "
+        "copy the array to host memory first")
+
+
+def local_device(comm) -> int:
+    """The CUDA device index this rank should use: node-local rank modulo the visible devices.
+
+    Example (on a GPU machine):
+        >>> torch.cuda.set_device(local_device(coll.world()))     # doctest: +SKIP
+    """
+    return choose_device(comm.local_rank, device_api().device_count())
+
+
+def device_transports(comm) -> dict:
+    """Which transport each CUDA device of ``comm`` uses so far, e.g. ``{"cuda:0": "nccl"}``."""
+    return {f"cuda:{dev[1]}": t.name for dev, t in list(comm._devices.items())}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# setting up: facts, decision, construction
+
+_warned = False
+
+
+def _warn_staging(why: str) -> None:
+    """Say once per process that CUDA arrays are staged, and how to enable or silence it."""
+    global _warned
+    if _warned:
+        return
+    _warned = True
+    level, frame = 1, sys._getframe(0)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("collectives"):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(
+        f"collectives: CUDA arrays are staged through host memory (every collective waits for the stream "
+        f"and copies device -> host -> device) because NCCL is not available: {why}. If your MPI library "
+        f"is CUDA-aware, set COLLECTIVES_CUDA_AWARE_MPI=1 to hand it device memory directly; set "
+        f"COLLECTIVES_CUDA_AWARE_MPI=0 to keep staging and silence this warning.",
+        RuntimeWarning, stacklevel=level)
+
+
+def local_facts(comm, index: int) -> tuple[dict, BaseException | None]:
+    """What this rank knows about CUDA device ``index``, gathered without communicating; never raises."""
+    facts = {"error": None, "host": platform.node(), "index": int(index), "local_rank": comm.local_rank,
+             "visible": 0, "pci": None, "library": None, "nccl": False, "nccl_why": "",
+             "nccl_version": None, "cuda_aware": None, "multi_rank": False, "timeout": None}
+    try:
+        facts["timeout"] = _config.device_timeout()  # every variable is read before the exchange
+        facts["cuda_aware"] = _config.cuda_aware_mpi()
+        facts["multi_rank"] = _config.nccl_multi_rank_gpu()
+        api = device_api()
+        facts["library"] = api.name
+        facts["visible"] = n = api.device_count()
+        if not 0 <= index < n:
+            raise BackendUnavailableError(
+                f"cuda:{index} does not exist here: {n} device(s) visible "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!r})")
+        facts["pci"] = api.pci_bus_id(index)
+        from . import _libnccl
+
+        try:
+            lib = _libnccl.get()
+        except _libnccl.NcclNotFound as exc:
+            facts["nccl_why"] = str(exc)
+        else:
+            facts["nccl_version"] = tuple(lib.version_tuple)
+            if facts["nccl_version"] < MIN_NCCL:
+                facts["nccl_why"] = (f"NCCL {'.'.join(map(str, lib.version_tuple))} ({lib.path}) is older than "
+                                     f"{'.'.join(map(str, MIN_NCCL))}, which collectives needs")
+            else:
+                facts["nccl"] = True
+    except Exception as exc:  # noqa: BLE001 - exchanged, then raised on every rank
+        facts["error"] = str(exc) if isinstance(exc, BackendUnavailableError) else f"{type(exc).__name__}: {exc}"
+        return facts, exc
+    return facts, None
+
+
+def decide(facts: list[dict], *, mpi: bool, device: str = "cuda") -> str:
+    """The transport every rank will use, from every rank's facts (identical on every rank)."""
+    failed = [(r, f["error"]) for r, f in enumerate(facts) if f.get("error")]
+    if failed:
+        raise BackendUnavailableError(
+            f"array on {device}: cannot set up a CUDA transport: "
+            + "; ".join(f"rank {r}: {why}" for r, why in failed))
+    nccl = all(f["nccl"] for f in facts)
+    opt = [f.get("cuda_aware") for f in facts]
+    opt_in = True if all(opt) else (None if all(o is None for o in opt) else False)
+    name = choose_transport(nccl, opt_in, mpi=mpi)
+    if name == NCCL:
+        check_gpu_sharing(facts)
+    return name
 
 
 def make_transport(comm, device):
-    """The device transport for CUDA ``device`` on ``comm`` (called once per device by the Communicator)."""
-    raise BackendUnavailableError(
-        f"array on cuda:{device[1]}: the CUDA transports are not available in this build; copy the array "
-        f"to host memory first"
-    )
+    """The device transport for CUDA ``device`` on ``comm`` (collective: every rank calls it, once)."""
+    index = int(device[1])
+    facts, failure = local_facts(comm, index)
+    everyone = comm._host.allgather_object(facts)
+    try:
+        name = decide(everyone, mpi=comm._host.name == "mpi", device=f"cuda:{index}")
+    except BackendUnavailableError as exc:
+        if failure is not None:
+            raise exc from failure
+        raise
+    if name == NCCL:
+        from . import _libnccl
+        from .nccl import NCCLTransport
+
+        return NCCLTransport(comm, index, _libnccl.get(), device_api(), timeout=everyone[comm.rank]["timeout"])
+    if staging_warning_due(False, everyone[comm.rank].get("cuda_aware"), mpi=comm._host.name == "mpi"):
+        why = next((f["nccl_why"] for f in everyone if f["nccl_why"]), "not loadable")
+        _warn_staging(why.splitlines()[0])
+    if name == CUDA_AWARE_MPI:
+        return CudaAwareMPITransport(comm, index)
+    return HostStagingTransport(comm, index)
+
+
+def initialize_eagerly(comm) -> None:
+    """``COLLECTIVES_NCCL_EAGER=1``: set up this rank's CUDA transport now (collective).
+
+    The device is :func:`choose_device` of the node-local rank. Does nothing unless the variable is set
+    and torch or CuPy is already imported (without one there is no CUDA array to serve yet).
+    """
+    if not _config.nccl_eager() or ("torch" not in sys.modules and "cupy" not in sys.modules):
+        return
+    try:
+        index = local_device(comm)
+    except BackendUnavailableError:
+        index = 0  # make_transport reports the problem on every rank
+    comm._transport_for((2, index))  # 2: DLPack's kDLCUDA
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the transports without NCCL
+
+class DeviceTransport:
+    """What the three CUDA transports share: the contract, validation, the library lookup."""
+
+    name = "device"
+    array_level = True
+
+    def __init__(self, comm, index: int):
+        self._comm = comm
+        self._host = comm._host
+        self.rank, self.size = comm.rank, comm.size
+        self.local_rank, self.local_size = comm.local_rank, comm.local_size
+        self.device_index = int(index)
+        self._library_of = library_of  # tests swap in a stand-in library
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} cuda:{self.device_index}>"
+
+    def _prepare(self, x):
+        xp = self._library_of(x)
+        return xp, xp.dtype(x)
+
+    def _agree(self, collective: str, xp, x, info, **args) -> None:
+        if self._comm.check:
+            _check.agree(self._host, {"collective": collective, **args, "shape": xp.shape(x),
+                                      "dtype": info.name, "device": "cuda"})
+
+    def allreduce_many(self, arrays, a, op: str):
+        """Reduce each array of ``arrays`` in place (NCCL fuses them into one group)."""
+        for x in arrays:
+            self.allreduce(x, a, op)
+        return arrays
+
+    def close(self) -> None:
+        """Nothing to release (the host transport belongs to the communicator)."""
+
+
+class HostStagingTransport(DeviceTransport):
+    """Copy to host memory (waiting for the producer stream), run the host collective, copy back in place.
+
+    Slow but always available. Every rule (dtypes, ops, checked mode) is the host path's, since the host
+    path runs it.
+    """
+
+    name = HOST_STAGING
+
+    def broadcast(self, x, a, root):
+        xp, _ = self._prepare(x)
+        host = self._comm.broadcast(xp.to_host(x), root)
+        if self.rank != root:
+            xp.from_host(x, host)
+        return x
+
+    def allreduce(self, x, a, op):
+        xp, info = self._prepare(x)
+        _dtypes.check_reduction(info, op)
+        xp.from_host(x, self._comm.allreduce(xp.to_host(x), op))
+        return x
+
+    def reduce(self, x, a, op, root):
+        xp, info = self._prepare(x)
+        _dtypes.check_reduction(info, op)
+        host = self._comm.reduce(xp.to_host(x), op, root)
+        if self.rank == root:
+            xp.from_host(x, host)
+        return x
+
+    def allgather(self, x, a):
+        xp, _ = self._prepare(x)
+        return xp.to_device(self._comm.allgather(xp.to_host(x)), x)
+
+
+def _pieces(total: int, step: int):
+    """``(offset, count)`` pieces of ``total`` elements, each at most ``step``."""
+    for lo in range(0, total, step):
+        yield lo, min(step, total - lo)
+
+
+class CudaAwareMPITransport(DeviceTransport):
+    """Hand device pointers to MPI (``COLLECTIVES_CUDA_AWARE_MPI=1``; cannot be detected reliably).
+
+    MPI does not know CUDA streams: the producer stream is synchronised before each call, and MPI returns
+    only when the device memory holds the result. bfloat16 (and float16 when MPI cannot reduce it) are
+    widened to float32 on the device; ``mean`` is a sum divided on the device.
+    """
+
+    name = CUDA_AWARE_MPI
+
+    def __init__(self, comm, index):
+        super().__init__(comm, index)
+        host = comm._host
+        self._mpi, self._MPI = host.comm, host.MPI
+        self._types, self._ops, self._float16 = host._types, host._ops, host._float16
+        self._max = _config.max_count()
+        buffers = getattr(self._MPI, "buffer", None) or self._MPI.memory  # mpi4py 4 / 3
+        self._address = buffers.fromaddress
+
+    def _mem(self, ptr: int, nbytes: int):
+        return self._address(ptr, nbytes)
+
+    def _wire(self, xp, buf, info):
+        """The buffer MPI reduces, and its NumPy dtype."""
+        if info.kind == "b":
+            return buf, np.dtype(np.uint8)
+        if info.name == "bfloat16" or (info.storage == np.float16 and not self._float16):
+            return xp.widen(buf), np.dtype(np.float32)
+        return buf, info.storage
+
+    def broadcast(self, x, a, root):
+        xp, info = self._prepare(x)
+        self._agree("broadcast", xp, x, info, root=root)
+        is_root = self.rank == root
+        buf, in_place = xp.contiguous(x, copy=is_root)
+        xp.synchronize(x)
+        base = xp.ptr(buf)
+        for off, n in _pieces(xp.numel(x) * xp.itemsize(x), self._max):
+            self._mpi.Bcast([self._mem(base + off, n), self._MPI.BYTE], root)
+        if not in_place and not is_root:
+            xp.copy_back(x, buf)
+        return x
+
+    def _reduce(self, x, op, root):
+        xp, info = self._prepare(x)
+        _dtypes.check_reduction(info, op)
+        self._agree("allreduce" if root is None else "reduce", xp, x, info, op=op,
+                    **({} if root is None else {"root": root}))
+        receives = root is None or self.rank == root
+        buf, in_place = xp.contiguous(x)
+        wire, dt = self._wire(xp, buf, info)
+        xp.synchronize(x)
+        datatype, mop = self._types[dt], self._ops["sum" if op == "mean" else op]
+        base, size = xp.ptr(wire), dt.itemsize
+        for off, n in _pieces(xp.numel(x), self._max):
+            mem = [self._mem(base + off * size, n * size), n, datatype]
+            if root is None:
+                self._mpi.Allreduce(self._MPI.IN_PLACE, mem, mop)
+            elif receives:
+                self._mpi.Reduce(self._MPI.IN_PLACE, mem, mop, root)
+            else:
+                self._mpi.Reduce(mem, None, mop, root)
+        if not receives:
+            return x
+        if op == "mean":
+            xp.divide_(wire, self.size)
+        if wire is not buf:
+            xp.copy_back(buf, wire)  # float32 -> bfloat16/float16, rounding to nearest
+        if not in_place:
+            xp.copy_back(x, buf)
+        return x
+
+    def allreduce(self, x, a, op):
+        return self._reduce(x, op, None)
+
+    def reduce(self, x, a, op, root):
+        return self._reduce(x, op, root)
+
+    def allgather(self, x, a):
+        xp, info = self._prepare(x)
+        self._agree("allgather", xp, x, info)
+        send, _ = xp.contiguous(x)
+        out = xp.empty((self.size,) + xp.shape(x), like=x)
+        nbytes = xp.numel(x) * xp.itemsize(x)
+        if nbytes and nbytes <= self._max:
+            xp.synchronize(x)
+            self._mpi.Allgather([self._mem(xp.ptr(send), nbytes), self._MPI.BYTE],
+                                [self._mem(xp.ptr(out), nbytes * self.size), self._MPI.BYTE])
+        elif nbytes:  # past the count limit: every rank broadcasts its row, piece by piece
+            xp.copy_back(out[self.rank], send)
+            xp.synchronize(x)
+            base = xp.ptr(out)
+            for r in range(self.size):
+                for off, n in _pieces(nbytes, self._max):
+                    self._mpi.Bcast([self._mem(base + r * nbytes + off, n), self._MPI.BYTE], r)
+        return out
+

@@ -2,17 +2,28 @@
 
 The library never talks on the user's communicator: it works on its own duplicate. MPI is initialised
 here only if nobody did it before, at the thread level chosen in ``COLLECTIVES_MPI_THREAD_LEVEL``.
+
+With ``COLLECTIVES_TIMEOUT`` set (read once, when the transport is made), ``MPITransport(...)`` makes a
+:class:`DeadlineMPITransport` instead: the same operations through MPI's non-blocking collectives,
+polled until they complete or the deadline passes (then :class:`CollectiveTimeoutError`). Without it the
+plain blocking calls run and nothing is added per call.
 """
 
 from __future__ import annotations
 
+import os
+import pickle
 import sys
+import time
 
 import numpy as np
 
 from .. import _config
-from .._errors import BackendUnavailableError
+from .._errors import BackendUnavailableError, CollectiveError, CollectiveTimeoutError
 from .base import Transport
+
+
+_yield = getattr(os, "sched_yield", lambda: time.sleep(0))
 
 
 def import_mpi():
@@ -64,6 +75,16 @@ def _reduces_locally(MPI, datatype) -> bool:
 
 class MPITransport(Transport):
     name = "mpi"
+    timeout: float | None = None  # seconds; set only on a DeadlineMPITransport
+
+    def __new__(cls, comm=None):
+        if cls is MPITransport:  # the deadline is chosen once, here, so the plain calls stay plain
+            timeout = _config.timeout()
+            if timeout is not None:
+                self = super().__new__(DeadlineMPITransport)
+                self.timeout = timeout
+                return self
+        return super().__new__(cls)
 
     def __init__(self, comm=None):
         try:
@@ -85,6 +106,9 @@ class MPITransport(Transport):
         self._float16 = np.dtype(np.float16) in self._types
         self._max_count = _config.max_count()
         self._in_place = MPI.IN_PLACE
+        from . import shm  # large allreduces through a node-shared window (made at first use), issue 7
+
+        self._shm, self._shm_threshold = None, shm.settings(self.comm, self.local_size)  # agreed by all
 
     # ---- data ----
     def fast_call(self, op: str, dtype: np.dtype, size: int):
@@ -104,13 +128,15 @@ class MPITransport(Transport):
         datatype = self._types.get(dtype)
         if datatype is None or (dtype == np.float16 and not self._float16):
             return None
-        allreduce = comm.Allreduce
+        allreduce, shm_at = comm.Allreduce, self._shm_threshold
         if op == "mean":
             if dtype.kind not in "fc":
                 return None
             mop, n = self._ops["sum"], float(size)
 
             def run_mean(x):
+                if x.nbytes >= shm_at and self._shm_allreduce(x, "mean"):
+                    return  # summed and divided in shared memory
                 if x.size > max_count:
                     self.allreduce(x, "sum")
                 else:
@@ -119,9 +145,10 @@ class MPITransport(Transport):
 
             return run_mean
         mop = self._ops[op]
+        slow_at = min(shm_at, (max_count + 1) * dtype.itemsize)  # x.size > max_count, or shared memory
 
         def run(x):
-            if x.size > max_count:
+            if x.nbytes >= slow_at:
                 return self.allreduce(x, op)
             allreduce(in_place, [x, datatype], mop)
 
@@ -139,10 +166,23 @@ class MPITransport(Transport):
             yield flat[lo:lo + step]
 
     def allreduce(self, buf, op):
+        if buf.nbytes >= self._shm_threshold and self._shm_allreduce(buf, op):
+            return
         datatype = self._types[buf.dtype]
         mop = self._ops[op]
         for piece in self._chunks(buf):
             self.comm.Allreduce(self._in_place, [piece, datatype], mop)
+
+    def _shm_allreduce(self, buf, op) -> bool:
+        """Reduce ``buf`` through node-shared memory (``op`` may also be "mean"); False if it cannot."""
+        if self._shm is None:  # collective, and safe here: every rank is in this allreduce
+            from .shm import Reducer
+
+            self._shm = Reducer(self.comm, slot_bytes=_config.shm_slot_bytes(), types=self._types)
+        if not self._shm.supports(buf.dtype, op):
+            return False
+        self._shm.allreduce(buf, op)
+        return True
 
     def reduce(self, buf, op, root):
         datatype = self._types[buf.dtype]
@@ -182,6 +222,151 @@ class MPITransport(Transport):
         self.comm.Barrier()
 
     def close(self):
+        shm, self._shm = getattr(self, "_shm", None), None
+        if shm is not None:
+            shm.close()  # the window before the communicator it was made on
         comm, self.comm = getattr(self, "comm", None), None
         if comm is not None and not self.MPI.Is_finalized():
             comm.Free()
+
+
+class DeadlineMPITransport(MPITransport):
+    """:class:`MPITransport` with a deadline on every collective (``COLLECTIVES_TIMEOUT`` seconds).
+
+    Every operation is started as a non-blocking MPI collective and polled with ``MPI_Test``. MPI makes
+    progress on a non-blocking collective only inside such calls, so for the first ``SPIN_S`` seconds the
+    rank polls continuously, as a blocking MPI call would (yielding the core every few polls, for ranks
+    that share cores); a wait that lasts longer is a rank waiting for a straggler, and it then sleeps
+    between polls with a backoff of up to ``MAX_PAUSE_S``, so a long wait does not burn a core. When the
+    deadline passes, the rank prints which collective it was waiting in and raises
+    :class:`CollectiveTimeoutError`; uncaught, that ends the job (``collectives._failure``). The pending
+    request cannot be cancelled, so the transport is unusable afterwards: later calls raise
+    :class:`CollectiveError` at once, and ``close`` leaves the MPI communicator to the end of the process.
+
+    Made by ``MPITransport(comm)`` when ``COLLECTIVES_TIMEOUT`` is set; not constructed directly.
+    """
+
+    SPIN_S = 0.25
+    MAX_PAUSE_S = 1e-3
+    YIELD_EVERY = 64  # polls between sched_yield() calls while spinning
+    _failed: str | None = None
+
+    def fast_call(self, op, dtype, size):
+        return None  # every call goes through the polled operations below
+
+    # ---- waiting ----
+    def _run(self, what, start, *args) -> None:
+        """Start a non-blocking collective with ``start(*args)`` and wait for it under the deadline."""
+        if self._failed is not None:
+            raise CollectiveError(f"this communicator is unusable: {self._failed}; the job cannot continue "
+                                  f"(other ranks may still be waiting in that collective)")
+        t0 = time.monotonic()
+        req = start(*args)
+        if req.Test():
+            return
+        deadline = t0 + self.timeout
+        monotonic, test = time.monotonic, req.Test
+        spin_until = min(t0 + self.SPIN_S, deadline)
+        polls = 0
+        while not test():
+            polls += 1
+            if polls % self.YIELD_EVERY == 0:
+                if monotonic() >= spin_until:
+                    break
+                _yield()
+        else:
+            return
+        pause = 20e-6
+        while not test():
+            now = monotonic()
+            if now >= deadline:
+                self._expire(what, now - t0)
+            time.sleep(pause)
+            pause = min(pause * 2, self.MAX_PAUSE_S)
+
+    def _expire(self, what, waited: float):
+        """Declare the collective described by ``what`` hung: record, print, raise."""
+        name, buf, detail = what
+        desc = name
+        if buf is not None:
+            desc += f" of {buf.size} x {buf.dtype}"
+        if detail:
+            desc += f" ({detail})"
+        where = f"rank {self.rank} of {self.size}"
+        self._failed = f"{desc} timed out on {where}"
+        msg = (f"{desc} did not complete on {where} within COLLECTIVES_TIMEOUT={self.timeout:g} s "
+               f"(waited {waited:.1f} s): some rank never entered it (it failed, exited, is stuck, or "
+               f"called a different collective). The job cannot continue; unless caught, this exception "
+               f"aborts every rank. If the collective is legitimately slow, raise COLLECTIVES_TIMEOUT; "
+               f"to find a divergent rank, run with COLLECTIVES_CHECK=1")
+        try:
+            sys.stderr.write(f"collectives: {self._failed} after {waited:.1f} s "
+                             f"(COLLECTIVES_TIMEOUT={self.timeout:g})\n")
+            sys.stderr.flush()
+        except Exception:  # noqa: BLE001 - a closed stderr must not hide the timeout itself
+            pass
+        raise CollectiveTimeoutError(msg)
+
+    # ---- data ----
+    def allreduce(self, buf, op):
+        datatype = self._types[buf.dtype]
+        mop = self._ops[op]
+        for piece in self._chunks(buf):
+            self._run(("allreduce", piece, f"op={op}"), self.comm.Iallreduce, self._in_place,
+                      [piece, datatype], mop)
+
+    def reduce(self, buf, op, root):
+        datatype = self._types[buf.dtype]
+        mop = self._ops[op]
+        what = ("reduce", buf, f"op={op}, root={root}")
+        for piece in self._chunks(buf):
+            if self.rank == root:
+                self._run(what, self.comm.Ireduce, self._in_place, [piece, datatype], mop, root)
+            else:
+                self._run(what, self.comm.Ireduce, [piece, datatype], None, mop, root)
+
+    def broadcast(self, buf, root):
+        raw = buf.reshape(-1).view(np.uint8)
+        for piece in self._chunks(raw):
+            self._run(("broadcast", piece, f"root={root}"), self.comm.Ibcast, [piece, self.MPI.BYTE], root)
+
+    def allgather(self, send, recv):
+        if send.nbytes > self._max_count:
+            return super().allgather(send, recv)  # row by row through self.broadcast
+        self._run(("allgather", send, None), self.comm.Iallgather,
+                  [send.reshape(-1).view(np.uint8), self.MPI.BYTE],
+                  [recv.reshape(-1).view(np.uint8), self.MPI.BYTE])
+
+    def allgather_object(self, obj):
+        data = np.frombuffer(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+        what = ("the agreement step (allgather of call descriptions)", None, None)
+        sizes = np.empty(self.size, dtype=np.int64)
+        self._run(what, self.comm.Iallgather, [np.array([data.size], dtype=np.int64), self.MPI.INT64_T],
+                  [sizes, self.MPI.INT64_T])
+        table = np.empty(int(sizes.sum()), dtype=np.uint8)
+        offsets = np.zeros(self.size, dtype=np.int64)
+        np.cumsum(sizes[:-1], out=offsets[1:])
+        self._run(what, self.comm.Iallgatherv, [data, self.MPI.BYTE],
+                  [table, (sizes, offsets), self.MPI.BYTE])
+        return [pickle.loads(table[o:o + n].tobytes()) for o, n in zip(offsets, sizes)]
+
+    def broadcast_object(self, obj, root):
+        what = ("broadcast of a Python object", None, f"root={root}")
+        n = np.zeros(1, dtype=np.int64)
+        if self.rank == root:
+            data = np.frombuffer(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+            n[0] = data.size
+        self._run(what, self.comm.Ibcast, [n, self.MPI.INT64_T], root)
+        if self.rank != root:
+            data = np.empty(int(n[0]), dtype=np.uint8)
+        self._run(what, self.comm.Ibcast, [data, self.MPI.BYTE], root)
+        return obj if self.rank == root else pickle.loads(data.tobytes())
+
+    def barrier(self):
+        self._run(("barrier", None, None), self.comm.Ibarrier)
+
+    def close(self):
+        if self._failed is not None:  # a request is still pending on it: freeing could block; leave it
+            self.comm = None
+            return
+        super().close()

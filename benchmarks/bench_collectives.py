@@ -1,0 +1,253 @@
+"""Our collectives against raw mpi4py on the same buffers, in the same job.
+
+    mpiexec -n 2 python benchmarks/bench_collectives.py
+    mpiexec -n 2 python benchmarks/bench_collectives.py --sizes 8B..64MiB --factor 4 --json out.json
+    mpiexec -n 2 python benchmarks/bench_collectives.py --sizes 8B,1MiB --iters 200
+
+What is compared, on NumPy float32 arrays:
+
+==============  =============================================  ====================================================
+row             ours                                           raw mpi4py (on a duplicate of COMM_WORLD)
+==============  =============================================  ====================================================
+``allreduce``   ``collectives.allreduce(x, op="sum")``         ``comm.Allreduce(MPI.IN_PLACE, x, MPI.SUM)``
+``broadcast``   ``collectives.broadcast(x, root=0)``           ``comm.Bcast(x, root=0)``
+``mean``        ``collectives.allreduce(x, op="mean")``        ``Allreduce(IN_PLACE, x, SUM)`` + ``np.divide(x, size, out=x)``
+==============  =============================================  ====================================================
+
+How it is measured, so that the machine's noise (shared cores, frequency changes) hits both sides alike:
+
+* ours and raw run on the *same* buffer, in *alternating rounds* (ABBA: the side that goes first swaps every
+  round); every round starts with a barrier and times a block of ``k`` back-to-back calls on each rank;
+* a round's time of one call is (block time / ``k``) on the slowest rank (the blocks start after a barrier,
+  so the slowest rank decides when the collective is over); the time reported is the median over rounds,
+  and the ratio ours/raw is the median over rounds of the ratio *within* a round, so that a change of the
+  machine's speed between rounds cancels out (the JSON also has the ratio of the two medians);
+* ``k`` and the number of rounds shrink with the size (20000 calls at 8 B, 31 from 8 MiB up), so a
+  default run takes well under 90 s at 2 ranks. ``--iters N`` sets the calls per side per size instead.
+
+Only the ratios (ours / raw) mean something, and only between figures of one run: absolute times move by
+2x between runs on a shared machine. Targets: per-call overhead at 8 B within 2x of raw mpi4py; within
+1.05x from 1 MiB up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import re
+import sys
+import time
+
+import numpy as np
+
+import collectives
+
+TARGET_SMALL = 2.0  # ours/raw at the smallest size
+TARGET_LARGE = 1.05  # ours/raw from 1 MiB up
+LARGE = 2**20
+
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20,
+          "g": 2**30, "gb": 2**30, "gib": 2**30}
+
+
+def parse_bytes(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 8B, 4KiB, 64MiB")
+    return int(m.group(1)) * _UNITS[m.group(2).lower()]
+
+
+def parse_sizes(text: str, factor: int) -> list[int]:
+    """``8B..64MiB`` (every ``factor``-th power down from the top, plus the bottom) or ``8B,1MiB,...``."""
+    if ".." in text:
+        lo, hi = (parse_bytes(t) for t in text.split("..", 1))
+        if lo > hi:
+            lo, hi = hi, lo
+        sizes, s = [], hi
+        while s > lo:
+            sizes.append(s)
+            s //= factor
+        sizes.append(lo)
+        sizes = sorted(set(sizes))
+    else:
+        sizes = sorted({parse_bytes(t) for t in text.split(",") if t.strip()})
+    for s in sizes:
+        if s < 4 or s % 4:
+            raise SystemExit(f"size {s} B is not a whole number of float32 elements (a multiple of 4 B)")
+    return sizes
+
+
+def human(nbytes: int) -> str:
+    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes} B"
+
+
+def fmt_time(seconds: float) -> str:
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:8.2f} us"
+    return f"{seconds * 1e3:8.3f} ms"
+
+
+def plan(nbytes: int, iters: int | None) -> tuple[int, int]:
+    """(rounds, calls per round) for one side at this size."""
+    if iters is not None:
+        rounds = max(1, min(iters, 61))
+        return rounds, -(-iters // rounds)  # at least iters calls in all
+    # About 160 MiB moved per side per size, at least 31 and at most 20000 calls: thousands of calls at
+    # 8 B, 31 at 16 MiB and 64 MiB.
+    total = int(min(20000, max(31, (160 * 2**20) // nbytes)))
+    rounds = min(total, 61)
+    return rounds, -(-total // rounds)
+
+
+def measure(comm, sides, rounds: int, k: int) -> np.ndarray:
+    """Times of one call (block time / k), shape (rounds, len(sides)), for this rank."""
+    times = np.empty((rounds, len(sides)))
+    for f in sides:  # warm up: first calls allocate, fault pages in, set up MPI paths
+        for _ in range(max(2, min(k, 50))):
+            f()
+    perf = time.perf_counter
+    for r in range(rounds):
+        order = range(len(sides)) if r % 2 == 0 else reversed(range(len(sides)))
+        for i in order:
+            f = sides[i]
+            comm.Barrier()
+            t0 = perf()
+            for _ in range(k):
+                f()
+            times[r, i] = (perf() - t0) / k
+    return times
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="8B..64MiB",
+                    help="LO..HI (sizes HI, HI/factor, ... and LO) or a comma list (default 8B..64MiB)")
+    ap.add_argument("--factor", type=int, default=4, help="step between sizes for LO..HI (default 4)")
+    ap.add_argument("--iters", type=int, default=None,
+                    help="calls per side per size (default: scaled by size, under 90 s in all at 2 ranks)")
+    ap.add_argument("--ops", default="allreduce,broadcast,mean",
+                    help="rows to run, comma-separated from allreduce, broadcast, mean")
+    ap.add_argument("--json", metavar="PATH", help="also write the results (rank 0) as JSON here")
+    args = ap.parse_args()
+    if args.factor < 2:
+        ap.error("--factor must be at least 2")
+    sizes = parse_sizes(args.sizes, args.factor)
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    for o in ops:
+        if o not in ("allreduce", "broadcast", "mean"):
+            ap.error(f"--ops: unknown {o!r}; expected allreduce, broadcast or mean")
+
+    ours_comm = collectives.init()  # first, so that *we* choose MPI's thread level, as in an application
+    if ours_comm.backend != "mpi":
+        print("this benchmark needs the MPI backend: run it under mpiexec with mpi4py installed",
+              file=sys.stderr)
+        return 2
+    from mpi4py import MPI  # already initialised by collectives.init()
+    import mpi4py
+
+    raw = MPI.COMM_WORLD.Dup()  # the peer's own communicator, as ours has its own duplicate
+    rank, size = raw.Get_rank(), raw.Get_size()
+    levels = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
+              MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
+    header = {
+        "ranks": size,
+        "nodes_local_size": ours_comm.local_size,
+        "mpi_library": " ".join(MPI.Get_library_version().split("\n")[0].replace("Version:", "").split()),
+        "mpi_standard": "%d.%d" % MPI.Get_version(),
+        "mpi4py": mpi4py.__version__,
+        "thread_level": levels.get(MPI.Query_thread(), str(MPI.Query_thread())),
+        "collectives": collectives.__version__,
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+        "machine": f"{platform.machine()}, {_cpu_count()} cores",
+        "dtype": "float32",
+    }
+
+    def sides_for(op: str, x: np.ndarray):
+        if op == "allreduce":
+            return (lambda: collectives.allreduce(x, op="sum"),
+                    lambda: raw.Allreduce(MPI.IN_PLACE, x, MPI.SUM))
+        if op == "broadcast":
+            return (lambda: collectives.broadcast(x, root=0),
+                    lambda: raw.Bcast(x, root=0))
+
+        def raw_mean():
+            raw.Allreduce(MPI.IN_PLACE, x, MPI.SUM)
+            np.divide(x, size, out=x)
+
+        return (lambda: collectives.allreduce(x, op="mean"), raw_mean)
+
+    results = []
+    started = time.perf_counter()
+    for nbytes in sizes:
+        rounds, k = plan(nbytes, args.iters)
+        for op in ops:
+            # zeros for sum (stays finite however often it runs), ones for mean (a fixed point)
+            x = np.ones(nbytes // 4, np.float32) if op == "mean" else np.zeros(nbytes // 4, np.float32)
+            times = measure(raw, sides_for(op, x), rounds, k)
+            # every block starts after a barrier, so the slowest rank's block time is the collective's
+            raw.Allreduce(MPI.IN_PLACE, times, MPI.MAX)
+            ours, peer = np.median(times, axis=0)
+            paired = float(np.median(times[:, 0] / times[:, 1]))  # ours/raw within each round
+            results.append({"op": op, "bytes": nbytes, "calls_per_side": rounds * k, "rounds": rounds,
+                            "ours_s": float(ours), "raw_s": float(peer), "ratio": paired,
+                            "ratio_of_medians": float(ours / peer)})
+            del x
+    elapsed = raw.allreduce(time.perf_counter() - started, op=MPI.MAX)
+
+    if rank == 0:
+        print_table(header, results, elapsed)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"header": header, "elapsed_s": elapsed, "results": results,
+                           "targets": {"small_bytes": sizes[0], "small_ratio": TARGET_SMALL,
+                                       "large_bytes": LARGE, "large_ratio": TARGET_LARGE}}, f, indent=2)
+            print(f"\nwrote {args.json}")
+    raw.Free()
+    return 0
+
+
+def _cpu_count() -> int:
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 0
+
+
+def print_table(header: dict, results: list[dict], elapsed: float) -> None:
+    print("collectives vs raw mpi4py, same buffers, same job, alternating rounds")
+    print(f"  {header['ranks']} ranks ({header['nodes_local_size']} on this node), {header['machine']}, "
+          f"Python {header['python']}, NumPy {header['numpy']}")
+    print(f"  {header['mpi_library']} (MPI {header['mpi_standard']}), mpi4py {header['mpi4py']}, "
+          f"MPI thread level {header['thread_level']}, collectives {header['collectives']}")
+    print(f"  time per call: median over rounds of the slowest rank's time; ours/raw: median of per-round "
+          f"ratios; dtype {header['dtype']}; "
+          f"run took {elapsed:.1f} s")
+    print(f"  targets: smallest size ours/raw <= {TARGET_SMALL}x; from {human(LARGE)} up <= {TARGET_LARGE}x")
+    smallest = min(r["bytes"] for r in results)
+    names = {"allreduce": "allreduce sum", "broadcast": "broadcast", "mean": "allreduce mean"}
+    raw_names = {"allreduce": "Allreduce", "broadcast": "Bcast", "mean": "Allreduce+divide"}
+    for op in ("allreduce", "broadcast", "mean"):
+        rows = [r for r in results if r["op"] == op]
+        if not rows:
+            continue
+        print(f"\n{names[op]} (ours) vs {raw_names[op]} (raw mpi4py)")
+        print(f"{'size':>9}  {'calls':>6}  {'ours':>11}  {'raw':>11}  {'ours/raw':>8}  target")
+        for r in rows:
+            target = ""
+            if r["bytes"] == smallest:
+                target = f"<= {TARGET_SMALL}x " + ("ok" if r["ratio"] <= TARGET_SMALL else "MISSED")
+            elif r["bytes"] >= LARGE:
+                target = f"<= {TARGET_LARGE}x " + ("ok" if r["ratio"] <= TARGET_LARGE else "MISSED")
+            print(f"{human(r['bytes']):>9}  {r['calls_per_side']:>6}  {fmt_time(r['ours_s'])}  "
+                  f"{fmt_time(r['raw_s'])}  {r['ratio']:>7.2f}x  {target}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""The tree collectives and DistributedOptimizer against raw mpi4py and torch DDP, in the same job.
+
+    mpiexec -n 2 python benchmarks/bench_tree.py
+    mpiexec -n 2 python benchmarks/bench_tree.py --rounds 5 --json out.json
+
+Part 1, a realistic tree: 200 float32 leaves (100 weight matrices of mixed sizes and their 100 biases,
+about 32 MiB in all).
+
+=====================  ===============================================  ==============================================
+row                    ours                                             against
+=====================  ===============================================  ==============================================
+``synchronize``        ``coll.synchronize(tree)``                       one ``Bcast`` of a flat buffer of the same bytes
+``allreduce_tree``     ``coll.allreduce_tree(tree, op="mean")``         one ``Allreduce`` (+ divide) of a flat buffer
+``per-leaf allreduce`` one ``coll.allreduce(leaf, "mean")`` per leaf    the same flat ``Allreduce``
+``per-leaf broadcast`` one ``coll.broadcast(leaf)`` per leaf            the same flat ``Bcast``
+``structure check``    flatten + describe + the 17-byte agreement       the same flat ``Allreduce``
+                       (``allreduce_tree`` with the data step stubbed)
+=====================  ===============================================  ==============================================
+
+The flat buffer is the lower bound: what the data costs without any tree. ``allreduce_tree`` copies only
+the small leaves (biases, small matrices) into buckets; leaves of 1 MiB or more are reduced where they lie.
+
+Part 2, a training step of a torch MLP 784-1024-1024-10 (1.9 M parameters), batch 64 per rank, SGD:
+forward, backward, step, with ``DistributedOptimizer`` vs ``torch.nn.parallel.DistributedDataParallel``
+over gloo (initialised in this job from MPI's ranks, on a free port chosen by rank 0) vs one process with
+no communication at all. One torch thread per rank.
+
+Measurement: the two sides of a comparison run in alternating rounds (the side that goes first swaps each
+round), each round after a barrier; a round's time is the slowest rank's; reported are medians over the
+rounds and the median of the per-round ratios, so that a change of the machine's speed between rounds
+cancels out. Only ratios mean something, and only within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import collectives as coll
+from collectives import _buckets, _tree
+
+RAW = MPI.COMM_WORLD.Dup()
+
+
+def timed(fn, k: int = 1) -> float:
+    """Seconds per call of ``fn`` (``k`` calls after a barrier), on the slowest rank."""
+    RAW.Barrier()
+    t = time.perf_counter()
+    for _ in range(k):
+        fn()
+    dt = (time.perf_counter() - t) / k
+    return RAW.allreduce(dt, op=MPI.MAX)
+
+
+def compare(ours, raw, rounds: int, k: int = 1, warmup: int = 1) -> dict:
+    for _ in range(warmup):
+        ours(), raw()
+    a, b, ratios = [], [], []
+    for r in range(rounds):
+        if r % 2:
+            tb, ta = timed(raw, k), timed(ours, k)
+        else:
+            ta, tb = timed(ours, k), timed(raw, k)
+        a.append(ta)
+        b.append(tb)
+        ratios.append(ta / tb)
+    return {"ours_s": statistics.median(a), "raw_s": statistics.median(b), "ratio": statistics.median(ratios)}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# part 1: a 200-leaf tree
+
+
+def make_tree(rank: int) -> dict:
+    rng = np.random.default_rng(0)
+    dims = [64, 128, 256, 384, 512, 768]
+    tree = {}
+    for i in range(100):
+        d_in, d_out = (int(v) for v in rng.choice(dims, 2))
+        tree[f"layer{i:03d}"] = {"w": np.full((d_in, d_out), 1.0 + rank, np.float32),
+                                 "b": np.full(d_out, 1.0 + rank, np.float32)}
+    return tree
+
+
+def tree_part(comm, rounds: int) -> dict:
+    tree = make_tree(comm.rank)
+    leaves = _tree.flatten(tree).leaves
+    nbytes = sum(x.nbytes for x in leaves)
+    flat = np.ones(nbytes // 4, np.float32)
+    size = float(comm.size)
+
+    def raw_allreduce():
+        RAW.Allreduce(MPI.IN_PLACE, flat, MPI.SUM)
+        np.divide(flat, size, out=flat)
+
+    def per_leaf():
+        for x in leaves:
+            coll.allreduce(x, op="mean", comm=comm)
+
+    real = _buckets.allreduce
+
+    def check_only():
+        _buckets.allreduce = lambda *a, **k: None  # everything but the data movement
+        try:
+            coll.allreduce_tree(tree, op="mean", comm=comm)
+        finally:
+            _buckets.allreduce = real
+
+    header = (("op", "mean"), ("bucket_bytes", 25 << 20))
+    entries = [(p, f"float32 {x.shape}") for p, x in zip(_tree.flatten(tree).paths, leaves)]
+
+    out = {"leaves": len(leaves), "bytes": nbytes}
+    out["synchronize"] = compare(lambda: coll.synchronize(tree, comm=comm), lambda: RAW.Bcast(flat, 0), rounds)
+    out["allreduce_tree"] = compare(lambda: coll.allreduce_tree(tree, op="mean", comm=comm), raw_allreduce, rounds)
+    out["per-leaf allreduce"] = compare(per_leaf, raw_allreduce, rounds)
+    out["per-leaf broadcast"] = compare(lambda: [coll.broadcast(x, 0, comm=comm) for x in leaves],
+                                        lambda: RAW.Bcast(flat, 0), rounds)
+    out["structure check"] = compare(check_only, raw_allreduce, rounds, k=5)
+    out["agreement alone"] = compare(lambda: _tree.agree(comm, "bench", header, entries, None), raw_allreduce,
+                                     rounds, k=5)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# part 2: a training step
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def mlp(torch):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(784, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
+                               torch.nn.ReLU(), torch.nn.Linear(1024, 10))
+
+
+def training_part(comm, rounds: int, steps: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(RAW.bcast(free_port() if comm.rank == 0 else None, root=0))
+    dist.init_process_group("gloo", rank=comm.rank, world_size=comm.size)
+
+    g = torch.Generator().manual_seed(comm.rank)
+    x = torch.randn(64, 784, generator=g)
+    y = torch.randint(0, 10, (64,), generator=g)
+
+    def stepper(model, opt):
+        def step():
+            for _ in range(steps):
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+        return step
+
+    local = mlp(torch)
+    single = stepper(local, torch.optim.SGD(local.parameters(), lr=1e-3))
+    ours_model = mlp(torch)
+    ours = stepper(ours_model, coll.DistributedOptimizer(torch.optim.SGD(ours_model.parameters(), lr=1e-3),
+                                                         comm=comm))
+    ddp_model = torch.nn.parallel.DistributedDataParallel(mlp(torch))
+    ddp = stepper(ddp_model, torch.optim.SGD(ddp_model.parameters(), lr=1e-3))
+
+    out = {"parameters": sum(p.numel() for p in local.parameters()), "batch_per_rank": 64}
+    out["DistributedOptimizer vs DDP(gloo)"] = compare(ours, ddp, rounds)
+    out["DistributedOptimizer vs no communication"] = compare(ours, single, rounds)
+    out["DDP(gloo) vs no communication"] = compare(ddp, single, rounds)
+    for k in list(out):
+        if isinstance(out[k], dict):
+            out[k] = {key: v / steps if key.endswith("_s") else v for key, v in out[k].items()}
+    dist.destroy_process_group()
+    return out
+
+
+def report(title: str, rows: dict) -> None:
+    print(f"\n{title}")
+    for name, r in rows.items():
+        if isinstance(r, dict):
+            print(f"  {name:42s} ours {r['ours_s'] * 1e3:9.2f} ms   other {r['raw_s'] * 1e3:9.2f} ms   "
+                  f"ratio {r['ratio']:6.2f}x")
+        else:
+            print(f"  {name:42s} {r}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=5, help="training steps per timed round")
+    ap.add_argument("--skip-training", action="store_true")
+    ap.add_argument("--json", help="write the figures to this file")
+    args = ap.parse_args()
+    comm = coll.init()
+    start = time.perf_counter()
+    results = {"size": comm.size, "tree": tree_part(comm, args.rounds)}
+    if comm.rank == 0:
+        t = results["tree"]
+        report(f"tree of {t['leaves']} float32 leaves, {t['bytes'] / 2**20:.1f} MiB, {comm.size} ranks "
+               f"(other = one flat Bcast/Allreduce of the same bytes)", t)
+    if not args.skip_training:
+        results["training"] = training_part(comm, args.rounds, args.steps)
+        if comm.rank == 0:
+            report("training step, MLP 784-1024-1024-10, batch 64 per rank (times per step)", results["training"])
+    if comm.rank == 0:
+        print(f"\n({time.perf_counter() - start:.0f} s)")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,277 @@
+"""The NCCL transport: CUDA arrays reduced and moved by NCCL, on the array library's current stream.
+
+One NCCL communicator per (Communicator, CUDA device), made collectively by ``cuda.make_transport`` the
+first time a collective meets an array on that device (or at ``init()`` with
+``COLLECTIVES_NCCL_EAGER=1``). Rank 0 makes the 128-byte unique id; it travels over the host transport.
+
+Stream order, no host synchronisation: every call is enqueued on the current stream of the array's
+library (``torch.cuda.current_stream(device)``, ``cupy.cuda.get_current_stream()``), after whatever
+produced the array and before whatever uses the result; temporaries (for non-contiguous arrays, and the
+``allgather`` result) are allocated by the library on that same stream.
+
+Never hangs forever: the communicator is non-blocking (``ncclConfig_t.blocking = 0``). A call that
+returns ``ncclInProgress`` is polled with ``ncclCommGetAsyncError`` until it is done, for at most
+``COLLECTIVES_TIMEOUT`` (default 300 s); then the communicator is aborted and that rank raises
+:class:`~collectives.CollectiveTimeoutError`. An asynchronous NCCL error aborts it too and raises
+:class:`~collectives.NcclError`. After an abort, CUDA collectives on that communicator raise
+:class:`~collectives.BackendUnavailableError` until ``finalize()`` and ``init()``.
+
+What this cannot see: a collective that NCCL accepted but that never completes on the GPU (a rank that
+never made the matching call) blocks the *stream*, not this process; whoever next waits for that stream
+waits too. Checked mode (``COLLECTIVES_CHECK=1``) catches mismatched calls before they are enqueued.
+"""
+
+from __future__ import annotations
+
+import time
+
+from .. import _check, _dtypes
+from .._errors import BackendUnavailableError, CollectiveTimeoutError, NcclError
+from . import _libnccl
+from .cuda import NCCL, DeviceTransport
+
+CLOSE_TIMEOUT = 30.0  # seconds close() waits for ncclCommFinalize before aborting (never hangs at exit)
+_SPINS = 200  # polls without sleeping before backing off (a call in progress usually ends within µs)
+
+
+class NCCLTransport(DeviceTransport):
+    """CUDA arrays over one NCCL communicator on one device. Made by ``cuda.make_transport``.
+
+    Args:
+        comm: the Communicator (its host transport carries the unique id).
+        index: the CUDA device index.
+        lib: the loaded :class:`~collectives._backends._libnccl.NCCLLibrary`.
+        api: the device helper (``cuda.device_api()``) used to make ``index`` current during init.
+        timeout: seconds a NCCL call may stay in progress.
+    """
+
+    name = NCCL
+
+    def __init__(self, comm, index: int, lib, api, *, timeout: float):
+        super().__init__(comm, index)
+        self._lib = lib
+        self._timeout = float(timeout)
+        self._handle = 0
+        self._dead: str | None = None  # why the communicator can no longer be used
+        self._rules: dict = {}
+        self._create(api)
+
+    # ---- life cycle ----
+    def _create(self, api) -> None:
+        uid = None
+        if self.rank == 0:
+            try:
+                uid = self._lib.get_unique_id()
+            except NcclError as exc:  # sent as text, so no rank waits for an id that will never come
+                uid = f"rank 0 could not make a NCCL unique id: {exc}"
+        uid = self._host.broadcast_object(uid, 0)
+        if isinstance(uid, str):
+            raise BackendUnavailableError(uid)
+        deadline = time.monotonic() + self._timeout
+        with api.using(self.device_index):  # NCCL binds the communicator to the current device
+            self._handle = self._lib.comm_init_rank_config(self.size, uid, self.rank,
+                                                           _libnccl.make_config(blocking=False))
+        self._settle("ncclCommInitRankConfig", deadline)
+
+    def close(self) -> None:
+        """Flush and destroy the NCCL communicator; abort it if that fails or takes over 30 s. Idempotent."""
+        handle, self._handle = self._handle, 0
+        if not handle:
+            return
+        self._dead = self._dead or "it was closed"
+        lib = self._lib
+        try:
+            lib.comm_finalize(handle)
+            deadline = time.monotonic() + min(self._timeout, CLOSE_TIMEOUT)
+            state = lib.comm_get_async_error(handle)
+            while state == _libnccl.ncclInProgress and time.monotonic() < deadline:
+                time.sleep(1e-3)
+                state = lib.comm_get_async_error(handle)
+            if state != _libnccl.ncclSuccess:
+                raise TimeoutError(f"ncclCommFinalize ended in state {state}")
+            lib.comm_destroy(handle)
+        except Exception:  # noqa: BLE001 - closing must not raise or hang; abort is the way out
+            try:
+                lib.comm_abort(handle)
+            except Exception:  # noqa: BLE001
+                pass
+
+    def _abort(self, why: str) -> None:
+        self._dead = why
+        handle, self._handle = self._handle, 0
+        if handle:
+            try:
+                self._lib.comm_abort(handle)
+            except Exception:  # noqa: BLE001 - we are already reporting the real failure
+                pass
+
+    # ---- waiting (non-blocking communicator) ----
+    def _error(self, state: int, what: str) -> NcclError:
+        detail = self._lib.error_string(state)
+        try:
+            last = self._lib.last_error()
+        except Exception:  # noqa: BLE001
+            last = ""
+        if last:
+            detail = f"{detail}; last error: {last}"
+        return NcclError(state, _libnccl.RESULT_NAMES.get(state, f"ncclResult_t({state})"), detail, what)
+
+    def _settle(self, what: str, deadline: float | None = None, state: int | None = None) -> None:
+        """Poll until the call just issued is no longer in progress; abort and raise on error or timeout."""
+        lib, handle = self._lib, self._handle
+        if state is None:
+            state = lib.comm_get_async_error(handle)
+        spins = 0
+        while state == _libnccl.ncclInProgress:
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + self._timeout
+            elif now > deadline:
+                self._abort(f"{what} timed out after {self._timeout:g} s")
+                raise CollectiveTimeoutError(
+                    f"{what} on cuda:{self.device_index} (rank {self.rank} of {self.size}) did not complete "
+                    f"within {self._timeout:g} s (COLLECTIVES_TIMEOUT): another rank probably did not make "
+                    f"the same call, or failed. The NCCL communicator was aborted on this rank; call "
+                    f"collectives.finalize() and collectives.init() to use CUDA arrays again")
+            spins += 1
+            if spins > _SPINS:
+                time.sleep(min(1e-2, 1e-5 * (spins - _SPINS)))
+            state = lib.comm_get_async_error(handle)
+        if state != _libnccl.ncclSuccess:
+            err = self._error(state, what)
+            self._abort(f"{what} failed: {err}")
+            raise err
+
+    def _after_error(self, what: str) -> None:
+        """A call raised NcclError: if the communicator itself is broken, abort it."""
+        try:
+            state = self._lib.comm_get_async_error(self._handle)
+        except Exception:  # noqa: BLE001
+            state = _libnccl.ncclInternalError
+        if state not in (_libnccl.ncclSuccess, _libnccl.ncclInProgress):
+            self._abort(f"{what} failed with NCCL state {state}")
+
+    def _issue(self, what: str, fn, *args) -> None:
+        try:
+            status = fn(*args)
+        except NcclError:
+            self._after_error(what)
+            raise
+        if status != _libnccl.ncclSuccess:
+            self._settle(what)
+
+    # ---- validation (all before anything is enqueued) ----
+    def _prepare(self, x):
+        if self._dead is not None or not self._handle:
+            raise BackendUnavailableError(
+                f"the NCCL communicator for cuda:{self.device_index} cannot be used: {self._dead or 'closed'}; "
+                f"call collectives.finalize() and collectives.init() to start again")
+        state = self._lib.comm_get_async_error(self._handle)
+        if state != _libnccl.ncclSuccess:  # raises for an asynchronous error (e.g. a peer died)
+            self._settle("an earlier NCCL call", state=state)
+        return super()._prepare(x)
+
+    def _reduction(self, info: _dtypes.DType, op: str):
+        """``(nccl dtype, nccl op, count multiplier)``, or TypeError (cached: it is on every call's path)."""
+        key = (info, op)
+        hit = self._rules.get(key)
+        if hit is None:
+            _dtypes.check_reduction(info, op)  # the host path's words first
+            hit = self._rules[key] = _libnccl.supported_dtype_op(info.name, op)  # then NCCL's (int16, ...)
+        return hit
+
+    # ---- the collectives ----
+    def allreduce(self, x, a, op):
+        xp, info = self._prepare(x)
+        dtype, nop, mult = self._reduction(info, op)
+        self._agree("allreduce", xp, x, info, op=op)
+        buf, in_place = xp.contiguous(x)
+        count = xp.numel(x) * mult
+        if count:
+            p = xp.ptr(buf)
+            self._issue("ncclAllReduce", self._lib.all_reduce, p, p, count, dtype, nop, self._handle,
+                        xp.stream(x))
+        if not in_place:
+            xp.copy_back(x, buf)
+        return x
+
+    def reduce(self, x, a, op, root):
+        xp, info = self._prepare(x)
+        dtype, nop, mult = self._reduction(info, op)
+        self._agree("reduce", xp, x, info, op=op, root=root)
+        buf, in_place = xp.contiguous(x)
+        count = xp.numel(x) * mult
+        if count:  # recvbuff is only written on root: other ranks' x stays as it was
+            p = xp.ptr(buf)
+            self._issue("ncclReduce", self._lib.reduce, p, p, count, dtype, nop, root, self._handle,
+                        xp.stream(x))
+        if not in_place and self.rank == root:
+            xp.copy_back(x, buf)
+        return x
+
+    def broadcast(self, x, a, root):
+        xp, info = self._prepare(x)
+        self._agree("broadcast", xp, x, info, root=root)
+        is_root = self.rank == root
+        buf, in_place = xp.contiguous(x, copy=is_root)
+        nbytes = xp.numel(x) * xp.itemsize(x)
+        if nbytes:  # bytes: every dtype, bit for bit
+            p = xp.ptr(buf)
+            self._issue("ncclBroadcast", self._lib.broadcast, p, p, nbytes, _libnccl.ncclUint8, root,
+                        self._handle, xp.stream(x))
+        if not in_place and not is_root:
+            xp.copy_back(x, buf)
+        return x
+
+    def allgather(self, x, a):
+        xp, info = self._prepare(x)
+        self._agree("allgather", xp, x, info)
+        send, _ = xp.contiguous(x)
+        out = xp.empty((self.size,) + xp.shape(x), like=x)
+        nbytes = xp.numel(x) * xp.itemsize(x)
+        if nbytes:
+            self._issue("ncclAllGather", self._lib.all_gather, xp.ptr(send), xp.ptr(out), nbytes,
+                        _libnccl.ncclUint8, self._handle, xp.stream(x))
+        return out
+
+    def allreduce_many(self, arrays, a, op):
+        """Reduce every array of ``arrays`` in place, in one NCCL group (one launch for all of them).
+
+        The arrays must be on this transport's device; any dtype/op pair :meth:`allreduce` accepts, also
+        non-contiguous views. Every rank must pass the same number of arrays, shapes and dtypes, in order.
+        Everything is validated before anything is enqueued.
+        """
+        plans = []
+        for i, x in enumerate(arrays):
+            xp, info = self._prepare(x)
+            if xp.index(x) != self.device_index:
+                raise ValueError(f"allreduce_many: array {i} is on cuda:{xp.index(x)}, but this transport "
+                                 f"serves cuda:{self.device_index}; group arrays by device")
+            dtype, nop, mult = self._reduction(info, op)
+            plans.append((x, xp, dtype, nop, xp.numel(x) * mult))
+        if self._comm.check:
+            _check.agree(self._host, {"collective": "allreduce_many", "op": op, "device": "cuda",
+                                      "shapes": [xp.shape(x) for x, xp, *_ in plans],
+                                      "dtypes": [xp.dtype(x).name for x, xp, *_ in plans]})
+        bufs = [xp.contiguous(x) for x, xp, *_ in plans]
+        if not any(count for *_, count in plans):
+            return arrays
+        lib = self._lib
+        try:
+            lib.group_start()
+            try:
+                for (x, xp, dtype, nop, count), (buf, _) in zip(plans, bufs):
+                    if count:
+                        p = xp.ptr(buf)
+                        lib.all_reduce(p, p, count, dtype, nop, self._handle, xp.stream(x))
+            finally:
+                status = lib.group_end()
+        except NcclError:
+            self._after_error("ncclGroupEnd")
+            raise
+        if status != _libnccl.ncclSuccess:
+            self._settle("ncclGroupEnd")
+        for (x, xp, *_), (buf, in_place) in zip(plans, bufs):
+            if not in_place:
+                xp.copy_back(x, buf)
+        return arrays

@@ -1,0 +1,214 @@
+"""Allreduce of large host buffers through node-shared memory (an MPI-3 shared window), NumPy kernels.
+
+Between the processes of one node, MPI's own allreduce moves the bytes through small shared cells and
+reduces them piecemeal; for large messages it runs at a fraction of memory bandwidth. Here the ranks of a
+node share one window (``MPI.Win.Allocate_shared``) and reduce in it with NumPy ufuncs:
+
+1. every rank copies its chunk into its slot of the window (all but its own slice, see below);
+2. node barrier;
+3. rank ``p`` reduces slice ``p`` of the chunk (1/local_size of it) over every rank's data, in rank order,
+   into its own buffer and into the result region of its slot;
+4. node barrier;
+5. every rank copies the other ranks' result slices into its buffer.
+
+Each element is computed by exactly one rank, always in the same order (``((x0 op x1) op x2) ...``), so
+every rank gets bit-identical results, run after run. Messages larger than one chunk go through in
+chunk-sized pieces; the window is never larger than ``COLLECTIVES_SHM_SLOT_BYTES`` per rank, whatever
+the message size. Two barriers per chunk suffice (no barrier before a slot is reused): a slot is laid out
+as ``local_size`` fixed regions, region ``q`` of rank ``p``'s slot holding p's input for slice ``q`` and
+region ``p`` holding p's result; a rank rewrites its input regions only after every reader has passed
+the first barrier of the same chunk, and its result region only after every rank has entered the next
+chunk (so has finished copying the last one out).
+
+Across nodes (ranks that do not share memory) the reduction is hierarchical: node-local reduce as above,
+then an MPI allreduce among the node leaders (local rank 0) on the node's result, then a node barrier
+after which every rank copies the global result out of the leader-written regions.
+
+Only for dtypes NumPy reduces natively (bool, int*, uint*, float*, complex*); ``op`` is ``sum``, ``prod``,
+``min``, ``max`` or ``mean`` (sum, then a division of each result slice by the number of ranks, done by
+the rank that owns the slice: one pass over 1/local_size of the data instead of a pass over all of it).
+``min``/``max`` propagate NaN (``np.minimum``/``np.maximum``).
+
+Made lazily, collectively, by :class:`~collectives._backends.mpi.MPITransport` on the first allreduce
+at or above ``COLLECTIVES_SHM_THRESHOLD`` (every rank calls that allreduce, so every rank gets here).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import _config
+
+KERNELS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum, "mean": np.add}
+_KINDS = "biufc"  # NumPy reduces these natively on the host
+_ALIGN = 64  # bytes: regions start on cache-line boundaries (every itemsize divides it)
+MIN_SLOT_BYTES = 64 * 2**10
+NEVER = 2**63  # a threshold no buffer reaches
+
+
+def settings(comm, local_size: int) -> int:
+    """The agreed shared-memory threshold in bytes (``NEVER`` when the path is off). Collective.
+
+    Every rank must take the same path for the same call, so the switch and the threshold are agreed
+    once, when the transport is made: off if any rank has ``COLLECTIVES_SHM=0`` or if no node holds more
+    than one rank (nothing to share), else the largest threshold any rank asked for.
+    """
+    from mpi4py import MPI
+
+    mine = np.array([0 if _config.shm() else 1, _config.shm_threshold(), local_size], dtype=np.int64)
+    comm.Allreduce(MPI.IN_PLACE, mine, MPI.MAX)
+    disabled, threshold, max_local = (int(v) for v in mine)
+    return NEVER if disabled or max_local < 2 else threshold
+
+
+class Reducer:
+    """Allreduce through a node-shared window. Collective to make, to use and to close (over ``comm``).
+
+    Args:
+        comm: the (private) intra-communicator to reduce over.
+        slot_bytes: window bytes per rank (the smallest value any rank passes is used); a message goes
+            through in pieces of about this size.
+        types: NumPy dtype -> MPI datatype, for the allreduce among node leaders.
+        node_color: ``None`` to group ranks by shared memory (``COMM_TYPE_SHARED``); an int to group them
+            by this color instead (tests use it to make one machine look like several nodes; the ranks
+            of one color must still share memory).
+    """
+
+    def __init__(self, comm, *, slot_bytes: int, types: dict, node_color: int | None = None):
+        from mpi4py import MPI
+
+        self.MPI = MPI
+        rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        if node_color is None:
+            self.node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+        else:
+            self.node = comm.Split(node_color, key=rank)
+        self.local_rank, self.local_size = self.node.Get_rank(), self.node.Get_size()
+        n = self.local_size
+        slot = comm.allreduce(max(int(slot_bytes), MIN_SLOT_BYTES), op=MPI.MIN)
+        self.stride = slot // n // _ALIGN * _ALIGN  # bytes of one region
+        # The chunk must be the same on every node (the leaders' allreduces must match): the smallest.
+        self.chunk_bytes = comm.allreduce(self.stride * n, op=MPI.MIN)
+        self.multi_node = self.size > n  # same answer on every rank: nodes partition comm
+        self.leaders = None
+        if self.multi_node:
+            leaders = comm.Split(0 if self.local_rank == 0 else MPI.UNDEFINED, key=rank)
+            self.leaders = None if leaders == MPI.COMM_NULL else leaders
+        self._types = types
+        self._mpi_ops = {"sum": MPI.SUM, "mean": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}
+        info = MPI.Info.Create()
+        info.Set("alloc_shared_noncontig", "true")  # each rank's slot in its own pages (NUMA first touch)
+        try:
+            self.win = MPI.Win.Allocate_shared(self.stride * n, 1, info, comm=self.node)
+        finally:
+            info.Free()
+        self.win.Lock_all(MPI.MODE_NOCHECK)  # one passive epoch for the window's life: load/store + Sync
+        self._slots = []
+        for q in range(n):
+            mem, _ = self.win.Shared_query(q)
+            self._slots.append(np.frombuffer(mem, dtype=np.uint8))
+        self._regions: dict = {}  # dtype -> regions[q][p]: rank q's region p, as that dtype
+        self._win_sync, self._node_barrier = self.win.Sync, self.node.Barrier
+
+    def supports(self, dtype: np.dtype, op: str) -> bool:
+        """True if :meth:`allreduce` takes this dtype/op pair (else the caller uses MPI)."""
+        if dtype.kind not in _KINDS or not dtype.isnative or op not in KERNELS:
+            return False
+        if op == "mean" and dtype.kind not in "fc":
+            return False
+        return not self.multi_node or dtype in self._types
+
+    def _views(self, dtype: np.dtype):
+        views = self._regions.get(dtype)
+        if views is None:
+            n, stride = self.local_size, self.stride
+            cap = stride // dtype.itemsize
+            views = [[slot[p * stride:p * stride + cap * dtype.itemsize].view(dtype) for p in range(n)]
+                     for slot in self._slots]
+            self._regions[dtype] = views
+        return views
+
+    def _sync(self) -> None:
+        self._win_sync()
+        self._node_barrier()
+        self._win_sync()
+
+    def allreduce(self, buf: np.ndarray, op: str) -> None:
+        """Reduce the contiguous ``buf`` in place over every rank of ``comm``; ``op`` as in :meth:`supports`.
+
+        Every rank must call it with the same op, dtype and size.
+        """
+        flat = buf.reshape(-1)
+        total = flat.shape[0]
+        step = self.chunk_bytes // flat.dtype.itemsize
+        ufunc = KERNELS[op]
+        divisor = float(self.size) if op == "mean" else None
+        regions = self._views(flat.dtype)
+        n, p = self.local_size, self.local_rank
+        for lo in range(0, total, step):
+            chunk = flat[lo:lo + step]
+            c = chunk.shape[0]
+            bounds = [c * q // n for q in range(n + 1)]
+            if n > 1:
+                self._node_reduce(chunk, bounds, regions, ufunc, None if self.multi_node else divisor)
+            if self.multi_node:
+                self._across_nodes(chunk, bounds, regions, op, divisor)
+            elif n > 1:
+                for q in range(n):  # 5: the other ranks' result slices
+                    if q != p:
+                        chunk[bounds[q]:bounds[q + 1]] = regions[q][q][:bounds[q + 1] - bounds[q]]
+            elif divisor is not None:
+                np.divide(chunk, divisor, out=chunk)
+
+    def _node_reduce(self, chunk, bounds, regions, ufunc, divisor) -> None:
+        n, p = self.local_size, self.local_rank
+        slot = regions[p]
+        for q in range(n):  # 1: my inputs for the other ranks' slices
+            if q != p:
+                lo, hi = bounds[q], bounds[q + 1]
+                slot[q][:hi - lo] = chunk[lo:hi]
+        self._sync()  # 2
+        lo, hi = bounds[p], bounds[p + 1]  # 3: my slice, over every rank's data, in rank order
+        mine = chunk[lo:hi]
+        res = slot[p][:hi - lo]
+        src = [mine if q == p else regions[q][p][:hi - lo] for q in range(n)]
+        ufunc(src[0], src[1], out=res)
+        for q in range(2, n):
+            ufunc(res, src[q], out=res)
+        if divisor is not None:
+            np.divide(res, divisor, out=res)
+        mine[...] = res
+        self._sync()  # 4
+
+    def _across_nodes(self, chunk, bounds, regions, op, divisor) -> None:
+        n = self.local_size
+        if self.leaders is not None:  # a node leader: gather the node's result, reduce across leaders
+            for q in range(1, n):
+                chunk[bounds[q]:bounds[q + 1]] = regions[q][q][:bounds[q + 1] - bounds[q]]
+            self.leaders.Allreduce(self.MPI.IN_PLACE, [chunk, self._types[chunk.dtype]], self._mpi_ops[op])
+            if divisor is not None:
+                np.divide(chunk, divisor, out=chunk)
+            if n > 1:
+                for q in range(n):
+                    regions[q][q][:bounds[q + 1] - bounds[q]] = chunk[bounds[q]:bounds[q + 1]]
+        if n > 1:
+            self._sync()
+            if self.leaders is None:
+                for q in range(n):
+                    chunk[bounds[q]:bounds[q + 1]] = regions[q][q][:bounds[q + 1] - bounds[q]]
+
+    def close(self) -> None:
+        """Free the window and the communicators. Collective over ``comm``; idempotent."""
+        win, self.win = getattr(self, "win", None), None
+        self._regions, self._slots = {}, []
+        self._win_sync = self._node_barrier = None
+        comms = [c for c in (getattr(self, "leaders", None), getattr(self, "node", None)) if c is not None]
+        self.leaders = self.node = None
+        if self.MPI.Is_finalized():
+            return
+        if win is not None:
+            win.Unlock_all()
+            win.Free()
+        for c in comms:
+            c.Free()

@@ -1,0 +1,122 @@
+"""One failure scenario, run by every rank: ``mpiexec -n N python tests/crash/scenario.py NAME``.
+
+The rank that causes the failure prints ``FAILING <name> AT <time.time()>`` to stdout (flushed) just
+before it fails, so the test can tell how long the job took to end after the failure, apart from the
+start-up time. A rank that gets past the point where the job should have ended prints ``SURVIVED``.
+Scenarios that must end cleanly print ``DONE <rank>`` and exit 0.
+"""
+
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+import collectives as coll
+
+
+def mark(what: str) -> None:
+    print(f"FAILING {what} AT {time.time():.3f}", flush=True)
+
+
+def main(name: str) -> None:
+    comm = coll.init()
+    rank, last = comm.rank, comm.size - 1
+    x = np.ones(4)
+    comm.allreduce(x)  # everybody is up and talking
+
+    if name == "exception":  # one rank raises; the others are blocked in a collective
+        if comm.rank == last:
+            mark(name)
+            raise ValueError(f"boom from rank {comm.rank}")
+        comm.allreduce(x)
+
+    elif name == "library-error":  # an invalid call on one rank, unchecked: a TypeError there
+        if comm.rank == last:
+            mark(name)
+            comm.allreduce(np.arange(4), op="mean")
+        else:
+            comm.allreduce(x, op="mean")
+
+    elif name == "sigkill":  # one rank is killed hard mid-training
+        for step in range(5):
+            if step == 3 and comm.rank == last:
+                mark(name)
+                os.kill(os.getpid(), signal.SIGKILL)
+            comm.allreduce(x)
+
+    elif name == "mismatch":  # checked mode, different shapes, not caught: every rank raises
+        if comm.rank == 0:
+            mark(name)
+        comm.allreduce(np.ones(4 + (comm.rank == last)))
+
+    elif name == "mismatch-caught":  # checked mode, caught on every rank, then the job goes on
+        try:
+            comm.allreduce(np.ones(4 + (comm.rank == last)))
+        except coll.MismatchError as e:
+            print(f"rank {comm.rank} caught MismatchError: {e}", flush=True)
+        else:
+            raise AssertionError("no MismatchError")
+        try:
+            if comm.rank == last:
+                comm.broadcast(x, root=comm.size)  # out of range, on this rank only
+            else:
+                comm.broadcast(x, root=0)
+        except (ValueError, coll.MismatchError) as e:
+            print(f"rank {comm.rank} caught {type(e).__name__}: {e}", flush=True)
+        else:
+            raise AssertionError("no error")
+        y = np.full(3, float(comm.rank))
+        comm.allreduce(y)
+        assert (y == sum(range(comm.size))).all(), y
+
+    elif name == "deadline":  # one rank never arrives; the others' deadline ends the job
+        if comm.rank == last:
+            time.sleep(120)
+        else:
+            mark(name)
+        comm.allreduce(x)
+
+    elif name == "deadline-checked":  # the same, caught in checked mode's agreement step
+        if comm.rank == last:
+            time.sleep(120)
+        else:
+            mark(name)
+        comm.broadcast(x, root=0)
+
+    elif name == "early-exit":  # one rank returns early (status 0), the others still call collectives
+        if comm.rank == last:
+            mark(name)
+            sys.exit(0)
+        comm.allreduce(x)
+
+    elif name == "clean":  # all the collectives, then exit without finalize(): status 0, nothing on stderr
+        comm.broadcast(x, root=last)
+        comm.reduce(x, op="max", root=last)
+        comm.allgather(x)
+        comm.barrier()
+        if hasattr(coll, "allreduce_tree"):
+            coll.allreduce_tree({"w": np.ones(3), "b": [np.zeros(2)]}, op="mean")
+        from mpi4py import MPI
+
+        user = MPI.COMM_WORLD.Split(0, last - comm.rank)
+        coll.init(comm=user).allreduce(x)  # a second communicator, never released by the user
+
+    elif name == "clean-finalize":  # the same with an explicit finalize, and init again after it
+        coll.finalize()
+        comm = coll.init()
+        comm.allreduce(x)
+        coll.finalize()
+
+    else:
+        raise SystemExit(f"unknown scenario {name!r}")
+
+    if name.startswith(("clean", "mismatch-caught")):
+        print(f"DONE {rank}", flush=True)
+    else:
+        print(f"SURVIVED {rank}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,176 @@
+"""How, and how fast, a job ends when a rank fails: each scenario of ``scenario.py`` under
+``mpiexec -n N`` (N = 2, 3) in a subprocess with a timeout. A single-process pytest directory:
+
+    python -m pytest tests/crash -q
+
+Times are measured from the moment the failing rank reports it fails (``FAILING ... AT t``), so the
+start-up of Python, NumPy and MPI does not count; the bounds are generous for loaded CI machines, and
+every run prints its timing (``-s`` shows them).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+SCENARIO = HERE / "scenario.py"
+SIZES = [2, 3]
+PROMPT_S = 10.0  # a failure must end the whole job within this many seconds of happening
+DEADLINE_S = 3.0  # COLLECTIVES_TIMEOUT for the deadline scenarios
+RUN_LIMIT_S = 120  # the subprocess timeout: reaching it means the job hung
+
+
+def mpiexec() -> str:
+    here = Path(sys.executable).parent / "mpiexec"
+    return str(here) if here.exists() else (shutil.which("mpiexec") or "mpiexec")
+
+
+class Job:
+    def __init__(self, rc, out, err, wall, failed_at, ended_at):
+        self.rc, self.out, self.err, self.wall = rc, out, err, wall
+        self.after_failure = None if failed_at is None else ended_at - failed_at
+
+    def __repr__(self):
+        return (f"<Job rc={self.rc} wall={self.wall:.1f}s after_failure={self.after_failure}>\n"
+                f"--- stdout ---\n{self.out[-3000:]}\n--- stderr ---\n{self.err[-6000:]}")
+
+
+def run(name: str, n: int, **env_extra) -> Job:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "PMIX_", "OMPI_", "MPI_LOCAL", "HYDRA", "SLURM_", "MV2_", "PALS_",
+                                "COLLECTIVES_"))}
+    env.update({k: str(v) for k, v in env_extra.items()})
+    env["PYTHONUNBUFFERED"] = "1"
+    cmd = [mpiexec(), "-n", str(n), sys.executable, str(SCENARIO), name]
+    start = time.time()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=RUN_LIMIT_S)
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        err = exc.stderr.decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+        pytest.fail(f"{name} at {n} ranks HUNG: still running after {RUN_LIMIT_S}s\n{out[-3000:]}\n{err[-3000:]}")
+    ended = time.time()
+    marks = [float(t) for t in re.findall(r"^FAILING \S+ AT ([\d.]+)$", proc.stdout, re.M)]
+    job = Job(proc.returncode, proc.stdout, proc.stderr, ended - start, min(marks) if marks else None, ended)
+    after = f"{job.after_failure:.2f}s after the failure" if marks else "no failure mark"
+    print(f"\n[crash] {name} -n {n} {env_extra or ''}: exit {job.rc}, {job.wall:.2f}s wall, {after}")
+    return job
+
+
+def ended_promptly(job: Job, within: float = PROMPT_S) -> None:
+    assert job.rc != 0, job
+    assert job.after_failure is not None, job
+    assert job.after_failure < within, job
+    assert "SURVIVED" not in job.out, job
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_uncaught_exception_on_one_rank_aborts_the_job(n):
+    job = run("exception", n)
+    ended_promptly(job)
+    assert job.rc == 1, job  # MPI_Abort's errorcode
+    assert f"collectives: rank {n - 1} of {n} failed with ValueError: boom from rank {n - 1}" in job.err, job
+    assert "Traceback (most recent call last)" in job.err and "raise ValueError" in job.err, job
+    assert f"aborting all {n} ranks" in job.err, job
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_invalid_call_on_one_rank_unchecked_aborts_the_job(n):
+    job = run("library-error", n)
+    ended_promptly(job)
+    assert f"rank {n - 1} of {n} failed with TypeError: op='mean' on integer dtype int64" in job.err, job
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_sigkill_of_one_rank_ends_the_job(n):
+    """MPICH's hydra notices the killed process and ends the others by itself (no deadline needed)."""
+    job = run("sigkill", n)
+    ended_promptly(job)
+    assert "signal 9" in (job.out + job.err).lower() or job.rc in (9, 137, -9), job
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_sigkill_with_a_deadline_set_ends_the_job_as_promptly(n):
+    job = run("sigkill", n, COLLECTIVES_TIMEOUT=60)
+    ended_promptly(job)
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_checked_mismatch_raises_on_every_rank_and_ends_the_job(n):
+    job = run("mismatch", n, COLLECTIVES_CHECK=1)
+    ended_promptly(job)
+    assert "MismatchError" in job.err, job
+    sides = f"rank 0 has (4,), rank 1 has (5,)" if n == 2 else f"ranks 0,1 have (4,), rank 2 has (5,)"
+    assert f"ranks disagree about allreduce (checked mode): shape: {sides}" in job.err, job
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_checked_mismatch_caught_leaves_the_job_usable(n):
+    job = run("mismatch-caught", n, COLLECTIVES_CHECK=1)
+    assert job.rc == 0, job
+    assert job.err == "", job
+    assert sorted(re.findall(r"^DONE (\d+)$", job.out, re.M)) == [str(r) for r in range(n)], job
+    assert job.out.count("caught MismatchError: ranks disagree about allreduce") == n, job
+    assert f"rank {n - 1} caught ValueError: root={n} is out of range" in job.out, job
+    assert job.out.count(f"caught MismatchError: broadcast refused by rank {n - 1}") == n - 1, job
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_deadline_ends_a_job_with_a_rank_that_never_arrives(n):
+    job = run("deadline", n, COLLECTIVES_TIMEOUT=DEADLINE_S)
+    ended_promptly(job, within=DEADLINE_S + PROMPT_S)
+    assert job.after_failure >= DEADLINE_S - 0.1, job
+    assert "CollectiveTimeoutError" in job.err, job
+    assert re.search(rf"allreduce of 4 x float64 \(op=sum\) did not complete on rank \d of {n} within "
+                     rf"COLLECTIVES_TIMEOUT={DEADLINE_S:g} s", job.err), job
+    assert re.search(rf"collectives: rank \d of {n} failed with CollectiveTimeoutError", job.err), job
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_deadline_covers_the_agreement_step(n):
+    job = run("deadline-checked", n, COLLECTIVES_TIMEOUT=DEADLINE_S, COLLECTIVES_CHECK=1)
+    ended_promptly(job, within=DEADLINE_S + PROMPT_S)
+    assert job.after_failure >= DEADLINE_S - 0.1, job
+    assert "the agreement step (allgather of call descriptions) did not complete" in job.err, job
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_deadline_ends_a_job_whose_rank_exited_early(n):
+    job = run("early-exit", n, COLLECTIVES_TIMEOUT=DEADLINE_S)
+    ended_promptly(job, within=DEADLINE_S + PROMPT_S)
+    assert "CollectiveTimeoutError" in job.err, job
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_without_abort_the_deadline_still_ends_the_job(n):
+    """COLLECTIVES_ABORT_ON_ERROR=0: the failed rank exits alone; the others' deadline ends them."""
+    job = run("exception", n, COLLECTIVES_ABORT_ON_ERROR=0, COLLECTIVES_TIMEOUT=DEADLINE_S)
+    ended_promptly(job, within=DEADLINE_S + PROMPT_S)
+    assert "collectives: rank" not in job.err.replace("collectives: allreduce", ""), job  # no abort hook
+    assert "ValueError: boom" in job.err and "CollectiveTimeoutError" in job.err, job
+    assert "MPI_Abort" not in job.err, job
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("env", [{}, {"COLLECTIVES_CHECK": 1}, {"COLLECTIVES_TIMEOUT": 30}],
+                         ids=["plain", "checked", "deadline"])
+def test_exit_without_finalize_is_clean(n, env):
+    job = run("clean", n, **env)
+    assert job.rc == 0, job
+    assert job.err == "", job
+    assert sorted(re.findall(r"^DONE (\d+)$", job.out, re.M)) == [str(r) for r in range(n)], job
+    assert job.wall < RUN_LIMIT_S / 2, job
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_finalize_and_init_again_is_clean(n):
+    job = run("clean-finalize", n, COLLECTIVES_TIMEOUT=30)
+    assert job.rc == 0 and job.err == "", job

@@ -1,0 +1,257 @@
+"""CUDA arrays (torch and CuPy) through the array collectives, at any world size.
+
+Which transport runs depends on the environment, and the tests follow it: NCCL by default;
+``COLLECTIVES_DISABLE_NCCL=1`` gives host staging (or CUDA-aware MPI with
+``COLLECTIVES_CUDA_AWARE_MPI=1``). Two ranks may share one GPU with ``NCCL_MULTI_RANK_GPU_ENABLE=1``.
+"""
+
+import numpy as np
+import pytest
+
+import collectives as coll
+from collectives import _config
+from collectives._backends import _libnccl, cuda
+from support.arrays import DTYPES, legal, rank_values, reduce_reference
+
+OPS = ["sum", "prod", "min", "max", "mean"]
+CUDA = 2  # DLPack kDLCUDA
+
+
+def expected_transport(comm) -> str:
+    info = _libnccl.info()
+    nccl = (info["available"] and not _config.disable_nccl()
+            and tuple(int(p) for p in info["version"].split(".")) >= cuda.MIN_NCCL)
+    return cuda.choose_transport(nccl, _config.cuda_aware_mpi(), mpi=comm.backend == "mpi")
+
+
+def legal_here(op: str, dtype: str, transport: str) -> bool:
+    if not legal(op, dtype):
+        return False
+    if transport == "nccl" and (dtype in ("int16", "uint16") or (dtype.startswith("complex") and op == "prod")):
+        return False  # NCCL has no 16-bit integers and no complex type
+    return True
+
+
+def assert_reduced(got, want, dtype, op):
+    if dtype in ("float16", "bfloat16") and op in ("mean", "prod"):
+        np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=1e-2)
+    elif op == "mean":  # ncclAvg may pre-multiply by 1/n: last-bit differences
+        single = got.dtype in (np.float32, np.complex64)
+        np.testing.assert_allclose(got, want.astype(got.dtype), rtol=1e-6 if single else 1e-12)
+    else:
+        np.testing.assert_array_equal(got.astype(want.dtype), want)
+
+
+def transport_of(comm, dev):
+    return comm._devices[(CUDA, dev.index)]
+
+
+def test_transport_is_reported(comm, dev):
+    x = dev.make(np.ones(3), "float32")
+    assert coll.allreduce(x, comm=comm) is x
+    name = cuda.device_transports(comm)[f"cuda:{dev.index}"]
+    assert name == expected_transport(comm) == transport_of(comm, dev).name
+    np.testing.assert_array_equal(dev.to_numpy(x), np.full(3, comm.size, np.float32))
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_allreduce_every_op_and_dtype(comm, dev, dtype, op):
+    if not dev.has(dtype):
+        pytest.skip(f"{dev.name} has no {dtype}")
+    values = [rank_values(r, (3, 5), dtype, op) for r in range(comm.size)]
+    x = dev.make(values[comm.rank], dtype)
+    ptr = dev.ptr(x)
+    if not legal_here(op, dtype, expected_transport(comm)):
+        with pytest.raises(TypeError):
+            coll.allreduce(x, op, comm=comm)
+        np.testing.assert_array_equal(dev.to_numpy(x), dev.to_numpy(dev.make(values[comm.rank], dtype)))
+        return
+    assert coll.allreduce(x, op, comm=comm) is x
+    assert dev.ptr(x) == ptr  # in place, no reallocation
+    assert_reduced(dev.to_numpy(x), reduce_reference(values, op, dtype), dtype, op)
+
+
+def test_nccl_refusals_name_the_reason(comm, dev):
+    if expected_transport(comm) != "nccl":
+        pytest.skip("NCCL-only rules")
+    with pytest.raises(TypeError, match="int16 is not a NCCL type"):
+        coll.allreduce(dev.make(np.ones(2), "int16"), comm=comm)
+    with pytest.raises(TypeError, match="complex"):
+        coll.allreduce(dev.make(np.ones(2), "complex64"), "prod", comm=comm)
+    with pytest.raises(TypeError, match="op='max' \\(logical any\\)"):
+        coll.allreduce(dev.make(np.ones(2), "bool"), "sum", comm=comm)
+
+
+@pytest.mark.parametrize("dtype", ["bool", "int16", "int64", "float16", "bfloat16", "float32", "complex128"])
+def test_broadcast_bit_for_bit(comm, dev, dtype):
+    if not dev.has(dtype):
+        pytest.skip(f"{dev.name} has no {dtype}")
+    for root in sorted({0, comm.size - 1}):
+        values = [rank_values(r, (4, 3), dtype) for r in range(comm.size)]
+        x = dev.make(values[comm.rank], dtype)
+        assert coll.broadcast(x, root, comm=comm) is x
+        np.testing.assert_array_equal(dev.to_numpy(x), dev.to_numpy(dev.make(values[root], dtype)))
+
+
+@pytest.mark.parametrize("dtype, op", [("float32", "sum"), ("int32", "max"), ("float64", "mean"),
+                                       ("complex64", "sum")])
+def test_reduce_root_gets_result_others_unchanged(comm, dev, dtype, op):
+    for root in sorted({0, comm.size - 1}):
+        values = [rank_values(r, (2, 6), dtype, op) for r in range(comm.size)]
+        base = dev.make(np.stack([values[comm.rank]] * 2, axis=-1), dtype)  # (2, 6, 2)
+        x = base[..., 0]  # non-contiguous
+        assert coll.reduce(x, op, root, comm=comm) is x
+        got = dev.to_numpy(x)
+        if comm.rank == root:
+            assert_reduced(got, reduce_reference(values, op, dtype), dtype, op)
+        else:
+            np.testing.assert_array_equal(got, values[comm.rank].astype(dtype))
+        np.testing.assert_array_equal(dev.to_numpy(base[..., 1]), values[comm.rank].astype(dtype))
+
+
+@pytest.mark.parametrize("dtype", ["bool", "int8", "float16", "bfloat16", "float64", "complex64"])
+def test_allgather_new_array_on_the_same_device(comm, dev, dtype):
+    if not dev.has(dtype):
+        pytest.skip(f"{dev.name} has no {dtype}")
+    values = [rank_values(r, (3, 4), dtype) for r in range(comm.size)]
+    x = dev.make(values[comm.rank], dtype).T  # non-contiguous
+    out = coll.allgather(x, comm=comm)
+    assert dev.is_array(out) and dev.device_of(out) == dev.index and out is not x
+    assert tuple(out.shape) == (comm.size, 4, 3) and out.dtype == x.dtype
+    got = dev.to_numpy(out)
+    for r in range(comm.size):
+        np.testing.assert_array_equal(got[r], dev.to_numpy(dev.make(values[r], dtype)).T)
+
+
+def test_empty_and_zero_d(comm, dev):
+    e = dev.make(np.zeros(0), "float32")
+    assert coll.allreduce(e, comm=comm) is e and coll.broadcast(e, 0, comm=comm) is e
+    assert tuple(coll.allgather(e, comm=comm).shape) == (comm.size, 0)
+    s = dev.make(np.array(comm.rank + 1.0), "float64")
+    coll.allreduce(s, "sum", comm=comm)
+    assert float(dev.to_numpy(s)) == comm.size * (comm.size + 1) / 2
+    g = coll.allgather(s, comm=comm)
+    assert tuple(g.shape) == (comm.size,)
+
+
+def test_non_contiguous_views_are_written_in_place(comm, dev):
+    base = dev.make(np.full((4, 6), comm.rank + 1.0), "float32")
+    view = base[:, ::2]
+    assert coll.allreduce(view, "sum", comm=comm) is view
+    got = dev.to_numpy(base)
+    assert (got[:, ::2] == comm.size * (comm.size + 1) / 2).all() and (got[:, 1::2] == comm.rank + 1).all()
+    t = dev.make(np.arange(12.0).reshape(3, 4) + comm.rank, "float64").T
+    coll.allreduce(t, "max", comm=comm)
+    np.testing.assert_array_equal(dev.to_numpy(t), (np.arange(12.0).reshape(3, 4) + comm.size - 1).T)
+
+
+def test_torch_conj_neg_and_requires_grad(comm, dev):
+    if dev.name != "torch":
+        pytest.skip("torch only")
+    torch = dev.xp
+    base = torch.tensor([1 + 1j, 2 - 1j], dtype=torch.complex64, device=f"cuda:{dev.index}")
+    view = base.conj()
+    coll.allreduce(view, "sum", comm=comm)
+    np.testing.assert_array_equal(dev.to_numpy(view), np.array([1 - 1j, 2 + 1j], np.complex64) * comm.size)
+    p = torch.ones(3, device=f"cuda:{dev.index}", requires_grad=True)
+    assert coll.allreduce(p, "sum", comm=comm) is p
+    assert p.requires_grad and p.grad is None and (p.detach() == comm.size).all()
+
+
+def test_stream_ordered_on_a_side_stream(comm, dev):
+    n = 1 << 22
+    if dev.name == "torch":
+        torch = dev.xp
+        s = torch.cuda.Stream(device=dev.index)
+        with torch.cuda.stream(s):
+            a = torch.rand(2048, 2048, device=f"cuda:{dev.index}")
+            for _ in range(4):  # keep the stream busy so that a wrong stream would race
+                a = a @ a / 2048
+            x = torch.full((n,), float(comm.rank + 1), device=f"cuda:{dev.index}") + a.sum() * 0
+            coll.allreduce(x, "sum", comm=comm)
+            y = x * 2
+        s.synchronize()
+        got = y.cpu().numpy()
+    else:
+        cp = dev.xp
+        with cp.cuda.Device(dev.index), cp.cuda.Stream(non_blocking=True) as s:
+            a = cp.random.rand(2048, 2048, dtype=cp.float32)
+            for _ in range(4):
+                a = a @ a / 2048
+            x = cp.full((n,), float(comm.rank + 1), dtype=cp.float32) + a.sum() * 0
+            coll.allreduce(x, "sum", comm=comm)
+            y = x * 2
+            s.synchronize()
+            got = cp.asnumpy(y)
+    assert (got == comm.size * (comm.size + 1)).all()
+
+
+def test_allreduce_many_in_one_group(comm, dev):
+    coll.allreduce(dev.make(np.ones(1), "float32"), comm=comm)  # makes the transport if needed
+    transport = transport_of(comm, dev)
+    arrays = [dev.make(np.full(7, comm.rank + 1.0), "float32"),
+              dev.make(np.full((2, 3), comm.rank + 1), "int64"),
+              dev.make(np.full((4, 4), comm.rank + 1.0), "float64")[:, 1],  # non-contiguous
+              dev.make(np.full(3, comm.rank + 1.0), "float16"),
+              dev.make(np.zeros(0), "float32")]
+    assert transport.allreduce_many(arrays, None, "sum") is arrays
+    tri = comm.size * (comm.size + 1) / 2
+    for a in arrays[:4]:
+        assert (dev.to_numpy(a) == tri).all()
+    floats = [arrays[0], arrays[2]]
+    transport.allreduce_many(floats, None, "mean")
+    for a in floats:
+        np.testing.assert_allclose(dev.to_numpy(a), tri, rtol=1e-6)
+    with pytest.raises(TypeError):  # validated before anything is enqueued, on every rank
+        transport.allreduce_many([arrays[0], arrays[1]], None, "mean")
+
+
+def test_two_ranks_on_one_gpu_refused_without_opt_in(comm, dev, monkeypatch):
+    if expected_transport(comm) != "nccl":
+        pytest.skip("the refusal is NCCL's")
+    f, _ = cuda.local_facts(comm, dev.index)
+    everyone = comm._host.allgather_object(f)
+    if not cuda.shared_devices([(e["host"], e["pci"]) for e in everyone]):
+        pytest.skip("every rank has its own GPU")
+    monkeypatch.setenv("NCCL_MULTI_RANK_GPU_ENABLE", "0")
+    with pytest.raises(coll.BackendUnavailableError, match="would share one GPU") as info:
+        cuda.make_transport(comm, (CUDA, dev.index))
+    assert "rank  host" in str(info.value) and "<- shared" in str(info.value)
+
+
+def test_tree_on_cuda_arrays(comm, dev):
+    if "allreduce_tree" not in coll.__all__:
+        pytest.skip("collectives.allreduce_tree is not in this build")
+    tree = {"w": dev.make(np.full((3, 2), comm.rank + 1.0), "float32"),
+            "b": [dev.make(np.full(4, comm.rank + 1), "int32"), dev.make(np.full(2, comm.rank + 1.0), "float64")],
+            "host": np.full(2, comm.rank + 1.0)}
+    out = coll.allreduce_tree(tree, op="sum", comm=comm)
+    tri = comm.size * (comm.size + 1) / 2
+    for leaf in (out["w"], out["b"][0], out["b"][1]):
+        assert dev.is_array(leaf) and (dev.to_numpy(leaf) == tri).all()
+    assert (out["host"] == tri).all()
+    if "synchronize" in coll.__all__:
+        tree = {"w": dev.make(np.full(3, float(comm.rank)), "float32"), "step": comm.rank}
+        out = coll.synchronize(tree, root=0, comm=comm)
+        assert (dev.to_numpy(out["w"]) == 0).all() and out["step"] == 0
+
+
+def test_distributed_optimizer_step_on_cuda(comm, dev):
+    if "DistributedOptimizer" not in coll.__all__:
+        pytest.skip("collectives.DistributedOptimizer is not in this build")
+    if dev.name != "torch":
+        pytest.skip("torch optimizer")
+    torch = dev.xp
+    torch.manual_seed(0)  # the same initial parameters on every rank
+    model = torch.nn.Linear(4, 2).cuda(dev.index)
+    opt = coll.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm=comm)
+    x = torch.full((3, 4), float(comm.rank + 1), device=f"cuda:{dev.index}")
+    model(x).square().sum().backward()
+    local = [p.grad.clone() for p in model.parameters()]
+    opt.step()
+    for p, g in zip(model.parameters(), local):
+        mean = coll.allgather(g, comm=comm).mean(0)
+        torch.testing.assert_close(p.grad, mean)
+        gathered = coll.allgather(p.detach(), comm=comm)
+        assert all(torch.equal(gathered[0], gathered[r]) for r in range(comm.size))

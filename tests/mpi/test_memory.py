@@ -1,0 +1,127 @@
+"""Repeated collectives do not grow the process: every cache the library keeps is bounded.
+
+Each case makes up to 10,000 calls after a warm-up and compares the resident set size (``/proc/self/statm``)
+before and after, allowing 2 MiB of slack. A time budget per case keeps the file under ~30 s even where
+ranks share cores (3 ranks on 2 cores: MPICH's blocking calls spin, and take milliseconds each): when the
+budget is spent, rank 0 says stop (a broadcast every block of calls, so every rank stops after the same
+call) and the case checks the calls it made, at least ``MIN_CALLS``. The ``deadline-`` cases run on a
+communicator made with ``COLLECTIVES_TIMEOUT`` set (the polled, non-blocking path).
+"""
+
+import gc
+import os
+import time
+
+import numpy as np
+import pytest
+
+import collectives as coll
+
+CALLS = 10_000
+MIN_CALLS = 100
+WARMUP = 30
+BLOCK = 50
+BUDGET_S = 1.5
+SLACK = 2 * 2**20
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc")
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def cases(comm):
+    x = np.ones(64, dtype=np.float32)
+    base = np.ones(128)
+    strided = base[::2]
+    small = np.arange(8, dtype=np.int64)
+    out = {
+        "allreduce": lambda: comm.allreduce(x),
+        "allreduce-strided-mean": lambda: comm.allreduce(strided, op="mean"),
+        "reduce": lambda: comm.reduce(small, op="max", root=comm.size - 1),
+        "broadcast": lambda: comm.broadcast(x, root=0),
+        "allgather": lambda: comm.allgather(small),
+        "barrier": comm.barrier,
+    }
+    try:
+        import torch
+
+        t = torch.ones(16, dtype=torch.bfloat16)
+        out["allreduce-torch-bfloat16"] = lambda: comm.allreduce(t, op="max")
+    except ImportError:
+        pass
+    if hasattr(coll, "allreduce_tree"):
+        tree = {"w": np.ones(4), "b": [np.zeros(2, dtype=np.float32)]}
+        out["allreduce_tree"] = lambda: coll.allreduce_tree(tree, op="sum", comm=comm)
+    return out
+
+
+NAMES = ["allreduce", "allreduce-strided-mean", "reduce", "broadcast", "allgather", "barrier",
+         "allreduce-torch-bfloat16", "allreduce_tree", "checked-allreduce", "deadline-allreduce",
+         "deadline-allgather", "deadline-checked-broadcast"]
+
+
+@pytest.fixture(scope="module")
+def deadline_comm(comm):
+    """A second communicator whose transport has a deadline (``COLLECTIVES_TIMEOUT`` set at its init)."""
+    if comm.backend != "mpi":
+        pytest.skip("the deadline is a property of the MPI transport")
+    from mpi4py import MPI
+
+    user = MPI.COMM_WORLD.Dup()
+    os.environ["COLLECTIVES_TIMEOUT"] = "300"
+    try:
+        c = coll.init(comm=user)
+    finally:
+        del os.environ["COLLECTIVES_TIMEOUT"]
+    assert type(c._host).__name__ == "DeadlineMPITransport"
+    yield c
+    coll._comm._by_comm.pop(id(user))[1].close()
+    user.Free()
+
+
+def calls_within_budget(comm, call) -> int:
+    flag = np.zeros(1, dtype=np.uint8)
+    done, start = 0, time.monotonic()
+    while done < CALLS:
+        for _ in range(BLOCK):
+            call()
+        done += BLOCK
+        flag[0] = done >= MIN_CALLS and time.monotonic() - start > BUDGET_S
+        comm.broadcast(flag, root=0)  # rank 0's clock decides for everybody
+        if flag[0]:
+            break
+    return done
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_repeated_calls_do_not_grow_memory(request, comm, name):
+    if name.startswith("deadline-"):
+        comm = request.getfixturevalue("deadline_comm")
+        name = name.removeprefix("deadline-")
+    checked = name.startswith("checked-")
+    table = cases(comm)
+    key = name.removeprefix("checked-")
+    if key not in table:
+        pytest.skip(f"{key} is not available here")
+    call = table[key]
+    saved = comm.check
+    comm.check = checked
+    try:
+        for _ in range(WARMUP):
+            call()
+        gc.collect()
+        before = rss()
+        done = calls_within_budget(comm, call)
+        gc.collect()
+        grown = rss() - before
+    finally:
+        comm.check = saved
+    everyone = comm.allgather(np.array([grown, done], dtype=np.int64))
+    print(f"\n[memory] {name}: {done} calls, RSS growth per rank (KiB): {(everyone[:, 0] // 1024).tolist()}")
+    assert (everyone[:, 1] == done).all()
+    assert (everyone[:, 0] < SLACK).all(), (
+        f"{name}: resident memory grew by {(everyone[:, 0] / 2**20).round(2).tolist()} MiB on the ranks "
+        f"over {done} calls (allowed {SLACK / 2**20:g} MiB)")

@@ -1,0 +1,249 @@
+"""The shared-memory allreduce (``_backends/shm.py``): every op x dtype against NumPy, at any world size.
+
+    timeout 300 mpiexec -n 3 python tests/mpi_pytest.py tests/mpi/test_shm.py -q -x
+
+Two reducers are tested: one over the real node (``COMM_TYPE_SHARED``: every rank of this machine) and one
+whose "nodes" are ``rank % 2``, so that at 2-4 ranks the hierarchical path (node-local reduce, an MPI
+allreduce among node leaders, node-local copy out) runs on one machine, with uneven nodes at 3 ranks.
+Both use the smallest slot, so sizes of a few thousand elements already go through several chunks.
+"""
+
+import numpy as np
+import pytest
+
+import collectives as coll
+from collectives._backends import mpi as mpi_backend
+from collectives._backends import shm
+
+MPI = pytest.importorskip("mpi4py.MPI")
+
+DTYPES = ["int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+          "float16", "float32", "float64", "complex64", "complex128"]
+OPS = ["sum", "prod", "min", "max", "mean"]
+FOLD = {"sum": np.add, "mean": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
+
+
+def legal(dtype: np.dtype, op: str) -> bool:
+    if dtype.kind == "c" and op in ("min", "max"):
+        return False
+    if dtype.kind == "b":
+        return op in ("min", "max")
+    return op != "mean" or dtype.kind in "fc"
+
+
+def inputs(dtype: np.dtype, op: str, count: int, rank: int, seed: int) -> np.ndarray:
+    """Rank ``rank``'s input: random, small where products could overflow, the same on every rank."""
+    rng = np.random.default_rng([seed, rank, count])
+    if dtype.kind == "b":
+        return rng.random(count) < 0.5
+    if dtype.kind in "iu":
+        lo, hi = (-3, 4) if op == "prod" else (-100, 100)
+        if dtype.kind == "u":
+            lo, hi = 0, hi
+        return rng.integers(lo, hi, count).astype(dtype)
+    if op == "prod":
+        x = rng.uniform(0.5, 1.5, count)
+    else:
+        x = rng.standard_normal(count) * 10
+    if dtype.kind == "c":
+        x = x + 1j * (rng.standard_normal(count) if op != "prod" else rng.uniform(-0.2, 0.2, count))
+    return x.astype(dtype)
+
+
+def reference(dtype, op, count, size, seed, order) -> np.ndarray:
+    """The reduction of every rank's input in ``order`` (a fold: ((x_a op x_b) op x_c) ...)."""
+    xs = [inputs(dtype, op, count, r, seed) for r in order]
+    out = xs[0].copy()
+    for x in xs[1:]:
+        FOLD[op](out, x, out=out)
+    if op == "mean":
+        np.divide(out, float(size), out=out)
+    return out
+
+
+def same_on_all_ranks(mpi_comm, x: np.ndarray) -> bool:
+    mine = np.ascontiguousarray(x).view(np.uint8).reshape(-1)
+    first = mine.copy()
+    mpi_comm.Bcast(first, root=0)
+    ok = np.array([int(np.array_equal(first, mine))])
+    mpi_comm.Allreduce(MPI.IN_PLACE, ok, MPI.MIN)
+    return bool(ok[0])
+
+
+@pytest.fixture(scope="module")
+def mpi_comm():
+    c = MPI.COMM_WORLD.Dup()
+    yield c
+    c.Free()
+
+
+@pytest.fixture(scope="module", params=["node", "rank%2"])
+def reducer(request, mpi_comm):
+    types = mpi_backend._tables(MPI)[1]
+    color = None if request.param == "node" else mpi_comm.Get_rank() % 2
+    r = shm.Reducer(mpi_comm, slot_bytes=1, types=types, node_color=color)  # the smallest slot
+    yield r
+    r.close()
+    r.close()  # idempotent
+
+
+def sizes(reducer, dtype: np.dtype) -> list[int]:
+    chunk = reducer.chunk_bytes // dtype.itemsize
+    return [1, 7, chunk - 1, chunk + 1, 2 * chunk + 13]
+
+
+def test_reducer_layout(reducer, mpi_comm):
+    n = reducer.local_size
+    assert reducer.chunk_bytes >= shm.MIN_SLOT_BYTES // 2
+    assert reducer.stride % 64 == 0 and reducer.stride * n <= shm.MIN_SLOT_BYTES  # bounded window
+    assert reducer.multi_node == (mpi_comm.Get_size() > n)
+    assert (reducer.leaders is not None) == (reducer.multi_node and reducer.local_rank == 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES + ["bool"])
+def test_every_op_and_dtype_against_numpy(reducer, mpi_comm, dtype):
+    dtype = np.dtype(dtype)
+    size, rank = mpi_comm.Get_size(), mpi_comm.Get_rank()
+    for op in OPS:
+        if not legal(dtype, op):
+            continue
+        if not reducer.supports(dtype, op):
+            assert reducer.multi_node and dtype not in mpi_backend._tables(MPI)[1]
+            continue
+        for count in sizes(reducer, dtype):
+            x = inputs(dtype, op, count, rank, seed=11)
+            reducer.allreduce(x, op)
+            assert same_on_all_ranks(mpi_comm, x), f"{op} {dtype} x{count}: ranks differ"
+            want = reference(dtype, op, count, size, 11, range(size))
+            # one node: reduced in rank order, so equal to the fold bit for bit (but NumPy's complex
+            # multiply rounds differently in its SIMD and scalar loops); integers: in any order
+            exact = not reducer.multi_node and not (op == "prod" and dtype.kind == "c")
+            if exact or dtype.kind in "biu":
+                assert np.array_equal(x, want), f"{op} {dtype} x{count}"
+            else:  # node-local, then across leaders: another order of the floating-point operations
+                tol = float(np.finfo(dtype).eps) * 4 * size
+                scale = max(1.0, float(np.abs(want).max(initial=0)))
+                assert np.allclose(x, want, rtol=tol, atol=tol * scale), f"{op} {dtype} x{count}"
+
+
+def test_multidimensional_and_repeated_calls(reducer, mpi_comm):
+    """A 3-d buffer, then many calls in a row with changing sizes (slot reuse without extra barriers)."""
+    size, rank = mpi_comm.Get_size(), mpi_comm.Get_rank()
+    chunk = reducer.chunk_bytes // 4
+    for i, count in enumerate([chunk * 3 + 5, 9, chunk, chunk // 2 + 1, 4 * chunk - 3, 1] * 3):
+        x = np.full(count, float(rank + i), dtype=np.float32)
+        reducer.allreduce(x, "sum")
+        assert (x == size * i + size * (size - 1) / 2).all()
+    x = (np.arange(2 * 3 * 5001, dtype=np.int64).reshape(2, 3, 5001) + rank)
+    reducer.allreduce(x, "max")
+    assert (x == np.arange(x.size).reshape(x.shape) + size - 1).all()
+
+
+def test_supports(reducer):
+    assert not reducer.supports(np.dtype(object), "sum")
+    assert not reducer.supports(np.dtype([("a", "f4")]), "sum")
+    assert not reducer.supports(np.dtype(">f4") if np.little_endian else np.dtype("<f4"), "sum")
+    assert not reducer.supports(np.dtype("int32"), "mean")
+    assert not reducer.supports(np.dtype("float32"), "xor")
+    assert reducer.supports(np.dtype("float32"), "mean")
+
+
+# ---- through the library: the threshold, the hot path, the switch ----
+
+def make_comm(monkeypatch, **env):
+    for k, v in env.items():
+        monkeypatch.setenv(k, str(v))
+    transport = mpi_backend.MPITransport(MPI.COMM_WORLD)
+    return coll.Communicator(transport)
+
+
+def test_library_routes_large_allreduces_through_shared_memory(monkeypatch, mpi_comm):
+    c = make_comm(monkeypatch, COLLECTIVES_SHM_THRESHOLD=4096, COLLECTIVES_SHM_SLOT_BYTES=65536)
+    off = make_comm(monkeypatch, COLLECTIVES_SHM="0")
+    try:
+        t = c._host
+        if c.size == 1 or mpi_comm.allreduce(c.local_size, op=MPI.MAX) < 2:
+            assert t._shm_threshold == shm.NEVER  # nothing to share: the switch is off everywhere
+        else:
+            assert t._shm_threshold == 4096
+        calls = []
+        real = t._shm_allreduce
+        monkeypatch.setattr(t, "_shm_allreduce", lambda b, o: calls.append((b.nbytes, o)) or real(b, o))
+        rank, size = c.rank, c.size
+        for op in ("sum", "mean", "min", "max", "prod"):
+            for count in (10, 1024, 1025, 50_001):  # below, at and above the threshold (4 B elements)
+                for attempt in range(2):  # the second call takes the cached hot path
+                    base = (np.arange(count) % 7).astype(np.float32)
+                    x = base + rank if op != "prod" else np.where(np.arange(count) % size == rank, 2, 1
+                                                                 ).astype(np.float32)
+                    y = x.copy()
+                    out = c.allreduce(x, op=op)
+                    assert out is x
+                    off.allreduce(y, op=op)  # plain MPI: integer-valued, so any order gives the same
+                    assert np.array_equal(x, y), (op, count, attempt)
+        large = [k for k in calls if k[0] >= 4096]
+        if t._shm_threshold != shm.NEVER:
+            assert len(large) == 5 * 3 * 2 and not [k for k in calls if k[0] < 4096]
+            assert t._shm is not None and off._host._shm is None
+        # dtypes that arrive viewed or maybe widened (bool as uint8, float16), and integer wrap-around
+        b = np.arange(20_000) % (rank + 2) == 0
+        want = np.zeros(20_000, dtype=bool)
+        for q in range(size):
+            want |= np.arange(20_000) % (q + 2) == 0
+        c.allreduce(b, op="max")
+        assert np.array_equal(b, want)
+        h = np.full(10_000, 0.5, dtype=np.float16)
+        c.allreduce(h, op="sum")
+        assert (h == 0.5 * size).all()
+        i8 = np.full(10_000, 100, dtype=np.int8)
+        c.allreduce(i8)  # wraps, as MPI does
+        assert (i8 == np.int8(np.int64(100 * size).astype(np.int8))).all()
+    finally:
+        c.close()
+        c.close()
+        off.close()
+    assert c.closed
+
+
+def test_switch_is_agreed_over_ranks(monkeypatch):
+    """One rank with COLLECTIVES_SHM=0 turns the path off on every rank (else some would wait forever)."""
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        monkeypatch.setenv("COLLECTIVES_SHM", "0")
+    c = make_comm(monkeypatch, COLLECTIVES_SHM_THRESHOLD=4096)
+    try:
+        assert c._host._shm_threshold == shm.NEVER
+        x = np.ones(100_000, dtype=np.float64)
+        c.allreduce(x)
+        assert (x == c.size).all() and c._host._shm is None
+    finally:
+        c.close()
+
+
+def test_thresholds_are_agreed_over_ranks(monkeypatch):
+    c = make_comm(monkeypatch, COLLECTIVES_SHM_THRESHOLD=4096 * (MPI.COMM_WORLD.Get_rank() + 1))
+    try:
+        if c._host._shm_threshold != shm.NEVER:
+            assert c._host._shm_threshold == 4096 * c.size  # the largest anyone asked for
+    finally:
+        c.close()
+
+
+def test_bad_settings_are_named(monkeypatch):
+    monkeypatch.setenv("COLLECTIVES_SHM", "maybe")
+    with pytest.raises(ValueError, match="COLLECTIVES_SHM"):
+        from collectives import _config
+
+        _config.shm()
+    monkeypatch.setenv("COLLECTIVES_SHM_THRESHOLD", "-1")
+    with pytest.raises(ValueError, match="COLLECTIVES_SHM_THRESHOLD"):
+        _config.shm_threshold()
+
+
+def test_deadline_transport_does_not_use_shared_memory(monkeypatch):
+    c = make_comm(monkeypatch, COLLECTIVES_TIMEOUT=120, COLLECTIVES_SHM_THRESHOLD=4096)
+    try:
+        x = np.ones(100_000, dtype=np.float32)
+        c.allreduce(x, op="mean")
+        assert (x == 1).all() and c._host._shm is None
+    finally:
+        c.close()

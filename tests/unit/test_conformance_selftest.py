@@ -1,0 +1,130 @@
+"""The conformance suite catches a broken implementation, and passes the real one.
+
+Each test writes a small system-under-test module into a temporary directory: ``collectives`` itself, or
+``collectives`` with a bug injected. It runs the conformance suite against it in a subprocess (plain
+``python`` for size 1, ``mpiexec -n 2`` otherwise), under a timeout, through ``COLLECTIVES_CONFORMANCE_SUT``
+(the way a framework that wraps ``collectives`` runs the suite), and checks that the run fails and names
+the right tests, or passes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT = 420
+
+HEADER = """\
+import collectives as _c
+from collectives import *  # noqa: F401,F403  (every public name, as a wrapping framework would)
+"""
+
+GOOD = HEADER
+
+# Two bugs only visible with more than one rank.
+BROKEN_AT_TWO = HEADER + """
+def broadcast(x, root=0, *, comm=None):
+    return _c.broadcast(x, root=0, comm=comm)          # BUG: ignores root
+
+
+def allreduce(x, op="sum", *, comm=None):
+    if op == "mean":
+        return _c.allreduce(x, op="sum", comm=comm)    # BUG: forgets to divide by the size
+    return _c.allreduce(x, op=op, comm=comm)
+"""
+
+# At size 1, "forgetting to divide" is invisible (x / 1 == x). This size-1 shortcut for mean is not: it
+# skips validation (an integer mean must raise TypeError) and returns x itself even for arrays that cannot
+# be written (array-api-strict must get a new array).
+BROKEN_AT_ONE = HEADER + """
+def allreduce(x, op="sum", *, comm=None):
+    if op == "mean" and _c.world().size == 1:
+        return x                                       # BUG: size-1 shortcut
+    return _c.allreduce(x, op=op, comm=comm)
+"""
+
+
+def _mpiexec() -> str | None:
+    here = Path(sys.executable).parent / "mpiexec"
+    return str(here) if here.exists() else shutil.which("mpiexec")
+
+
+def _run(tmp_path: Path, source: str, ranks: int, select: str, *extra: str, libs: str = "numpy") -> tuple[int, str]:
+    sut = tmp_path / "sut_under_test.py"
+    sut.write_text(textwrap.dedent(source))
+    (tmp_path / "xfail").mkdir(exist_ok=True)  # no expected failures: the outcome is the suite's alone
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "PMIX_", "OMPI_", "MPI_LOCAL", "HYDRA_", "COLLECTIVES_"))}
+    env.update({
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        "COLLECTIVES_CONFORMANCE_SUT": "sut_under_test",
+        "COLLECTIVES_CONFORMANCE_LIBS": libs,
+        "COLLECTIVES_CONFORMANCE_XFAIL_DIR": str(tmp_path / "xfail"),
+        "COLLECTIVES_TEST_LOGS": str(tmp_path / "logs"),
+    })
+    cmd = [sys.executable, "-m", "pytest", "conformance", "-q", "-p", "no:cacheprovider", "--timeout", "120",
+           "-k", select, *extra]
+    if ranks > 1:
+        launcher = _mpiexec()
+        if launcher is None:
+            pytest.skip("no mpiexec: the multi-rank part of the self-test needs one")
+        cmd = [launcher, "-n", str(ranks), *cmd]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=TIMEOUT)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the conformance run did not finish in {TIMEOUT}s:\n{exc.stdout}")
+    return proc.returncode, proc.stdout
+
+
+def _failed(output: str) -> set[str]:
+    return set(re.findall(r"^FAILED \S+::(\S+)", output, flags=re.MULTILINE))
+
+
+def _need_mpi():
+    pytest.importorskip("mpi4py", reason="the multi-rank part of the self-test needs mpi4py")
+
+
+def test_unbroken_sut_passes_at_size_1(tmp_path):
+    rc, out = _run(tmp_path, GOOD, 1, "(test_allreduce and float64) or (test_illegal_dtype_op and int32)",
+                   libs="numpy,strict")
+    assert rc == 0, out[-4000:]
+    assert re.search(r"\d+ passed", out) and "failed" not in out.splitlines()[-1], out[-2000:]
+
+
+def test_unbroken_sut_passes_at_size_2(tmp_path):
+    _need_mpi()
+    rc, out = _run(tmp_path, GOOD, 2, "(test_broadcast or test_allreduce) and numpy and (float64 or int8)")
+    assert rc == 0, out[-4000:]
+    assert re.search(r"\d+ passed", out), out[-2000:]
+
+
+def test_broadcast_ignoring_root_and_mean_without_division_are_caught(tmp_path):
+    _need_mpi()
+    rc, out = _run(tmp_path, BROKEN_AT_TWO, 2, "(test_broadcast or test_allreduce) and numpy and (float64 or int8)")
+    assert rc != 0, "the suite passed an implementation whose broadcast ignores root:\n" + out[-4000:]
+    failed = _failed(out)
+    assert "test_broadcast[numpy-float64-nd-odd]" in failed, (failed, out[-4000:])
+    assert "test_broadcast[numpy-int8-nd-odd]" in failed, failed
+    assert "test_allreduce[numpy-float64-mean-nd-odd]" in failed, failed
+    assert "root=1" in out, "the failure names the root that went wrong"
+    assert not any("-sum-" in name or "-max-" in name for name in failed), f"only the broken calls fail: {failed}"
+
+
+def test_size_1_mean_shortcut_is_caught(tmp_path):
+    rc, out = _run(tmp_path, BROKEN_AT_ONE, 1, "mean and (test_allreduce or test_illegal_dtype_op)",
+                   "--conformance-full", libs="numpy,strict")
+    assert rc != 0, "the suite passed an implementation whose mean skips validation at size 1:\n" + out[-4000:]
+    failed = _failed(out)
+    assert "test_illegal_dtype_op[numpy-allreduce-int32-mean]" in failed, (failed, out[-4000:])
+    assert "test_allreduce[strict-float64-mean-nd-odd]" in failed, failed
+    assert "test_illegal_dtype_op[numpy-reduce-int32-mean]" not in failed, "reduce was not broken"
+    assert "test_allreduce[numpy-float64-mean-nd-odd]" not in failed, "in place, x itself is the right answer"

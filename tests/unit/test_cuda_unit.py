@@ -1,0 +1,802 @@
+"""The CUDA transports without a GPU.
+
+- the pure decisions: device per rank, two ranks on one GPU (and its table), the transport chooser;
+- the one-time staging warning, ``COLLECTIVES_DISABLE_NCCL`` and ``COLLECTIVES_CUDA_AWARE_MPI``;
+- a CUDA array on this CPU machine gets a clear BackendUnavailableError;
+- the transports' own logic, with torch CPU tensors standing in for CUDA tensors (``FakeTorch``): NCCL
+  against a fake libnccl that computes what N identical ranks would (pointers, counts, dtypes, in-place
+  and non-contiguous write-back, polling, timeout, abort, close); host staging and CUDA-aware MPI for
+  real, under ``mpiexec -n 2`` and ``-n 3`` (MPI accepts host pointers the same way).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import collectives as coll
+from collectives import _config, _dtypes
+from collectives._backends import _libnccl, cuda
+from collectives._backends.self import SelfTransport
+
+try:
+    import torch
+except ImportError:  # the pure decisions are still tested; the transports need torch CPU tensors
+    torch = None
+needs_torch = pytest.mark.skipif(torch is None, reason="torch (CPU) stands in for CUDA tensors here")
+
+ROOT = Path(__file__).resolve().parents[2]
+HEAVY = ("torch", "cupy", "jax", "mpi4py", "mpi4py.MPI")
+
+
+def run_python(code: str, env_extra=None, timeout=120):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "PMIX_", "OMPI_", "MPI_LOCAL", "HYDRA", "SLURM_", "MV2_", "PALS_"))}
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# pure decisions
+
+def test_choose_device_is_local_rank_modulo_visible():
+    assert [cuda.choose_device(r, 4) for r in range(6)] == [0, 1, 2, 3, 0, 1]
+    assert cuda.choose_device(3, 1) == 0
+    with pytest.raises(coll.BackendUnavailableError, match="CUDA_VISIBLE_DEVICES"):
+        cuda.choose_device(0, 0)
+
+
+def test_shared_devices_groups_same_host_and_bus_id_only():
+    ids = [("a", "0000:01:00.0"), ("a", "0000:02:00.0"), ("a", "0000:01:00.0"), ("b", "0000:01:00.0"),
+           ("b", None), ("b", None)]
+    assert cuda.shared_devices(ids) == [[0, 2]]
+    assert cuda.shared_devices([("a", "x"), ("a", "y")]) == []
+
+
+def facts(host, index, pci, local_rank, visible=2, multi=False, version=(2, 32, 3), nccl=True, aware=None):
+    return {"error": None, "host": host, "index": index, "pci": pci, "local_rank": local_rank,
+            "visible": visible, "library": "torch", "nccl": nccl, "nccl_why": "" if nccl else "no libnccl",
+            "nccl_version": version, "cuda_aware": aware, "multi_rank": multi}
+
+
+def test_two_ranks_on_one_gpu_are_refused_with_a_table():
+    everyone = [facts("node1", 0, "0000:3b:00.0", 0), facts("node1", 0, "0000:3b:00.0", 1),
+                facts("node2", 0, "0000:3b:00.0", 0)]
+    with pytest.raises(coll.BackendUnavailableError) as info:
+        cuda.check_gpu_sharing(everyone)
+    text = str(info.value)
+    assert text.startswith("ranks 0, 1 would share one GPU")
+    table = text.splitlines()[1:5]
+    assert table[0].split() == ["rank", "host", "device", "PCI", "bus", "id", "local", "rank", "should", "use"]
+    assert table[1].split() == ["0", "node1", "cuda:0", "0000:3b:00.0", "0", "cuda:0", "<-", "shared"]
+    assert table[2].split() == ["1", "node1", "cuda:0", "0000:3b:00.0", "1", "cuda:1", "<-", "shared"]
+    assert table[3].split() == ["2", "node2", "cuda:0", "0000:3b:00.0", "0", "cuda:0"]
+    for hint in ("torch.cuda.set_device(comm.local_rank % torch.cuda.device_count())",
+                 "NCCL_MULTI_RANK_GPU_ENABLE=1", "NCCL >= 2.30.0; this is 2.32.3", "COLLECTIVES_DISABLE_NCCL=1"):
+        assert hint in text
+
+
+def test_gpu_sharing_allowed_only_with_opt_in_on_every_rank_and_new_nccl():
+    def pair(multi0, multi1, version):
+        return [facts("h", 0, "p", 0, multi=multi0, version=version),
+                facts("h", 0, "p", 1, multi=multi1, version=version)]
+
+    cuda.check_gpu_sharing(pair(True, True, (2, 30, 0)))  # allowed: no exception
+    for multi0, multi1, version in [(True, False, (2, 32, 3)), (False, False, (2, 32, 3)),
+                                    (True, True, (2, 29, 7))]:
+        with pytest.raises(coll.BackendUnavailableError, match="share one GPU"):
+            cuda.check_gpu_sharing(pair(multi0, multi1, version))
+    assert cuda.multi_rank_allowed(True, (2, 31, 0)) and not cuda.multi_rank_allowed(True, None)
+    cuda.check_gpu_sharing([facts("h", 0, "p", 0), facts("h", 1, "q", 1)])  # distinct GPUs: fine
+
+
+@pytest.mark.parametrize("nccl, opt_in, mpi, want", [
+    (True, None, True, "nccl"), (True, True, True, "nccl"), (True, False, True, "nccl"),
+    (True, None, False, "nccl"),
+    (False, True, True, "cuda-aware-mpi"), (False, None, True, "host-staging"),
+    (False, False, True, "host-staging"), (False, True, False, "host-staging"),
+])
+def test_transport_chooser(nccl, opt_in, mpi, want):
+    assert cuda.choose_transport(nccl, opt_in, mpi=mpi) == want
+    assert cuda.staging_warning_due(nccl, opt_in, mpi=mpi) == (want == "host-staging" and opt_in is None and mpi)
+
+
+def test_decide_uses_every_ranks_facts():
+    assert cuda.decide([facts("a", 0, "p", 0), facts("b", 0, "p", 0)], mpi=True) == "nccl"
+    # NCCL missing on one rank: nobody uses it; opt-in must hold on every rank
+    assert cuda.decide([facts("a", 0, "p", 0), facts("b", 0, "p", 0, nccl=False)], mpi=True) == "host-staging"
+    both = [facts("a", 0, "p", 0, nccl=False, aware=True), facts("b", 0, "p", 0, nccl=False, aware=True)]
+    assert cuda.decide(both, mpi=True) == "cuda-aware-mpi"
+    both[1]["cuda_aware"] = None
+    assert cuda.decide(both, mpi=True) == "host-staging"
+    # two ranks on one GPU without NCCL: allowed (staging does not care)
+    assert cuda.decide([facts("a", 0, "p", 0, nccl=False), facts("a", 0, "p", 1, nccl=False)],
+                       mpi=True) == "host-staging"
+    broken = facts("b", 0, "p", 0)
+    broken["error"] = "no usable CUDA array library"
+    with pytest.raises(coll.BackendUnavailableError, match="cuda:3: cannot set up a CUDA transport: rank 1: no usable"):
+        cuda.decide([facts("a", 0, "p", 0), broken], mpi=True, device="cuda:3")
+
+
+def test_config_accessors(monkeypatch):
+    monkeypatch.delenv("COLLECTIVES_CUDA_AWARE_MPI", raising=False)
+    assert _config.cuda_aware_mpi() is None
+    monkeypatch.setenv("COLLECTIVES_CUDA_AWARE_MPI", "1")
+    assert _config.cuda_aware_mpi() is True
+    monkeypatch.setenv("COLLECTIVES_CUDA_AWARE_MPI", "0")
+    assert _config.cuda_aware_mpi() is False
+    monkeypatch.setenv("COLLECTIVES_CUDA_AWARE_MPI", "maybe")
+    with pytest.raises(ValueError, match="COLLECTIVES_CUDA_AWARE_MPI"):
+        _config.cuda_aware_mpi()
+    for raw, want in [("1", True), ("2", True), ("0", False), ("", False), ("yes", False)]:  # as NCCL reads it
+        monkeypatch.setenv("NCCL_MULTI_RANK_GPU_ENABLE", raw)
+        assert _config.nccl_multi_rank_gpu() is want
+    monkeypatch.delenv("COLLECTIVES_TIMEOUT", raising=False)
+    assert _config.device_timeout() == 300.0
+    monkeypatch.setenv("COLLECTIVES_TIMEOUT", "2.5")
+    assert _config.device_timeout() == 2.5
+
+
+# ---------------------------------------------------------------------------------------------------------
+# set-up with a stand-in GPU: facts, the disable switch, the warning
+
+class FakeDeviceAPI:
+    name = "fake"
+
+    def unusable(self):
+        return None
+
+    def device_count(self):
+        return 2
+
+    def pci_bus_id(self, index):
+        return f"0000:0{index + 1}:00.0"
+
+    def using(self, index):
+        return contextlib.nullcontext()
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    monkeypatch.setattr(cuda, "device_api", lambda: FakeDeviceAPI())
+    monkeypatch.setattr(cuda, "_warned", False)
+    for name in ("COLLECTIVES_DISABLE_NCCL", "COLLECTIVES_CUDA_AWARE_MPI", "NCCL_MULTI_RANK_GPU_ENABLE"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def mpi_comm():
+    comm = coll.init()
+    if comm.backend != "mpi":
+        pytest.skip("needs mpi4py")
+    return comm
+
+
+def test_local_facts(fake_gpu, monkeypatch):
+    comm = coll.Communicator(SelfTransport())
+    f, failure = cuda.local_facts(comm, 1)
+    assert failure is None and f["pci"] == "0000:02:00.0" and f["visible"] == 2 and f["library"] == "fake"
+    if _libnccl.info()["available"]:
+        assert f["nccl"] is True and f["nccl_version"] >= (2, 14, 0)
+    monkeypatch.setenv("COLLECTIVES_DISABLE_NCCL", "1")
+    f, _ = cuda.local_facts(comm, 1)
+    assert f["nccl"] is False and "COLLECTIVES_DISABLE_NCCL" in f["nccl_why"]
+    f, failure = cuda.local_facts(comm, 5)
+    assert isinstance(failure, coll.BackendUnavailableError) and "cuda:5 does not exist" in f["error"]
+
+
+def test_disable_nccl_selects_staging_and_warns_once(fake_gpu, monkeypatch, mpi_comm):
+    monkeypatch.setenv("COLLECTIVES_DISABLE_NCCL", "1")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = cuda.make_transport(mpi_comm, (2, 0))
+        second = cuda.make_transport(mpi_comm, (2, 1))
+    assert first.name == second.name == "host-staging" and first.array_level
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    w = caught[0]
+    assert issubclass(w.category, RuntimeWarning) and w.filename == __file__  # points at the user's line
+    text = str(w.message)
+    for part in ("staged through host memory", "COLLECTIVES_DISABLE_NCCL", "COLLECTIVES_CUDA_AWARE_MPI=1",
+                 "COLLECTIVES_CUDA_AWARE_MPI=0", "silence"):
+        assert part in text
+
+
+def test_cuda_aware_opt_in_and_silence(fake_gpu, monkeypatch, mpi_comm):
+    monkeypatch.setenv("COLLECTIVES_DISABLE_NCCL", "1")
+    monkeypatch.setenv("COLLECTIVES_CUDA_AWARE_MPI", "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cuda.make_transport(mpi_comm, (2, 0)).name == "cuda-aware-mpi"
+        monkeypatch.setenv("COLLECTIVES_CUDA_AWARE_MPI", "0")
+        assert cuda.make_transport(mpi_comm, (2, 0)).name == "host-staging"  # and no warning
+
+
+def test_self_backend_stages_without_warning(fake_gpu, monkeypatch):
+    monkeypatch.setenv("COLLECTIVES_DISABLE_NCCL", "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        t = cuda.make_transport(coll.Communicator(SelfTransport()), (2, 0))
+    assert t.name == "host-staging"
+
+
+def test_cuda_array_on_a_cpu_machine_is_a_clear_error():
+    code = f"""
+        import sys, collectives as coll
+        class FakeCuda:
+            def __dlpack_device__(self): return (2, 0)
+            def __dlpack__(self, **kw): raise AssertionError("must not be touched")
+        for f in (coll.allreduce, coll.broadcast, coll.allgather, coll.reduce):
+            try:
+                f(FakeCuda())
+            except coll.BackendUnavailableError as e:
+                print("refused:", e)
+        print("heavy:", [m for m in {HEAVY!r} if m in sys.modules and m not in ("mpi4py", "mpi4py.MPI")])
+    """
+    proc = run_python(code, {"COLLECTIVES_BACKEND": "self"})
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len([ln for ln in lines if ln.startswith("refused: array on cuda:0")]) == 4, proc.stdout
+    assert "torch is not imported; CuPy is not imported" in lines[0]
+    assert lines[-1] == "heavy: []"
+
+
+@pytest.mark.skipif(torch is None or torch.cuda.is_available(), reason="needs a CPU-only torch")
+def test_cuda_array_with_cpu_only_torch_is_a_clear_error():
+    class FakeCuda:
+        def __dlpack_device__(self):
+            return (2, 0)
+
+        def __dlpack__(self, **kw):
+            raise AssertionError("must not be touched")
+
+    with pytest.raises(coll.BackendUnavailableError, match=r"torch.cuda.is_available\(\) is False"):
+        coll.allreduce(FakeCuda(), comm=coll.Communicator(SelfTransport()))
+
+
+def test_importing_the_cuda_transports_pulls_in_no_heavy_library():
+    proc = run_python(f"""
+        import sys, collectives
+        from collectives._backends import cuda, nccl
+        print([m for m in {HEAVY!r} if m in sys.modules])
+    """)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", (proc.stdout, proc.stderr)
+
+
+@needs_torch
+def test_unsupported_cuda_library_is_refused():
+    class Other:
+        pass
+
+    with pytest.raises(coll.BackendUnavailableError, match="torch tensors and CuPy arrays only"):
+        cuda.library_of(Other())
+    assert cuda.library_of(torch.zeros(1)).name == "torch"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# torch CPU tensors standing in for CUDA tensors
+
+class FakeTorch(cuda._TorchCUDA):
+    """The real torch helper, with the CUDA-only calls replaced."""
+
+    def __init__(self):
+        super().__init__(torch)
+        self.syncs = 0
+
+    def stream(self, x):
+        return 0x5EA
+
+    def synchronize(self, x):
+        self.syncs += 1
+
+    def using(self, index):
+        return contextlib.nullcontext()
+
+    def index(self, x):
+        return 0
+
+    def to_host(self, x):
+        return x.detach().clone()  # a real copy, as device -> host would be
+
+    def to_device(self, host, like):
+        return host.clone()
+
+
+NP_OF_NCCL = {0: np.int8, 1: np.uint8, 2: np.int32, 3: np.uint32, 4: np.int64, 5: np.uint64, 6: np.float16,
+              7: np.float32, 8: np.float64, 9: np.uint16}
+
+
+def memory(ptr, count, dtype):
+    dtype = np.dtype(dtype)
+    raw = (ctypes.c_uint8 * (count * dtype.itemsize)).from_address(ptr)
+    return np.ctypeslib.as_array(raw).view(dtype)
+
+
+class FakeNCCL:
+    """Computes what ``nranks`` ranks holding identical data would get; records every call."""
+
+    version_tuple = (2, 32, 3)
+
+    def __init__(self, nranks=3, rank=0):
+        self.nranks, self.rank = nranks, rank
+        self.calls = []
+        self.states = []  # comm_get_async_error answers, then 0
+        self.status = 0  # what collectives return
+        self.config = None
+
+    def _next_state(self):
+        return self.states.pop(0) if self.states else 0
+
+    def get_unique_id(self):
+        return bytes(range(128))
+
+    def comm_init_rank_config(self, nranks, uid, rank, config):
+        self.calls.append(("init", nranks, len(uid), rank))
+        self.config = config
+        return 0xC0FFEE
+
+    def comm_get_async_error(self, handle):
+        return self._next_state()
+
+    def error_string(self, state):
+        return f"error {state}"
+
+    def last_error(self):
+        return "the fake's last error"
+
+    def comm_finalize(self, h):
+        self.calls.append(("finalize", h))
+        return 7
+
+    def comm_destroy(self, h):
+        self.calls.append(("destroy", h))
+        return 0
+
+    def comm_abort(self, h):
+        self.calls.append(("abort", h))
+        return 0
+
+    def group_start(self):
+        self.calls.append(("group_start",))
+        return 0
+
+    def group_end(self):
+        self.calls.append(("group_end",))
+        return self.status
+
+    def _reduce(self, send, recv, count, dtype, op):
+        x = memory(send, count, NP_OF_NCCL[dtype]).copy()
+        if dtype == _libnccl.ncclBfloat16:
+            x = _dtypes.bf16_to_f32(x)
+        n = self.nranks
+        y = {0: x * n, 1: x ** n, 2: x, 3: x, 4: x}[op] if x.dtype.kind != "b" else x
+        out = memory(recv, count, NP_OF_NCCL[dtype])
+        if dtype == _libnccl.ncclBfloat16:
+            _dtypes.f32_to_bf16(y.astype(np.float32), out=out)
+        else:
+            out[...] = y
+
+    def all_reduce(self, send, recv, count, dtype, op, comm, stream):
+        self.calls.append(("all_reduce", send, recv, count, dtype, op, comm, stream))
+        self._reduce(send, recv, count, dtype, op)
+        return self.status
+
+    def reduce(self, send, recv, count, dtype, op, root, comm, stream):
+        self.calls.append(("reduce", send, recv, count, dtype, op, root, comm, stream))
+        if root == self.rank:
+            self._reduce(send, recv, count, dtype, op)
+        return self.status
+
+    def broadcast(self, send, recv, count, dtype, root, comm, stream):
+        self.calls.append(("broadcast", send, recv, count, dtype, root, comm, stream))
+        if root != self.rank:
+            memory(recv, count, np.uint8)[...] = 0x40 + root  # "root's bytes"
+        return self.status
+
+    def all_gather(self, send, recv, count, dtype, comm, stream):
+        self.calls.append(("all_gather", send, recv, count, dtype, comm, stream))
+        data = memory(send, count, np.uint8).copy()
+        out = memory(recv, count * self.nranks, np.uint8)
+        for r in range(self.nranks):
+            out[r * count:(r + 1) * count] = data
+        return self.status
+
+
+class FakeHost:
+    name = "fake"
+
+    def __init__(self, size=3, rank=0):
+        self.size, self.rank, self.local_rank, self.local_size = size, rank, rank, size
+        self.objects = []
+
+    def broadcast_object(self, obj, root):
+        self.objects.append(("broadcast_object", obj))
+        return obj
+
+    def allgather_object(self, obj):
+        self.objects.append(("allgather_object", obj))
+        return [obj] * self.size
+
+
+class FakeComm:
+    def __init__(self, size=3, rank=0, check=False):
+        self._host = FakeHost(size, rank)
+        self.rank, self.size, self.local_rank, self.local_size = rank, size, rank, size
+        self.check = check
+
+
+def nccl_transport(lib=None, *, size=3, rank=0, timeout=5.0, check=False):
+    from collectives._backends.nccl import NCCLTransport
+
+    lib = lib or FakeNCCL(size, rank)
+    t = NCCLTransport(FakeComm(size, rank, check), 0, lib, FakeTorch(), timeout=timeout)
+    t._library_of = lambda x: FakeTorch()
+    return t, lib
+
+
+def collective_calls(lib):
+    return [c for c in lib.calls if c[0] in ("all_reduce", "reduce", "broadcast", "all_gather")]
+
+
+@needs_torch
+def test_nccl_init_is_non_blocking_and_polled():
+    lib = FakeNCCL()
+    lib.states = [7, 7, 7, 0]
+    t, _ = nccl_transport(lib)
+    assert t.name == "nccl" and t.array_level and t._handle == 0xC0FFEE
+    assert lib.config.blocking == 0 and lib.calls[0] == ("init", 3, 128, 0)
+    assert lib.states == []  # polled until no longer in progress
+    assert t._host.objects[0] == ("broadcast_object", bytes(range(128)))  # rank 0's id, raw bytes
+
+
+@needs_torch
+def test_nccl_init_timeout_aborts_and_raises():
+    lib = FakeNCCL()
+    lib.states = [7] * 10**7
+    with pytest.raises(coll.CollectiveTimeoutError, match=r"ncclCommInitRankConfig .* within 0.05 s \(COLLECTIVES_TIMEOUT\)"):
+        nccl_transport(lib, timeout=0.05)
+    assert ("abort", 0xC0FFEE) in lib.calls
+
+
+@needs_torch
+def test_nccl_init_async_error_aborts_and_raises_nccl_error():
+    lib = FakeNCCL()
+    lib.states = [7, _libnccl.ncclSystemError]
+    with pytest.raises(coll.NcclError) as info:
+        nccl_transport(lib)
+    assert info.value.status == _libnccl.ncclSystemError and "the fake's last error" in str(info.value)
+    assert ("abort", 0xC0FFEE) in lib.calls
+
+
+@needs_torch
+def test_nccl_allreduce_in_place_contiguous():
+    t, lib = nccl_transport()
+    x = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    ptr = x.data_ptr()
+    assert t.allreduce(x, None, "sum") is x
+    assert x.data_ptr() == ptr and x.tolist() == [[0, 3, 6], [9, 12, 15]]
+    (call,) = collective_calls(lib)
+    assert call == ("all_reduce", ptr, ptr, 6, _libnccl.ncclFloat32, _libnccl.ncclSum, 0xC0FFEE, 0x5EA)
+
+
+@needs_torch
+def test_nccl_allreduce_non_contiguous_view_writes_only_its_elements():
+    t, lib = nccl_transport()
+    base = torch.ones(4, 6, dtype=torch.float64)
+    view = base[:, ::2]
+    assert t.allreduce(view, None, "sum") is view
+    assert (base[:, ::2] == 3).all() and (base[:, 1::2] == 1).all()
+    (call,) = collective_calls(lib)
+    assert call[1] == call[2] != base.data_ptr() and call[3] == 12  # a contiguous temporary
+
+
+@needs_torch
+@pytest.mark.parametrize("dtype, op, want_dtype, want_op, mult", [
+    ("complex64", "sum", _libnccl.ncclFloat32, _libnccl.ncclSum, 2),
+    ("complex128", "mean", _libnccl.ncclFloat64, _libnccl.ncclAvg, 2),
+    ("bool", "max", _libnccl.ncclUint8, _libnccl.ncclMax, 1),
+    ("bool", "min", _libnccl.ncclUint8, _libnccl.ncclMin, 1),
+    ("bfloat16", "mean", _libnccl.ncclBfloat16, _libnccl.ncclAvg, 1),
+    ("float16", "prod", _libnccl.ncclFloat16, _libnccl.ncclProd, 1),
+    ("int64", "min", _libnccl.ncclInt64, _libnccl.ncclMin, 1),
+    ("uint8", "sum", _libnccl.ncclUint8, _libnccl.ncclSum, 1),
+])
+def test_nccl_dtype_op_mapping(dtype, op, want_dtype, want_op, mult):
+    t, lib = nccl_transport()
+    x = torch.ones(5, dtype=getattr(torch, dtype))
+    t.allreduce(x, None, op)
+    (call,) = collective_calls(lib)
+    assert call[3:6] == (5 * mult, want_dtype, want_op)
+
+
+@needs_torch
+def test_nccl_values_through_the_fake():
+    t, _ = nccl_transport()
+    z = torch.tensor([1 + 2j, -3j], dtype=torch.complex64)
+    t.allreduce(z, None, "sum")
+    assert z.tolist() == [3 + 6j, -9j]
+    b = torch.tensor([1.5, -2.25], dtype=torch.bfloat16)
+    t.allreduce(b, None, "sum")
+    assert b.float().tolist() == [4.5, -6.75]
+
+
+def host_message(dtype_name, op):
+    info = _dtypes.from_numpy(np.dtype(dtype_name))
+    with pytest.raises(TypeError) as err:
+        _dtypes.check_reduction(info, op)
+    return str(err.value)
+
+
+@needs_torch
+@pytest.mark.parametrize("dtype, op, match", [
+    ("bool", "sum", None),  # the host path's own words
+    ("int32", "mean", None),
+    ("complex64", "max", None),
+    ("complex64", "prod", "op='prod' on complex dtype complex64 is not supported by NCCL"),
+    ("int16", "sum", "dtype int16 is not a NCCL type"),
+    ("float8_e4m3fn", "sum", "needs a numeric dtype"),
+])
+def test_nccl_illegal_pairs_raise_before_any_call(dtype, op, match):
+    t, lib = nccl_transport()
+    x = torch.zeros(3, dtype=getattr(torch, dtype))
+    with pytest.raises(TypeError) as err:
+        t.allreduce(x, None, op)
+    if match is None:
+        assert str(err.value) == host_message(dtype, op)
+    else:
+        assert match in str(err.value)
+    with pytest.raises(TypeError):
+        t.reduce(x, None, op, 0)
+    assert collective_calls(lib) == [] and not lib.calls[-1][0].startswith("group")
+
+
+@needs_torch
+def test_nccl_conj_and_requires_grad_are_written_in_place():
+    t, _ = nccl_transport()
+    base = torch.tensor([1 + 1j, 2 - 1j], dtype=torch.complex64)
+    view = base.conj()
+    assert view.is_conj()
+    t.allreduce(view, None, "sum")
+    assert view.resolve_conj().tolist() == [3 - 3j, 6 + 3j]
+    p = torch.ones(3, requires_grad=True)
+    assert t.allreduce(p, None, "sum") is p
+    assert p.requires_grad and p.detach().tolist() == [3, 3, 3] and p.grad is None
+
+
+@needs_torch
+def test_nccl_broadcast_moves_bytes_in_place():
+    t, lib = nccl_transport(rank=0)
+    x = torch.arange(4, dtype=torch.int16)
+    assert t.broadcast(x, None, 0) is x and x.tolist() == [0, 1, 2, 3]  # root keeps its values
+    assert t.broadcast(x, None, 2) is x
+    assert x.view(torch.uint8).tolist() == [0x42] * 8  # root 2's bytes
+    calls = collective_calls(lib)
+    assert calls[1][3:6] == (8, _libnccl.ncclUint8, 2) and calls[1][1] == calls[1][2] == x.data_ptr()
+    base = torch.zeros(3, 4, dtype=torch.uint8)
+    t.broadcast(base[:, 1], None, 1)
+    assert base[:, 1].tolist() == [0x41] * 3 and (base[:, [0, 2, 3]] == 0).all()
+
+
+@needs_torch
+def test_nccl_reduce_root_and_non_root():
+    t, _ = nccl_transport(rank=0)
+    x = torch.full((2, 4), 2.0)[:, ::2]
+    t.reduce(x, None, "prod", 0)
+    assert (x == 8).all()
+    y = torch.full((3,), 2.0)
+    t.reduce(y, None, "sum", 1)  # not root: unchanged
+    assert (y == 2).all()
+
+
+@needs_torch
+def test_nccl_allgather_returns_a_new_array():
+    t, lib = nccl_transport()
+    x = torch.arange(6, dtype=torch.float16).reshape(2, 3).t()  # non-contiguous
+    out = t.allgather(x, None)
+    assert out.shape == (3, 3, 2) and out.dtype == torch.float16
+    for r in range(3):
+        assert torch.equal(out[r], x)
+    assert collective_calls(lib)[0][3:5] == (12, _libnccl.ncclUint8)
+
+
+@needs_torch
+def test_nccl_empty_and_zero_d():
+    t, lib = nccl_transport()
+    e = torch.zeros(0)
+    assert t.allreduce(e, None, "sum") is e and t.broadcast(e, None, 1) is e
+    assert t.allgather(e, None).shape == (3, 0)
+    assert collective_calls(lib) == []
+    s = torch.tensor(2.0)
+    t.allreduce(s, None, "sum")
+    assert s.item() == 6.0
+
+
+@needs_torch
+def test_nccl_allreduce_many_is_one_group():
+    t, lib = nccl_transport()
+    a, b = torch.ones(4), torch.full((2, 4), 2, dtype=torch.int32)
+    c = torch.ones(3, 4, dtype=torch.complex64)[:, 1]
+    assert t.allreduce_many([a, b, c], None, "sum") == [a, b, c]
+    assert (a == 3).all() and (b == 6).all() and (c == 3).all()
+    names = [call[0] for call in lib.calls if call[0] != "init"]
+    assert names == ["group_start", "all_reduce", "all_reduce", "all_reduce", "group_end"]
+    with pytest.raises(TypeError):
+        t.allreduce_many([a, torch.ones(2, dtype=torch.int16)], None, "sum")
+    assert [call[0] for call in lib.calls].count("group_start") == 1  # nothing enqueued
+
+
+@needs_torch
+def test_nccl_in_progress_call_is_polled():
+    lib = FakeNCCL()
+    t, _ = nccl_transport(lib)
+    lib.status = _libnccl.ncclInProgress
+    lib.states = [0, 7, 7, 0]  # the pre-call check, then two polls
+    x = torch.ones(2)
+    t.allreduce(x, None, "sum")
+    assert lib.states == [] and (x == 3).all()
+
+
+@needs_torch
+def test_nccl_collective_timeout_aborts_and_later_calls_refuse():
+    lib = FakeNCCL()
+    t, _ = nccl_transport(lib, timeout=0.05)
+    lib.status = _libnccl.ncclInProgress
+    lib.states = [0] + [7] * 10**7
+    with pytest.raises(coll.CollectiveTimeoutError, match="ncclAllReduce on cuda:0 .* aborted"):
+        t.allreduce(torch.ones(2), None, "sum")
+    assert ("abort", 0xC0FFEE) in lib.calls
+    with pytest.raises(coll.BackendUnavailableError, match="timed out .*finalize"):
+        t.allreduce(torch.ones(2), None, "sum")
+    t.close()
+    t.close()
+    assert [c[0] for c in lib.calls].count("abort") == 1 and ("destroy", 0xC0FFEE) not in lib.calls
+
+
+@needs_torch
+def test_nccl_async_error_from_a_peer_surfaces_before_the_next_call():
+    lib = FakeNCCL()
+    t, _ = nccl_transport(lib)
+    lib.states = [_libnccl.ncclRemoteError]
+    with pytest.raises(coll.NcclError) as err:
+        t.allreduce(torch.ones(2), None, "sum")
+    assert err.value.status == _libnccl.ncclRemoteError and collective_calls(lib) == []
+    assert ("abort", 0xC0FFEE) in lib.calls
+
+
+@needs_torch
+def test_nccl_close_finalizes_then_destroys_once():
+    lib = FakeNCCL()
+    t, _ = nccl_transport(lib)
+    lib.states = [7, 7, 0]
+    t.close()
+    t.close()
+    names = [c[0] for c in lib.calls]
+    assert names == ["init", "finalize", "destroy"]
+    with pytest.raises(coll.BackendUnavailableError, match="closed"):
+        t.allreduce(torch.ones(1), None, "sum")
+
+
+@needs_torch
+def test_nccl_close_never_hangs(monkeypatch):
+    from collectives._backends import nccl
+
+    monkeypatch.setattr(nccl, "CLOSE_TIMEOUT", 0.05)
+    lib = FakeNCCL()
+    t, _ = nccl_transport(lib)
+    lib.states = [7] * 10**6
+    t.close()
+    assert [c[0] for c in lib.calls] == ["init", "finalize", "abort"]
+
+
+@needs_torch
+def test_nccl_checked_mode_agrees_first():
+    t, lib = nccl_transport(check=True)
+    x = torch.ones(2, 3)
+    t.allreduce(x, None, "mean")
+    call = t._host.objects[-1]
+    assert call == ("allgather_object", {"collective": "allreduce", "op": "mean", "shape": (2, 3),
+                                         "dtype": "float32", "device": "cuda"})
+
+
+# ---------------------------------------------------------------------------------------------------------
+# host staging and CUDA-aware MPI, for real (MPI takes host pointers the same way)
+
+@needs_torch
+def test_staging_single_process_in_place():
+    comm = coll.Communicator(SelfTransport())
+    t = cuda.HostStagingTransport(comm, 0)
+    fake = FakeTorch()
+    t._library_of = lambda x: fake
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    view = base[:, 1::2]
+    assert t.allreduce(view, None, "mean") is view and base[0].tolist() == [0, 1, 2, 3]
+    assert t.allgather(view, None).shape == (1, 3, 2)
+    with pytest.raises(TypeError, match="bool"):
+        t.allreduce(torch.ones(2, dtype=torch.bool), None, "sum")
+
+
+SCRIPT = r"""
+import sys, numpy as np, torch, collectives as coll
+sys.path.insert(0, {here!r})
+from test_cuda_unit import FakeTorch
+from collectives._backends import cuda
+
+comm = coll.init()
+rank, size = comm.rank, comm.size
+fake = FakeTorch()
+for Transport in (cuda.HostStagingTransport, cuda.CudaAwareMPITransport):
+    t = Transport(comm, 0)
+    t._library_of = lambda x: fake
+    tri = size * (size + 1) / 2
+    base = torch.full((4, 6), float(rank + 1))
+    view = base[:, ::2]
+    assert t.allreduce(view, None, "sum") is view
+    assert (base[:, ::2] == tri).all() and (base[:, 1::2] == rank + 1).all(), (Transport.name, base)
+    b = torch.full((5,), rank + 1.0, dtype=torch.bfloat16)
+    t.allreduce(b, None, "mean")
+    assert (b.float() == tri / size).all(), (Transport.name, b)
+    h = torch.full((3,), rank + 1.0, dtype=torch.float16)
+    t.allreduce(h, None, "max")
+    assert (h == size).all()
+    z = torch.full((2,), 1 + 1j, dtype=torch.complex64)
+    t.allreduce(z, None, "prod")
+    assert torch.allclose(z, torch.full((2,), (1 + 1j) ** size, dtype=torch.complex64))
+    flags = torch.tensor([rank == 0, True])
+    t.allreduce(flags, None, "min")
+    assert flags.tolist() == [size == 1, True]
+    s = torch.arange(6, dtype=torch.int16).reshape(2, 3) + 10 * rank
+    t.broadcast(s.t(), None, size - 1)
+    assert (s == torch.arange(6, dtype=torch.int16).reshape(2, 3) + 10 * (size - 1)).all(), (Transport.name, s)
+    r = torch.full((3,), rank + 1, dtype=torch.int64)
+    t.reduce(r, None, "sum", 0)
+    assert (r == (tri if rank == 0 else rank + 1)).all()
+    g = t.allgather(torch.full((2, 2), rank, dtype=torch.int32)[:, 0], None)
+    assert g.shape == (size, 2) and g[:, 0].tolist() == list(range(size)), g
+    e = torch.zeros(0)
+    assert t.allreduce(e, None, "sum") is e and t.allgather(e, None).shape == (size, 0)
+assert fake.syncs > 0  # the CUDA-aware path waits for the stream before handing pointers to MPI
+print("ok", rank, size)
+"""
+
+
+def _mpiexec():
+    here = Path(sys.executable).parent / "mpiexec"
+    return str(here) if here.exists() else shutil.which("mpiexec")
+
+
+@needs_torch
+@pytest.mark.parametrize("n", [3])
+def test_staging_and_cuda_aware_paths_under_mpiexec(n):
+    mpiexec = _mpiexec()
+    if mpiexec is None:
+        pytest.skip("mpiexec not found")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "PMIX_", "OMPI_", "MPI_LOCAL", "HYDRA", "SLURM_", "MV2_", "PALS_"))}
+    proc = subprocess.run([mpiexec, "-n", str(n), sys.executable, "-c",
+                           SCRIPT.format(here=str(Path(__file__).parent))],
+                          capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(proc.stdout.split("\n")[:-1]) == [f"ok {r} {n}" for r in range(n)], proc.stdout
+
+
+@needs_torch
+def test_make_transport_builds_nccl_with_the_exchanged_settings(fake_gpu, monkeypatch):
+    lib = FakeNCCL(nranks=1)
+    monkeypatch.setattr(_libnccl, "get", lambda path=None: lib)
+    monkeypatch.setenv("COLLECTIVES_TIMEOUT", "7")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # NCCL: no staging warning
+        t = cuda.make_transport(coll.Communicator(SelfTransport()), (2, 1))
+    assert t.name == "nccl" and t.device_index == 1 and t._timeout == 7.0
+    assert lib.calls[0] == ("init", 1, 128, 0) and lib.config.blocking == 0
+    t.close()

@@ -1,0 +1,337 @@
+"""Single-process checks of trees, fingerprints, bucket plans and shard arithmetic (no MPI needed).
+
+Multi-rank behaviour is simulated where it helps: a recording transport captures what a root sends and a
+replaying one feeds it to a "non-root" Communicator, so packing and unpacking are checked bit for bit.
+"""
+
+import collections
+import dataclasses
+import os
+import subprocess
+import sys
+import typing
+
+import numpy as np
+import pytest
+
+import collectives as coll
+from collectives import _buckets, _shard, _tree
+from collectives._backends.base import Transport
+from collectives._comm import Communicator
+
+
+class Pair(typing.NamedTuple):
+    a: object
+    b: object
+
+
+@dataclasses.dataclass(frozen=True)
+class Frozen:
+    x: object
+    y: object = None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# flatten / unflatten
+
+
+def test_flatten_order_does_not_depend_on_insertion_order():
+    one = {"b": {"y": 1, "x": 2}, "a": [3, {"q": 4, "p": 5}], 7: 6, (1, 2): 7}
+    two = {(1, 2): 7, 7: 6, "a": [3, {"p": 5, "q": 4}], "b": {"x": 2, "y": 1}}
+    f1, f2 = _tree.flatten(one), _tree.flatten(two)
+    assert f1.paths == f2.paths and f1.leaves == f2.leaves
+    o1 = collections.OrderedDict([("z", 1), ("a", 2)])
+    o2 = collections.OrderedDict([("a", 2), ("z", 1)])
+    assert _tree.flatten(o1).leaves == _tree.flatten(o2).leaves == [2, 1]
+
+
+def test_paths_render():
+    tree = {"layer": {"w": 1}, "seq": [Pair(1, 2)], "data": Frozen(3)}
+    assert _tree.flatten(tree).paths == ["['data'].x", "['data'].y", "['layer']['w']", "['seq'][0].a",
+                                         "['seq'][0].b"]
+    assert _tree.flatten({1: 0, (2, "x"): 0}).paths == ["[1]", "[(2, 'x')]"]
+    assert _tree.flatten(5).paths == [""] and _tree.render_path("") == "<the tree itself>"
+
+
+def test_unflatten_rebuilds_every_container_and_keeps_unchanged_ones():
+    dd = collections.defaultdict(list, {"k": 1})
+    tree = {"named": Pair(1, 2), "frozen": Frozen(3, 4), "ordered": collections.OrderedDict([("z", 5), ("a", 6)]),
+            "dd": dd, "list": [7, (8, 9)], "same": [10]}
+    flat = _tree.flatten(tree)
+    new = _tree.unflatten(flat, [leaf * 10 if leaf != 10 else leaf for leaf in flat.leaves])
+    assert new["named"] == Pair(10, 20) and type(new["named"]) is Pair
+    assert new["frozen"] == Frozen(30, 40)
+    assert list(new["ordered"].items()) == [("z", 50), ("a", 60)] and type(new["ordered"]) is collections.OrderedDict
+    assert type(new["dd"]) is collections.defaultdict and new["dd"].default_factory is list and new["dd"]["k"] == 10
+    assert new["list"] == [70, (80, 90)]
+    assert new["same"] is tree["same"], "a container whose leaves are unchanged is reused"
+    assert _tree.unflatten(flat, list(flat.leaves)) is tree
+
+
+def test_cyclic_tree_is_an_error():
+    tree = {"a": []}
+    tree["a"].append(tree)
+    with pytest.raises(ValueError, match="contains itself"):
+        _tree.flatten(tree)
+
+
+def test_shared_subtree_is_not_a_cycle():
+    shared = [1, 2]
+    assert _tree.flatten({"a": shared, "b": shared}).leaves == [1, 2, 1, 2]
+
+
+def test_leaf_kinds():
+    import torch
+
+    flat = _tree.flatten([np.zeros(1), torch.zeros(1), np.float32(1), 1, "s", None, np.zeros(())])
+    assert flat.kinds == ["array", "array", "object", "object", "object", "object", "array"]
+
+
+def test_map_leaves():
+    assert _tree.map_leaves(lambda a, b: a * b, Pair(2, [3]), Pair(4, [5])) == Pair(8, [15])
+    with pytest.raises(ValueError, match="different structure"):
+        _tree.map_leaves(lambda a, b: a, [1, 2], [1])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# fingerprints
+
+
+def capture(monkeypatch):
+    seen = []
+    real = _tree.agree
+
+    def spy(comm, what, header, entries, error):
+        seen.append((header, entries))
+        return real(comm, what, header, entries, error)
+
+    monkeypatch.setattr(_tree, "agree", spy)
+    return seen
+
+
+def test_fingerprint_independent_of_insertion_order_and_values(monkeypatch):
+    seen = capture(monkeypatch)
+    coll.synchronize({"w": np.zeros((2, 3), np.float32), "b": np.zeros(3), "lr": 0.1})
+    coll.synchronize({"lr": 0.5, "b": np.ones(3), "w": np.ones((2, 3), np.float32)})
+    assert _tree.digest(*seen[0]) == _tree.digest(*seen[1])
+    coll.synchronize({"lr": 0.5, "b": np.ones(3), "w": np.ones((2, 4), np.float32)})
+    assert _tree.digest(*seen[0]) != _tree.digest(*seen[2])
+    coll.synchronize({"w": np.zeros((2, 3), np.float32), "b": np.zeros(3), "lr": 0.1}, bucket_bytes=1000)
+    assert _tree.digest(*seen[0]) != _tree.digest(*seen[3]), "the call's arguments are part of it"
+
+
+def test_fingerprint_distinguishes_dtype_device_kind_and_scalars(monkeypatch):
+    import torch
+
+    seen = capture(monkeypatch)
+    coll.allreduce_tree({"w": np.zeros(3, np.float32)})
+    coll.allreduce_tree({"w": torch.zeros(3, dtype=torch.float32)})
+    coll.allreduce_tree({"w": np.zeros(3, np.float64)})
+    coll.allreduce_tree({"w": np.zeros(3, np.float32), "g": None})
+    d = [_tree.digest(*s) for s in seen]
+    assert d[0] == d[1], "the library does not matter, dtype/shape/device kind do"
+    assert len({d[0], d[2], d[3]}) == 3
+
+
+_SCRIPT = """
+import numpy as np, collectives as coll
+from collectives import _tree
+seen = []
+_tree.agree = lambda comm, what, header, entries, error: seen.append((header, entries))
+coll.synchronize({"layer": {"w": np.zeros((3, 4), np.float32), 2: np.zeros(1)}, "opt": [1, "x", None],
+                  frozenset({"a"}): np.zeros(2)})
+print(_tree.digest(*seen[0]).hex())
+"""
+
+
+def test_fingerprint_stable_across_processes():
+    digests = set()
+    for seed in ("1", "2"):
+        env = dict(os.environ, PYTHONHASHSEED=seed, COLLECTIVES_BACKEND="self")
+        out = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True,
+                             timeout=120, check=True)
+        digests.add(out.stdout.strip())
+    assert len(digests) == 1 and len(digests.pop()) == 32
+
+
+def test_mismatch_message_names_first_difference():
+    a = ((("op", "mean"),), [("['layer']['w']", "float32 (3, 4)")])
+    b = ((("op", "mean"),), [("['layer']['w']", "float32 (3, 5)"), ("['x']", "None")])
+    msg = _tree.mismatch_message("allreduce_tree", [a, a, b])
+    assert "leaf ['layer']['w']: rank 0 has float32 (3, 4), rank 2 has float32 (3, 5)" in msg
+    assert "leaf ['x']: rank 0 has no such leaf, rank 2 has None" in msg
+    assert "ranks differing from rank 0: 2" in msg
+    c = ((("op", "sum"),), a[1])
+    assert "op: rank 0 has 'mean', rank 1 has 'sum'" in _tree.mismatch_message("allreduce_tree", [a, c])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# buckets, with simulated ranks
+
+
+class Recorder(Transport):
+    """A fake transport for a job of ``size`` identical ranks: it records every buffer it is given; a
+    replaying instance fills broadcast buffers from a recording; allreduce is the sum of size copies."""
+
+    name = "fake"
+
+    def __init__(self, rank=0, size=2, replay=None, float16=True):
+        self.rank, self.size = rank, size
+        self.sent = []
+        self.replay = list(replay) if replay is not None else None
+        self._float16 = float16
+
+    def allreduce(self, buf, op):
+        self.sent.append(("allreduce", buf.dtype, buf.size))
+        if op == "sum":
+            buf *= self.size
+
+    def reduce(self, buf, op, root):
+        raise AssertionError("not used")
+
+    def broadcast(self, buf, root):
+        if self.replay is not None:
+            kind, data = self.replay.pop(0)
+            assert kind == "broadcast" and len(data) == buf.nbytes
+            buf.reshape(-1).view(np.uint8)[...] = np.frombuffer(data, np.uint8)
+        self.sent.append(("broadcast", bytes(np.ascontiguousarray(buf).reshape(-1).view(np.uint8))))
+
+    def allgather(self, send, recv):
+        recv[...] = send.reshape(-1)
+
+    def allgather_object(self, obj):
+        return [obj] * self.size
+
+    def broadcast_object(self, obj, root):
+        return obj
+
+    def barrier(self):
+        pass
+
+
+def tree_of_everything(rank):
+    import array_api_strict as xs
+    import torch
+
+    ro = np.full(5, rank + 0.5)
+    ro.flags.writeable = False
+    base = np.arange(24.0).reshape(4, 6) + rank
+    return {
+        "f32": np.full((3, 4), rank + 1.5, np.float32), "f16": np.full(7, rank + 0.25, np.float16),
+        "bf16": torch.full((5,), rank + 2.0, dtype=torch.bfloat16), "i64": np.arange(4) + rank,
+        "bool": np.array([rank % 2 == 0, True]), "c128": np.full(2, rank + 1j), "ro": ro,
+        "strict": xs.asarray(np.full(3, rank + 3.0)), "view": base[:, ::2], "empty": np.zeros((0, 2)),
+        "scalar0d": np.array(rank + 4.0), "big": np.full(3000, float(rank)),
+        "u8s": [np.full(k, rank, np.uint8) for k in range(1, 20)],
+    }
+
+
+def flat_bits(tree):
+    import torch
+
+    out = []
+    for leaf in _tree.flatten(tree).leaves:
+        if isinstance(leaf, torch.Tensor):
+            out.append(leaf.view(torch.int16).numpy().tobytes() if leaf.dtype == torch.bfloat16 else
+                       leaf.numpy().tobytes())
+        else:
+            out.append(np.ascontiguousarray(np.from_dlpack(leaf) if not isinstance(leaf, np.ndarray) else leaf)
+                       .tobytes())
+    return out
+
+
+@pytest.mark.parametrize("bucket", [None, 64, 4096])
+def test_broadcast_pack_unpack_bit_for_bit(bucket):
+    root_t = Recorder(rank=0)
+    root_tree = tree_of_everything(0)
+    assert coll.synchronize(root_tree, root=0, comm=Communicator(root_t), bucket_bytes=bucket) is root_tree
+    other = Recorder(rank=1, replay=root_t.sent)
+    tree = tree_of_everything(1)
+    view_base = tree["view"].base
+    out = coll.synchronize(tree, root=0, comm=Communicator(other), bucket_bytes=bucket)
+    assert [len(d) for _, d in other.sent] == [len(d) for _, d in root_t.sent], "same plan on every rank"
+    assert flat_bits(out) == flat_bits(tree_of_everything(0))
+    assert out["f32"] is tree["f32"] and out["bf16"] is tree["bf16"] and out["view"] is tree["view"]
+    assert out["ro"] is not tree["ro"] and out["strict"] is not tree["strict"]
+    assert (view_base[:, 1::2] == np.arange(24.0).reshape(4, 6)[:, 1::2] + 1).all(), "only the view's elements"
+
+
+@pytest.mark.parametrize("bucket", [None, 64, 4096])
+@pytest.mark.parametrize("float16", [True, False])
+def test_allreduce_pack_unpack(bucket, float16):
+    """Simulated ranks with identical data: mean gives the data back exactly, sum multiplies by size."""
+    floats = ("f32", "f16", "bf16", "c128", "ro", "strict", "view", "empty", "scalar0d", "big")
+    t = Recorder(rank=0, size=3, float16=float16)
+    tree = {k: v for k, v in tree_of_everything(1).items() if k in floats}
+    out = coll.allreduce_tree(tree, op="mean", comm=Communicator(t), bucket_bytes=bucket)
+    assert flat_bits(out) == flat_bits({k: v for k, v in tree_of_everything(1).items() if k in floats})
+    assert out["ro"] is not tree["ro"] and out["f32"] is tree["f32"] and out["view"] is tree["view"]
+    wires = {dtype for _, dtype, _ in t.sent}
+    assert np.dtype(np.uint16) not in wires, "bfloat16 travels as float32"
+    assert (np.dtype(np.float16) in wires) == float16
+    ints = {"i": np.arange(3), "u": np.ones(2, np.uint8), "f": np.full(2, 0.5, np.float16)}
+    coll.allreduce_tree(ints, op="sum", comm=Communicator(t), bucket_bytes=bucket)
+    assert ints["i"].tolist() == [0, 3, 6] and ints["u"].tolist() == [3, 3] and ints["f"].tolist() == [1.5, 1.5]
+
+
+def test_bucket_plan_bounds_and_solos():
+    items = [_buckets.Item(x, None, x, coll._dtypes.from_numpy(x.dtype), (1, 0))
+             for x in [np.zeros(n, np.float32) for n in (1, 10, 100, 1000, 0, 5, 300, 2)]]
+    solos, buckets = _buckets.plan(items, 1600, key=lambda it: "k", size=lambda it: it.nbytes)
+    assert _buckets.solo_bytes(1600) == 400
+    assert [it.view.size for it in solos] == [100, 1000, 300]
+    assert [[it.view.size for it in b] for _, b in buckets] == [[1, 10, 5, 2]]
+    solos, buckets = _buckets.plan(items, 40, key=lambda it: "k", size=lambda it: it.nbytes)
+    assert all(sum(it.nbytes for it in b) <= 40 or len(b) == 1 for _, b in buckets)
+    assert _buckets.solo_bytes(25 << 20) == 1 << 20
+
+
+def test_pool_reuses_and_is_bounded():
+    pool = _buckets._Pool()
+    a = pool.take(np.dtype(np.float32), 100)
+    b = pool.take(np.dtype(np.float32), 50)
+    assert np.shares_memory(a, b)
+    for dt in ("f2", "f4", "f8", "i1", "i2", "i4", "i8", "u1", "u2", "c8"):
+        pool.take(np.dtype(dt), 4)
+    assert len(pool._buffers) == _buckets.MAX_POOLED
+
+
+# ---------------------------------------------------------------------------------------------------------
+# shard arithmetic
+
+
+@pytest.mark.parametrize("size", range(1, 10))
+def test_shard_math_many_sizes(size):
+    for n in range(1, 60):
+        padded = [_shard.shard_indices(n, r, size) for r in range(size)]
+        per = -(-n // size)
+        assert all(len(p) == per for p in padded)
+        flat = [i for p in padded for i in p]
+        assert flat == [i % n for i in range(per * size)], "contiguous blocks of the wrapped sequence"
+        assert set(flat) == set(range(n))
+        if n < size:
+            with pytest.raises(ValueError, match="drop_remainder=True"):
+                _shard.shard_indices(n, 0, size, drop_remainder=True)
+            continue
+        dropped = [_shard.shard_indices(n, r, size, drop_remainder=True) for r in range(size)]
+        assert all(len(p) == n // size for p in dropped)
+        assert [i for p in dropped for i in p] == list(range(n // size * size))
+        for r in range(size):
+            segs = _shard.shard_segments(n, r, size)
+            assert 1 <= len(segs) <= 2 and all(0 <= s < e <= n for s, e in segs)
+
+
+def test_shard_math_known_cases():
+    assert [_shard.shard_indices(10, r, 4) for r in range(4)] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 0, 1]]
+    assert [_shard.shard_indices(9, r, 4, drop_remainder=True) for r in range(4)] == [[0, 1], [2, 3], [4, 5],
+                                                                                      [6, 7]]
+    assert [_shard.shard_indices(2, r, 4) for r in range(4)] == [[0], [1], [0], [1]]
+    with pytest.raises(ValueError, match="empty"):
+        _shard.shard_indices(0, 0, 1)
+    with pytest.raises(ValueError, match="rank=2"):
+        _shard.shard_indices(5, 2, 2)
+
+
+def test_import_does_not_pull_torch():
+    code = "import sys, collectives; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
