@@ -23,11 +23,14 @@ How it is measured, so that the machine's noise (shared cores, frequency changes
   and the ratio ours/raw is the median over rounds of the ratio *within* a round, so that a change of the
   machine's speed between rounds cancels out (the JSON also has the ratio of the two medians);
 * ``k`` and the number of rounds shrink with the size (20000 calls at 8 B, 31 from 8 MiB up), so a
-  default run takes well under 90 s at 2 ranks. ``--iters N`` sets the calls per side per size instead.
+  default run takes about 30 s at 2 ranks on a quiet machine. ``--iters N`` sets the calls per side per
+  size instead.
 
 Only the ratios (ours / raw) mean something, and only between figures of one run: absolute times move by
 2x between runs on a shared machine. Targets: per-call overhead at 8 B within 2x of raw mpi4py; within
-1.05x from 1 MiB up.
+1.05x from 1 MiB up. From ``COLLECTIVES_SHM_THRESHOLD`` (256 KiB) up, our allreduce between ranks of one
+node goes through node-shared memory rather than MPI's allreduce, so it may beat raw mpi4py there; run
+with ``COLLECTIVES_SHM=0`` to compare the same MPI call on both sides.
 """
 
 from __future__ import annotations

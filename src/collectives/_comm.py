@@ -300,7 +300,11 @@ class Communicator:
         return a.wrap(buf, info, x)
 
     def _reduce_buffer(self, transport, buf, info, op, collective, divide=True):
-        """Reduce a contiguous buffer in place with ``collective(wire, op)``, widening where needed."""
+        """Reduce a contiguous buffer in place with ``collective(wire, op)``, widening where needed.
+
+        ``divide=False`` is for ranks that only contribute (non-root ranks of reduce): their buffer is
+        never written, so the caller's array stays bit for bit as it was (also a read-only one).
+        """
         wire_op = "sum" if op == "mean" else op
         if info.kind == "b":
             collective(buf.view(np.uint8), wire_op)
@@ -312,10 +316,12 @@ class Communicator:
         else:
             wire = buf
         collective(wire, wire_op)
-        if op == "mean" and divide:
-            np.divide(wire, self.size, out=wire)
-        if wire is buf:
+        if wire is buf or not divide:
+            if op == "mean" and divide:
+                np.divide(wire, self.size, out=wire)
             return
+        if op == "mean":
+            np.divide(wire, self.size, out=wire)
         if info.name == "bfloat16":
             _dtypes.f32_to_bf16(wire, out=buf)
         else:
@@ -403,6 +409,11 @@ def init(backend: str = "auto", *, comm=None, check: bool | None = None) -> Comm
         comm: an existing mpi4py intra-communicator to work within (for frameworks with their own job).
             The library duplicates it and never talks on the original.
         check: turn the cross-rank agreement check on or off (default: ``COLLECTIVES_CHECK``).
+
+    In an MPI job of more than one process, the first ``init`` also makes an uncaught exception on any
+    rank end the whole job (``MPI_Abort``) instead of leaving the other ranks waiting in a collective
+    (``COLLECTIVES_ABORT_ON_ERROR=0`` turns it off). With ``COLLECTIVES_TIMEOUT`` set when a communicator
+    is made, its host collectives raise :class:`CollectiveTimeoutError` after that many seconds.
 
     Returns:
         The default communicator (``comm=None``), or the communicator for ``comm``. The first call also

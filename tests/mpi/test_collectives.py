@@ -305,3 +305,22 @@ def test_user_communicator_is_duplicated(comm):
     finally:
         coll._comm._by_comm.pop(id(user))[1].close()
         user.Free()
+
+
+def test_reduce_non_root_widened_dtypes_leave_input_bit_for_bit(comm, monkeypatch):
+    """bfloat16 (and float16 where MPI lacks it) are widened; non-root ranks must not write back."""
+    torch = pytest.importorskip("torch")
+    bits = torch.tensor([0x7F81, 0x3F80, 0x0001], dtype=torch.int16)  # signalling NaN, 1.0, a subnormal
+    x = bits.clone().view(torch.bfloat16)
+    y = coll.reduce(x, op="max", root=0, comm=comm)
+    if comm.rank != 0:
+        assert y is x and torch.equal(x.view(torch.int16), bits)
+    monkeypatch.setattr(comm._host, "_float16", False)
+    monkeypatch.setattr(comm, "_fast", {})
+    h = np.array([1.5, -2.0], dtype=np.float16)
+    h.flags.writeable = False
+    out = coll.reduce(h, op="mean", root=0, comm=comm)
+    if comm.rank == 0:
+        np.testing.assert_array_equal(out, h)
+    else:
+        assert out is h
