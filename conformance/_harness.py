@@ -128,11 +128,11 @@ def compare_digests(per_rank: list[list[tuple[str, str]]]) -> str | None:
         if len(mine) != len(first):
             return (f"ranks recorded different numbers of results: rank 0 has {len(first)}, "
                     f"rank {r} has {len(mine)}")
-        for (label, d0), (_, dr) in zip(first, mine):
-            if d0 != dr:
-                groups: dict = {}
-                for rr, dig in enumerate(p[[lab for lab, _ in first].index(label)][1] for p in per_rank):
-                    groups.setdefault(dig, []).append(rr)
-                ranks = "; ".join(f"ranks {','.join(map(str, v))} agree" for v in groups.values())
-                return f"result {label!r} differs between ranks, bit for bit ({ranks})"
+    for i, (label, _) in enumerate(first):
+        groups: dict = {}
+        for rank, digests in enumerate(per_rank):
+            groups.setdefault(digests[i][1], []).append(rank)
+        if len(groups) > 1:
+            parts = "; ".join(f"ranks {','.join(map(str, ranks))} agree" for ranks in groups.values())
+            return f"result {label!r} differs between ranks, bit for bit ({parts})"
     return None

@@ -102,6 +102,8 @@ def _load_sut(name: str):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "conformance(**meta): what a conformance test covers (for the report)")
+    # torch warns on every complex32 tensor made; the suite makes them on purpose
+    config.addinivalue_line("filterwarnings", "ignore:ComplexHalf support is experimental:UserWarning")
     get = config.getoption
     try:
         S.opts = _options.read({

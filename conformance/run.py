@@ -1,6 +1,6 @@
 """Run the conformance suite over several world sizes, backends and array libraries; write a report.
 
-    python conformance/run.py                                  # sizes 1,2,3; mpi and self; host libraries
+    python conformance/run.py                                  # sizes 1,2,3; every backend; every library
     python conformance/run.py --sizes 1,2,3,4 --backends mpi,self,nccl,host-staging
     python conformance/run.py --libs numpy,torch --full        # the whole matrix
     python conformance/run.py --sut myframework.collectives --report my-report.md --json my-report.json
@@ -55,7 +55,9 @@ def parse_args(argv=None):
     ap.add_argument("--sizes", default="1,2,3", help="world sizes (default 1,2,3)")
     ap.add_argument("--libs", default="numpy,torch,strict,jax,cupy,torch-cuda",
                     help="array libraries; each backend runs those whose memory it serves")
-    ap.add_argument("--backends", default="mpi,self", help="mpi, self, nccl, host-staging, cuda-aware-mpi")
+    ap.add_argument("--backends", default="mpi,self,nccl,host-staging",
+                    help="mpi, self, nccl, host-staging, cuda-aware-mpi (default: the first four; a CUDA backend "
+                         "without a usable CUDA library here is probed once and reported n/a)")
     ap.add_argument("--full", action="store_true", help="the whole matrix (COLLECTIVES_CONFORMANCE_FULL=1)")
     ap.add_argument("--seed", type=int, default=None, help="which sample of the matrix (default 0)")
     ap.add_argument("--sut", default=None, help="module under test (COLLECTIVES_CONFORMANCE_SUT)")
@@ -69,7 +71,7 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def run_one(args, backend: str, libs: list[str], size: int, results: Path, log: Path) -> dict:
+def run_one(args, backend: str, libs: list[str], size: int, results: Path, log: Path, select=()) -> dict:
     env = dict(os.environ)
     env.update({
         "COLLECTIVES_CONFORMANCE_BACKEND": backend,
@@ -82,7 +84,7 @@ def run_one(args, backend: str, libs: list[str], size: int, results: Path, log: 
     if args.sut:
         env["COLLECTIVES_CONFORMANCE_SUT"] = args.sut
     pytest_cmd = [sys.executable, "-m", "pytest", str(HERE), "-q", "-p", "no:cacheprovider",
-                  "--timeout", str(args.test_timeout), *args.pytest_args]
+                  "--timeout", str(args.test_timeout), *select, *args.pytest_args]
     if backend == "self":
         cmd = pytest_cmd
         for var in ("PMI_SIZE", "PMI_RANK", "PMIX_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS"):
@@ -94,7 +96,8 @@ def run_one(args, backend: str, libs: list[str], size: int, results: Path, log: 
     start = time.monotonic()
     with open(log, "w") as out:
         try:
-            rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout).returncode
+            rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                timeout=timeout).returncode
             timed_out = False
         except subprocess.TimeoutExpired:
             rc, timed_out = 124, True
@@ -237,7 +240,7 @@ def build_report(args, runs: list[dict], records: list[dict], columns: list[tupl
         "",
         md_table(["backend", "size", "libraries", "exit", "seconds", "passed", "xfailed", "failed", "skipped"],
                  [[run["backend"], str(run["size"]), ",".join(run["libs"]),
-                   (run.get("aborted") or str(run["rc"])), str(run["seconds"]),
+                   ("not run" if run.get("not_run") else run.get("aborted") or str(run["rc"])), str(run["seconds"]),
                    *[str(sum(1 for r in records if r["run"] == id(run) and r["outcome"] == o))
                      for o in ("pass", "xfail", "fail", "skip")]] for run in runs]),
         "",
@@ -288,7 +291,7 @@ def build_report(args, runs: list[dict], records: list[dict], columns: list[tupl
         out += [f"- {k}: {v}" for k, v in sorted(unavailable.items())]
     else:
         out.append("Everything requested was available.")
-    skipped_backends = [run for run in runs if run.get("not_run")]
+    skipped_backends = [run for run in runs if run.get("not_run") and not (run.get("session") or {}).get("unavailable")]
     out += [f"- backend {run['backend']}: {run['not_run']}" for run in skipped_backends]
     out.append("")
 
@@ -331,6 +334,18 @@ def main(argv=None) -> int:
             runs.append({"backend": backend, "size": "-", "libs": [], "rc": "-", "seconds": 0, "timed_out": False,
                          "not_run": f"no requested library lives in {kind} memory"})
             continue
+        if kind == "cuda":  # probe once: without a GPU (or CuPy) there is nothing to run at any size
+            probe = tmp / f"{backend}-probe.jsonl"
+            info = run_one(args, backend, libs_b, 1, probe, logs / f"conformance-run-{backend}-probe.log",
+                           select=("-k", "test_library_available"))
+            read_results(probe, info)
+            session = info.get("session") or {}
+            if not session.get("usable_libs"):
+                why = "; ".join((session.get("unavailable") or {}).values()) or f"the probe run failed ({info['log']})"
+                runs.append({"backend": backend, "size": "-", "libs": libs_b, "rc": info["rc"],
+                             "seconds": info["seconds"], "timed_out": info["timed_out"], "not_run": why,
+                             "session": session})
+                continue
         for size in ([1] if backend == "self" else sizes):
             results = tmp / f"{backend}-n{size}.jsonl"
             run = run_one(args, backend, libs_b, size, results, logs / f"conformance-run-{backend}-n{size}.log")
@@ -349,7 +364,7 @@ def main(argv=None) -> int:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             Path(path).write_text(text)
             print(f"wrote {path}")
-    bad_runs = [r for r in runs if not r.get("not_run") and (r.get("aborted") or r["rc"] not in (0,))]
+    bad_runs = [r for r in runs if not r.get("not_run") and (r.get("aborted") or r["rc"] != 0)]
     failures = [r for r in records if r["outcome"] == "fail"]
     print(f"{len(records)} results, {len(failures)} unexpected failures, {len(bad_runs)} runs not clean")
     return 0 if not failures and not bad_runs else 1

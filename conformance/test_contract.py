@@ -40,9 +40,10 @@ def _run(sut, collective, x, op, root):
     return sut.reduce(x, op=op, root=root)
 
 
-@pytest.mark.parametrize("lib_name,collective", _torch_cases("requires grad", ("broadcast", "allreduce", "reduce")))
+@pytest.mark.parametrize("lib_name,collective", _torch_cases("requires grad", _matrix.COLLECTIVES))
 def test_torch_requires_grad_in_place(sut, comm, lib_name, collective):
-    """A parameter (requires_grad=True) is updated in place and stays a trainable leaf."""
+    """A parameter (requires_grad=True) is updated in place and stays a trainable leaf; an allgather of one
+    is a new tensor that does not require grad."""
     torch = pytest.importorskip("torch")
     lib = _libs.get(lib_name)
     root = comm.size - 1
@@ -51,6 +52,12 @@ def test_torch_requires_grad_in_place(sut, comm, lib_name, collective):
         return np.arange(6, dtype=np.float32).reshape(2, 3) + 4 * r
 
     p = torch.nn.Parameter(lib.from_bits(mine(comm.rank), _dtypes.ALL["float32"]))
+    if collective == "allgather":
+        g = sut.allgather(p)
+        assert g is not p and not g.requires_grad, "a torch allgather result does not require grad"
+        assert np.array_equal(g.detach().cpu().numpy(), np.stack([mine(r) for r in range(comm.size)]))
+        assert np.array_equal(p.detach().cpu().numpy(), mine(comm.rank)), "allgather leaves its input alone"
+        return
     y = _run(sut, collective, p, "mean", root)
     assert y is p, f"{collective} on a parameter: the docs say it is updated in place and p itself returned"
     assert p.requires_grad and p.is_leaf, f"{collective}: p must still be a leaf that requires grad"
@@ -150,7 +157,8 @@ def test_repeated_calls_keep_the_rules(sut, comm, collective):
     for i in range(3):  # warm up: the same (op, dtype) on contiguous writable arrays
         x = fresh(rank)
         y = _run(sut, collective, x, "sum", last)
-        assert y is x and np.array_equal(x, want_for(fresh)), f"{collective} call {i + 1}: {x}, expected {want_for(fresh)}"
+        assert y is x and np.array_equal(x, want_for(fresh)), (
+            f"{collective} call {i + 1}: {x}, expected {want_for(fresh)}")
     ro = fresh(rank)
     ro.flags.writeable = False
     y = _run(sut, collective, ro, "sum", last)

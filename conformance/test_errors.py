@@ -29,7 +29,7 @@ def _sample_illegal():
         return cases
     # sampled: each (lib, dtype, op) once, alternating the collective
     kept, seen = [], set()
-    for i, p in enumerate(cases):
+    for p in cases:
         name, collective, dtype, op = p.values
         key = (name, dtype, op)
         if key in seen:

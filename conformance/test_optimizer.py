@@ -93,8 +93,11 @@ class _SGDLike:
 
 
 def _np(x):
-    if type(x).__module__.startswith("torch"):
+    module = type(x).__module__
+    if module.startswith("torch"):
         return x.detach().cpu().numpy()
+    if module.startswith("cupy"):
+        return x.get()
     return x if isinstance(x, np.ndarray) else np.from_dlpack(x)
 
 

@@ -96,11 +96,18 @@ def _is_array(v):
     return hasattr(v, "__dlpack__") or isinstance(v, np.ndarray)
 
 
+def _host(v) -> np.ndarray:
+    """A NumPy copy of an array leaf of any library, host or CUDA."""
+    module = type(v).__module__
+    if module.startswith("torch"):
+        return v.detach().cpu().numpy()
+    if module.startswith("cupy"):
+        return v.get()
+    return v if isinstance(v, np.ndarray) else np.from_dlpack(v)
+
+
 def _bits(v):
-    if type(v).__module__.startswith("torch"):
-        t = v.detach().cpu()
-        return t.numpy().tobytes(), str(t.dtype)
-    a = np.from_dlpack(v) if not isinstance(v, np.ndarray) else v
+    a = _host(v)
     return np.ascontiguousarray(a).tobytes(), str(a.dtype)
 
 
@@ -237,11 +244,7 @@ def _float_tree(container, lib, rank, seed):
 
 
 def _to_np(v):
-    if type(v).__module__.startswith("torch"):
-        return v.detach().cpu().numpy()
-    if _is_array(v):
-        return np.from_dlpack(v)
-    return v
+    return _host(v) if _is_array(v) else v
 
 
 @pytest.mark.parametrize("lib_name,container,op", _reduce_cases())

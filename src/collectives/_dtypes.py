@@ -99,7 +99,9 @@ def check_reduction(dtype: DType, op: str) -> None:
 # ---- bfloat16 <-> float32 on host buffers (round to nearest even, NaN stays NaN) ----
 
 def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
-    return (bits.astype(np.uint32) << 16).view(np.float32)
+    wide = bits.astype(np.uint32)
+    wide <<= 16  # in place: a 0-d array stays an array (a binary ufunc would return a NumPy scalar)
+    return wide.view(np.float32)
 
 
 def f32_to_bf16(values: np.ndarray, out: np.ndarray) -> None:

@@ -324,3 +324,13 @@ def test_reduce_non_root_widened_dtypes_leave_input_bit_for_bit(comm, monkeypatc
         np.testing.assert_array_equal(out, h)
     else:
         assert out is h
+
+
+def test_zero_d_bfloat16_reductions(comm):
+    """Found by the conformance suite: 0-d bfloat16 buffers must stay arrays through the widening."""
+    torch = pytest.importorskip("torch")
+    for op, want in (("sum", comm.size * (comm.size + 1) / 2), ("max", comm.size), ("min", 1.0),
+                     ("mean", (comm.size + 1) / 2)):
+        x = torch.tensor(float(comm.rank + 1), dtype=torch.bfloat16)
+        assert coll.allreduce(x, op=op, comm=comm) is x
+        assert float(x) == torch.tensor(want, dtype=torch.bfloat16).item(), (op, float(x))

@@ -128,3 +128,43 @@ def test_size_1_mean_shortcut_is_caught(tmp_path):
     assert "test_allreduce[strict-float64-mean-nd-odd]" in failed, failed
     assert "test_illegal_dtype_op[numpy-reduce-int32-mean]" not in failed, "reduce was not broken"
     assert "test_allreduce[numpy-float64-mean-nd-odd]" not in failed, "in place, x itself is the right answer"
+
+
+# ---- the expected-failure files (no subprocess) ----
+
+def _xfail_module():
+    sys.path.insert(0, str(ROOT))
+    from conformance import _xfail
+
+    return _xfail
+
+
+def test_xfail_entries_need_a_reason_and_match_brackets_literally(tmp_path):
+    xf = _xfail_module()
+    good = tmp_path / "mpi-torch.txt"
+    good.write_text("# comment\n\ntest_*reduce[torch-bfloat16-*-0d]  sizes=2,3  # a reason\n"
+                    "test_broadcast[torch-int8-?d]  run=false  # another\n")
+    entries = xf.load(tmp_path, "mpi", ["torch"])
+    assert [e.glob for e in entries["torch"]] == ["test_*reduce[torch-bfloat16-*-0d]", "test_broadcast[torch-int8-?d]"]
+    hit = xf.match(entries, "torch", "test_allreduce[torch-bfloat16-sum-0d]", "x", 2)
+    assert hit is not None and hit.reason == "a reason" and hit.where == "mpi-torch.txt:3"
+    assert xf.match(entries, "torch", "test_allreduce[torch-bfloat16-sum-0d]", "x", 1) is None  # sizes=2,3
+    assert xf.match(entries, "torch", "test_allreduce[torch-t]", "x", 2) is None  # [..] is not a class
+    assert xf.match(entries, "numpy", "test_allreduce[torch-bfloat16-sum-0d]", "x", 2) is None  # another lib
+    assert entries["torch"][1].run is False
+    (tmp_path / "mpi-torch.txt").write_text("test_broadcast[torch-int8-0d]\n")
+    with pytest.raises(xf.XfailFileError, match="needs a reason"):
+        xf.load(tmp_path, "mpi", ["torch"])
+    (tmp_path / "mpi-torch.txt").write_text("test_x  when=now  # reason\n")
+    with pytest.raises(xf.XfailFileError, match="unknown option"):
+        xf.load(tmp_path, "mpi", ["torch"])
+
+
+def test_shipped_xfail_files_parse_and_give_reasons():
+    xf = _xfail_module()
+    files = sorted((ROOT / "conformance" / "xfail").glob("*.txt"))
+    for path in files:
+        for entry in xf.parse(path):
+            assert len(entry.reason) > 20, f"{entry.where}: explain the gap, not just name it"
+            backends = ("all", "mpi", "self", "nccl", "host-staging", "cuda-aware-mpi")
+            assert any(path.stem.startswith(b + "-") for b in backends), f"{path.name}: <backend>-<library>.txt"
