@@ -2,7 +2,8 @@
 (``COLLECTIVES_TIMEOUT``) cost per call, against the plain path, on the same buffers in the same job.
 
     mpiexec -n 2 python benchmarks/bench_check.py
-    mpiexec -n 2 python benchmarks/bench_check.py --sizes 8B,64KiB,1MiB --ops allreduce,broadcast --json out.json
+    mpiexec -n 2 python benchmarks/bench_check.py --sizes 8B,64KiB,1MiB --ops allreduce,broadcast \
+        --json out.json
 
 Three communicators over duplicates of ``COMM_WORLD``, one per side:
 

@@ -1,8 +1,10 @@
 """The cross-rank agreement check (``init(check=True)`` or ``COLLECTIVES_CHECK=1``).
 
-Before a collective moves data, every rank contributes a small description of the call it is making
-(operation, op, root, shape, dtype, device kind, tree fingerprint). If the descriptions differ, every
-rank raises the same :class:`MismatchError`, naming each rank's values; no data has moved.
+Before a collective moves data, every rank describes the call it is making (operation, op, root, shape,
+dtype, device kind) and the ranks compare 16-byte fingerprints of their descriptions (one fixed-size
+allgather). If they differ, the ranks gather the descriptions themselves and every rank raises the same
+:class:`MismatchError`, naming each rank's values; no data has moved. (The tree collectives of ``_tree``
+compare fingerprints of whole trees the same way, always.)
 
 A rank whose own arguments are invalid (an integer array with ``op="mean"``, a root out of range, a list
 where an array belongs) must not simply raise: the other ranks are already waiting in the agreement step
@@ -15,20 +17,54 @@ exceptions end such a job; see ``docs/troubleshooting.md``).
 
 from __future__ import annotations
 
-from ._errors import MismatchError
+import hashlib
+
+import numpy as np
+
+from ._errors import CollectiveTimeoutError, MismatchError
 
 ERROR = "error"  # the key of a refused call: {"collective": ..., "error": "TypeError: ..."}
+_DIGEST = 16  # bytes of a call's fingerprint; one more byte says "this rank refused the call"
 
 
 def agree(transport, call: dict) -> None:
-    """Raise MismatchError on every rank unless all ranks made the same ``call``."""
+    """Raise MismatchError on every rank unless all ranks made the same ``call``.
+
+    Two rounds, the second only when needed: every rank contributes a 16-byte fingerprint of its call
+    (one fixed-size ``allgather``); only if the fingerprints differ, or a rank refused (:func:`refuse`),
+    do the ranks gather the calls themselves to name every side's values. Every rank sees the same table,
+    so every rank takes the same branch.
+    """
     if transport.size == 1:
         return
-    calls = transport.allgather_object(call)
+    try:
+        if _round_one(transport, call, refused=False):
+            return
+        calls = transport.allgather_object(call)
+    except CollectiveTimeoutError as exc:
+        raise _in_agreement(exc, call) from exc
     first = calls[0]
-    if all(c == first for c in calls[1:]):
+    if all(c == first for c in calls[1:]):  # (a fingerprint collision: as good as agreeing)
         return
     raise MismatchError(describe_mismatch(calls))
+
+
+def _round_one(transport, call: dict, refused: bool) -> bool:
+    """Gather every rank's fingerprint of ``call``; True if all are equal and nobody refused."""
+    mine = fingerprint(call) + (b"\x01" if refused else b"\x00")
+    table = np.empty((transport.size, _DIGEST + 1), dtype=np.uint8)
+    transport.allgather(np.frombuffer(mine, dtype=np.uint8), table)
+    return not refused and table.tobytes() == mine * transport.size  # (then nobody's flag is set)
+
+
+def _in_agreement(exc: CollectiveTimeoutError, call: dict) -> CollectiveTimeoutError:
+    what = call.get("collective")
+    return CollectiveTimeoutError(f"in the agreement step of checked mode before {what}: {exc}")
+
+
+def fingerprint(call: dict) -> bytes:
+    """16 bytes identifying a call description (its repr: plain str, int and tuple values, same order)."""
+    return hashlib.blake2b(repr(call).encode(), digest_size=_DIGEST).digest()
 
 
 def refuse(transport, collective: str, error: BaseException) -> None:
@@ -42,7 +78,12 @@ def refuse(transport, collective: str, error: BaseException) -> None:
     if transport is None or transport.size == 1:
         return
     text = f"{type(error).__name__}: {error}"
-    transport.allgather_object({"collective": collective, ERROR: text})
+    refused = {"collective": collective, ERROR: text}
+    try:
+        _round_one(transport, refused, refused=True)  # the others, in agree(), see the flag ...
+        transport.allgather_object(refused)  # ... and gather the calls in a second round, naming it
+    except CollectiveTimeoutError as exc:
+        raise _in_agreement(exc, refused) from exc
     note = (f"collectives (checked mode): rank {transport.rank} refused this {collective} call; the other "
             f"ranks were told and raise MismatchError; nothing was sent or changed on any rank")
     if hasattr(error, "add_note"):  # Python >= 3.11

@@ -16,8 +16,14 @@ import numpy as np
 import collectives as coll
 
 
+def say(line: str) -> None:
+    """One line on stdout in one write, so that lines of different ranks do not interleave."""
+    sys.stdout.flush()
+    os.write(1, (line + "\n").encode())
+
+
 def mark(what: str) -> None:
-    print(f"FAILING {what} AT {time.time():.3f}", flush=True)
+    say(f"FAILING {what} AT {time.time():.3f}")
 
 
 def main(name: str) -> None:
@@ -55,7 +61,7 @@ def main(name: str) -> None:
         try:
             comm.allreduce(np.ones(4 + (comm.rank == last)))
         except coll.MismatchError as e:
-            print(f"rank {comm.rank} caught MismatchError: {e}", flush=True)
+            say(f"rank {comm.rank} caught MismatchError: {e}")
         else:
             raise AssertionError("no MismatchError")
         try:
@@ -64,7 +70,7 @@ def main(name: str) -> None:
             else:
                 comm.broadcast(x, root=0)
         except (ValueError, coll.MismatchError) as e:
-            print(f"rank {comm.rank} caught {type(e).__name__}: {e}", flush=True)
+            say(f"rank {comm.rank} caught {type(e).__name__}: {e}")
         else:
             raise AssertionError("no error")
         y = np.full(3, float(comm.rank))
@@ -113,9 +119,9 @@ def main(name: str) -> None:
         raise SystemExit(f"unknown scenario {name!r}")
 
     if name.startswith(("clean", "mismatch-caught")):
-        print(f"DONE {rank}", flush=True)
+        say(f"DONE {rank}")
     else:
-        print(f"SURVIVED {rank}", flush=True)
+        say(f"SURVIVED {rank}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Property-based tests of the array collectives against a NumPy reference, at any world size.
 
 Random collectives, shapes (0-d and empty included), memory layouts (C, Fortran, strided, reversed,
-read-only), dtypes, ops, roots, array libraries, checked or not. Every rank must run the very same
+read-only), dtypes, ops, roots, array libraries, checked or not, with the plain MPI transport or the one
+with a deadline (``COLLECTIVES_TIMEOUT``: non-blocking calls, polled). Every rank must run the very same
 examples in the same order, or the ranks would wait in different collectives:
 
 - hypothesis is derandomized (its seed depends only on the test), has no example database, and every
@@ -14,6 +15,8 @@ examples in the same order, or the ranks would wait in different collectives:
 
 Each rank's data is generated from (seed, rank), so every rank can compute the reference itself.
 """
+
+import os
 
 import numpy as np
 import pytest
@@ -58,6 +61,7 @@ def calls(draw, size):
                        for d in range(draw(st.sampled_from([2, 1, 3, 0])))),
         "layout": draw(st.sampled_from(layouts[::-1])),
         "checked": draw(st.booleans()),
+        "deadline": draw(st.booleans()),
         "seed": draw(st.integers(0, 2**32 - 1)),
     }
 
@@ -197,19 +201,64 @@ def from_rank0(comm, obj):
     return MPI.COMM_WORLD.bcast(obj, root=0)
 
 
-def test_collectives_match_numpy(comm):
+@pytest.fixture(scope="module")
+def deadline_comm(comm):
+    """A second communicator whose transport has a deadline (``COLLECTIVES_TIMEOUT`` set at its init);
+    the default one where there is no MPI."""
+    if comm.backend != "mpi":
+        yield comm
+        return
+    from mpi4py import MPI
+
+    user = MPI.COMM_WORLD.Dup()
+    os.environ["COLLECTIVES_TIMEOUT"] = "300"
+    try:
+        c = coll.init(comm=user)
+    finally:
+        del os.environ["COLLECTIVES_TIMEOUT"]
+    assert type(c._host).__name__ == "DeadlineMPITransport"
+    yield c
+    coll._comm._by_comm.pop(id(user))[1].close()
+    user.Free()
+
+
+def test_collectives_match_numpy(comm, deadline_comm):
     @SETTINGS
     @given(data=st.data())
     def prop(data):
         p = from_rank0(comm, data.draw(calls(comm.size), label="call"))
-        before = comm.check
-        comm.check = p["checked"]
+        c = deadline_comm if p["deadline"] else comm
+        before = c.check
+        c.check = p["checked"]
         try:
-            agreed(comm, lambda: check_call(comm, p))
+            agreed(comm, lambda: check_call(c, p))
         finally:
-            comm.check = before
+            c.check = before
 
     prop()
+
+
+def test_deadline_transport_chunked_and_object_paths(deadline_comm, monkeypatch):
+    """The polled operations past the per-call count limit, and the object gathers of the agreement."""
+    c = deadline_comm
+    monkeypatch.setattr(c._host, "_max_count", 7)
+    x = np.arange(50, dtype=np.int64) * (c.rank + 1)
+    c.allreduce(x)
+    np.testing.assert_array_equal(x, np.arange(50) * c.size * (c.size + 1) // 2)
+    b = np.arange(23, dtype=np.float32) + c.rank
+    c.broadcast(b, root=c.size - 1)
+    np.testing.assert_array_equal(b, np.arange(23, dtype=np.float32) + c.size - 1)
+    r = c.reduce(np.arange(30.0) + c.rank, op="max", root=0)
+    if c.rank == 0:
+        np.testing.assert_array_equal(r, np.arange(30.0) + c.size - 1)
+    g = c.allgather(np.arange(9, dtype=np.int16) + c.rank)  # 18 bytes > 7: one broadcast per row
+    for i in range(c.size):
+        np.testing.assert_array_equal(g[i], np.arange(9) + i)
+    mine = {"rank": c.rank, "blob": "x" * (100 * c.rank)}
+    assert c._host.allgather_object(mine) == [{"rank": r, "blob": "x" * (100 * r)} for r in range(c.size)]
+    last = c.size - 1
+    assert c._host.broadcast_object(mine, last) == {"rank": last, "blob": "x" * (100 * last)}
+    c.barrier()
 
 
 def test_checked_mode_finds_every_difference(comm):

@@ -17,7 +17,8 @@ from collectives import CollectiveError, CollectiveTimeoutError, MismatchError, 
 
 
 class RecordingTransport:
-    """A stand-in host transport: ``allgather_object`` answers with scripted calls of the other ranks."""
+    """A stand-in host transport; the other ranks make the scripted calls ``others`` (dicts; one with an
+    ``"error"`` key is a refusal). Records what this rank sent in each round."""
 
     name = "fake"
 
@@ -25,8 +26,18 @@ class RecordingTransport:
         self.rank, self.size = rank, len(others) + 1
         self.others = others
         self.sent = []
+        self.rounds = []
 
-    def allgather_object(self, obj):
+    def allgather(self, send, recv):  # round one: fingerprints
+        self.rounds.append("fingerprints")
+        for r, other in enumerate(self.others):
+            row = recv[r if r < self.rank else r + 1]
+            row[:16] = np.frombuffer(_check.fingerprint(other), dtype=np.uint8)
+            row[16] = _check.ERROR in other
+        recv[self.rank] = send
+
+    def allgather_object(self, obj):  # round two: the calls themselves
+        self.rounds.append("calls")
         self.sent.append(obj)
         calls = list(self.others)
         calls.insert(self.rank, obj)
@@ -37,7 +48,16 @@ class RecordingTransport:
 
 def test_agree_passes_when_every_rank_agrees():
     call = {"collective": "allreduce", "op": "sum", "shape": (3,), "dtype": "float64", "device": "host"}
-    _check.agree(RecordingTransport(0, [dict(call), dict(call)]), call)
+    t = RecordingTransport(0, [dict(call), dict(call)])
+    _check.agree(t, call)
+    assert t.rounds == ["fingerprints"]  # one fixed-size allgather when all agree
+
+
+def test_fingerprint_depends_on_every_value():
+    call = {"collective": "reduce", "op": "sum", "root": 0, "shape": (3,), "dtype": "float64"}
+    prints = {_check.fingerprint(dict(call, **change)) for change in
+              ({}, {"op": "max"}, {"root": 1}, {"shape": (3, 1)}, {"dtype": "float32"}, {"collective": "x"})}
+    assert len(prints) == 6 and len(_check.fingerprint(call)) == 16
 
 
 def test_mismatch_message_names_every_side():
@@ -69,6 +89,7 @@ def test_refuse_contributes_the_error_and_notes_it():
     err = TypeError("op='mean' on integer dtype int64 would truncate")
     _check.refuse(t, "allreduce", err)
     assert t.sent == [{"collective": "allreduce", "error": "TypeError: " + str(err)}]
+    assert t.rounds == ["fingerprints", "calls"]
     if sys.version_info >= (3, 11):
         assert "rank 1 refused this allreduce call" in err.__notes__[0]
     # the other rank, in agree(), hears about it
@@ -219,7 +240,8 @@ def test_deadline_expires_with_a_typed_error_and_the_transport_stays_failed(caps
     took = time.monotonic() - start
     assert 0.2 <= took < 1.5
     msg = str(info.value)
-    assert "allreduce of 7 x float32 (op=sum) did not complete on rank 1 of 2 within COLLECTIVES_TIMEOUT=0.2" in msg
+    assert ("allreduce of 7 x float32 (op=sum) did not complete on rank 1 of 2 within "
+            "COLLECTIVES_TIMEOUT=0.2") in msg
     assert "COLLECTIVES_CHECK=1" in msg
     assert "collectives: allreduce of 7 x float32 (op=sum) timed out on rank 1 of 2" in capsys.readouterr().err
     with pytest.raises(CollectiveError, match="unusable: allreduce of 7 x float32 .* timed out"):
