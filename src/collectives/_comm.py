@@ -315,13 +315,24 @@ class Communicator:
             wire = buf.astype(np.float32)
         else:
             wire = buf
-        collective(wire, wire_op)
-        if wire is buf or not divide:
-            if op == "mean" and divide:
+        if op in ("min", "max") and _dtypes.orderable(wire.dtype):  # NaN-propagating, same on all ranks
+            ints = _dtypes.float_to_ordered(wire, op)
+            collective(ints, op)
+            if not divide:
+                return
+            reduced = _dtypes.ordered_to_float(ints, wire.dtype)
+            if wire is buf:
+                buf[...] = reduced
+                return
+            wire = reduced
+        else:
+            collective(wire, wire_op)
+            if wire is buf or not divide:
+                if op == "mean" and divide:
+                    np.divide(wire, self.size, out=wire)
+                return
+            if op == "mean":
                 np.divide(wire, self.size, out=wire)
-            return
-        if op == "mean":
-            np.divide(wire, self.size, out=wire)
         if info.name == "bfloat16":
             _dtypes.f32_to_bf16(wire, out=buf)
         else:

@@ -111,3 +111,35 @@ def f32_to_bf16(values: np.ndarray, out: np.ndarray) -> None:
     if nan.any():
         rounded[nan] = ((b[nan] >> 16) | 0x0040).astype(np.uint16)
     out[...] = rounded.reshape(out.shape)
+
+
+# ---- min/max on floating values: NaN-propagating and identical on every rank ----
+# MPI's MAX/MIN on floats are C comparisons: a NaN wins or loses depending on which rank holds it and on
+# the algorithm. We map floats to signed integers with the same order instead (negative values get their
+# magnitude bits flipped), send NaN to the top for max and to the bottom for min, reduce the integers,
+# and map back: exact, the same on every rank, NaN in -> NaN out (a canonical quiet NaN), -0.0 < +0.0.
+
+_ORDERED_INT = {2: np.dtype(np.int16), 4: np.dtype(np.int32), 8: np.dtype(np.int64)}
+
+
+def orderable(dtype: np.dtype) -> bool:
+    """True for floating dtypes whose min/max go through the integer mapping."""
+    return dtype.kind == "f" and dtype.itemsize in _ORDERED_INT
+
+
+def float_to_ordered(values: np.ndarray, op: str) -> np.ndarray:
+    """A new contiguous signed-integer array ordered like ``values``; NaN is the extreme ``op`` picks."""
+    itype = _ORDERED_INT[values.dtype.itemsize]
+    info = np.iinfo(itype)
+    ints = np.array(values, order="C").view(itype)
+    np.bitwise_xor(ints, info.max, out=ints, where=ints < 0)
+    nan = np.isnan(values)
+    if nan.any():
+        ints[nan.reshape(ints.shape)] = info.max if op == "max" else info.min
+    return ints
+
+
+def ordered_to_float(ints: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Invert :func:`float_to_ordered` in place; returns the float view of ``ints``."""
+    np.bitwise_xor(ints, np.iinfo(ints.dtype).max, out=ints, where=ints < 0)
+    return ints.view(dtype)

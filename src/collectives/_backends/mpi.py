@@ -144,6 +144,8 @@ class MPITransport(Transport):
                 np.divide(x, n, out=x)
 
             return run_mean
+        if op in ("min", "max") and dtype.kind == "f":
+            return None  # floats go through the NaN-propagating integer mapping (_dtypes.float_to_ordered)
         mop = self._ops[op]
         slow_at = min(shm_at, (max_count + 1) * dtype.itemsize)  # x.size > max_count, or shared memory
 
