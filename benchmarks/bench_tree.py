@@ -2,33 +2,45 @@
 
     mpiexec -n 2 python benchmarks/bench_tree.py
     mpiexec -n 2 python benchmarks/bench_tree.py --rounds 5 --json out.json
+    mpiexec -n 2 python benchmarks/bench_tree.py --thresholds --skip-training   # re-measure _buckets' thresholds
 
 Part 1, a realistic tree: 200 float32 leaves (100 weight matrices of mixed sizes and their 100 biases,
-about 32 MiB in all).
+about 57 MiB in all).
 
-=====================  ===============================================  ==============================================
-row                    ours                                             against
-=====================  ===============================================  ==============================================
-``synchronize``        ``coll.synchronize(tree)``                       one ``Bcast`` of a flat buffer of the same bytes
-``allreduce_tree``     ``coll.allreduce_tree(tree, op="mean")``         one ``Allreduce`` (+ divide) of a flat buffer
-``per-leaf allreduce`` one ``coll.allreduce(leaf, "mean")`` per leaf    the same flat ``Allreduce``
-``per-leaf broadcast`` one ``coll.broadcast(leaf)`` per leaf            the same flat ``Bcast``
-``structure check``    flatten + describe + the 17-byte agreement       the same flat ``Allreduce``
-                       (``allreduce_tree`` with the data step stubbed)
-=====================  ===============================================  ==============================================
+==========================  ===============================================  ===========================================
+row                         ours                                             against
+==========================  ===============================================  ===========================================
+``synchronize``             ``coll.synchronize(tree)``                       one raw ``Bcast`` of a flat buffer of the
+                                                                             same bytes
+``synchronize/per-leaf``    the same                                         one raw ``Bcast`` per leaf, in place
+``allreduce_tree``          ``coll.allreduce_tree(tree, op="mean")``         one raw ``Allreduce`` (+ divide) of a flat
+                                                                             buffer
+``allreduce_tree/per-leaf`` the same                                         one raw ``Allreduce`` (+ divide) per leaf
+``per-leaf allreduce``      one ``coll.allreduce(leaf, "mean")`` per leaf    the flat ``Allreduce``
+``per-leaf broadcast``      one ``coll.broadcast(leaf)`` per leaf            the flat ``Bcast``
+``structure check``         flatten + describe + the 17-byte agreement       the flat ``Allreduce``
+                            (``allreduce_tree`` with the data step stubbed;
+                            a repeated call: the description is cached)
+``agreement alone``         the 17-byte agreement                            the flat ``Allreduce``
+==========================  ===============================================  ===========================================
 
-The flat buffer is the lower bound: what the data costs without any tree. ``allreduce_tree`` copies only
-the small leaves (biases, small matrices) into buckets; leaves of 1 MiB or more are reduced where they lie.
+The flat buffer is the lower bound: what the data costs without any tree. The raw per-leaf rows are what
+the data costs moved where it lies, one collective per leaf, without any library.
 
 Part 2, a training step of a torch MLP 784-1024-1024-10 (1.9 M parameters), batch 64 per rank, SGD:
 forward, backward, step, with ``DistributedOptimizer`` vs ``torch.nn.parallel.DistributedDataParallel``
 over gloo (initialised in this job from MPI's ranks, on a free port chosen by rank 0) vs one process with
 no communication at all. One torch thread per rank.
 
+``--thresholds`` adds rows for ``synchronize`` and ``allreduce_tree`` with other values of
+``_buckets.BROADCAST_SOLO_BYTES`` and ``_buckets.SOLO_BYTES`` (leaves at least this big get a collective
+of their own, in their own memory; smaller ones are packed), to choose them on a new machine.
+
 Measurement: the two sides of a comparison run in alternating rounds (the side that goes first swaps each
 round), each round after a barrier; a round's time is the slowest rank's; reported are medians over the
 rounds and the median of the per-round ratios, so that a change of the machine's speed between rounds
-cancels out. Only ratios mean something, and only within one run.
+cancels out. Only ratios mean something, and only within one run. On a machine whose cores are shared
+with other jobs, every rendezvous of the ranks can cost a scheduler time slice: run it several times.
 """
 
 from __future__ import annotations
@@ -89,7 +101,7 @@ def make_tree(rank: int) -> dict:
     return tree
 
 
-def tree_part(comm, rounds: int) -> dict:
+def tree_part(comm, rounds: int, thresholds: bool = False) -> dict:
     tree = make_tree(comm.rank)
     leaves = _tree.flatten(tree).leaves
     nbytes = sum(x.nbytes for x in leaves)
@@ -99,6 +111,15 @@ def tree_part(comm, rounds: int) -> dict:
     def raw_allreduce():
         RAW.Allreduce(MPI.IN_PLACE, flat, MPI.SUM)
         np.divide(flat, size, out=flat)
+
+    def raw_per_leaf_allreduce():
+        for x in leaves:
+            RAW.Allreduce(MPI.IN_PLACE, x, MPI.SUM)
+            np.divide(x, size, out=x)
+
+    def raw_per_leaf_bcast():
+        for x in leaves:
+            RAW.Bcast(x, 0)
 
     def per_leaf():
         for x in leaves:
@@ -116,15 +137,35 @@ def tree_part(comm, rounds: int) -> dict:
     header = (("op", "mean"), ("bucket_bytes", 25 << 20))
     entries = [(p, f"float32 {x.shape}") for p, x in zip(_tree.flatten(tree).paths, leaves)]
 
+    def sync():
+        coll.synchronize(tree, comm=comm)
+
+    def reduce_tree():
+        coll.allreduce_tree(tree, op="mean", comm=comm)
+
     out = {"leaves": len(leaves), "bytes": nbytes}
-    out["synchronize"] = compare(lambda: coll.synchronize(tree, comm=comm), lambda: RAW.Bcast(flat, 0), rounds)
-    out["allreduce_tree"] = compare(lambda: coll.allreduce_tree(tree, op="mean", comm=comm), raw_allreduce, rounds)
+    out["synchronize"] = compare(sync, lambda: RAW.Bcast(flat, 0), rounds)
+    out["synchronize/per-leaf"] = compare(sync, raw_per_leaf_bcast, rounds)
+    out["allreduce_tree"] = compare(reduce_tree, raw_allreduce, rounds)
+    out["allreduce_tree/per-leaf"] = compare(reduce_tree, raw_per_leaf_allreduce, rounds)
     out["per-leaf allreduce"] = compare(per_leaf, raw_allreduce, rounds)
     out["per-leaf broadcast"] = compare(lambda: [coll.broadcast(x, 0, comm=comm) for x in leaves],
                                         lambda: RAW.Bcast(flat, 0), rounds)
     out["structure check"] = compare(check_only, raw_allreduce, rounds, k=5)
     out["agreement alone"] = compare(lambda: _tree.agree(comm, "bench", header, entries, None), raw_allreduce,
                                      rounds, k=5)
+    if thresholds:
+        for name, attr, fn, raw in (("synchronize", "BROADCAST_SOLO_BYTES", sync, lambda: RAW.Bcast(flat, 0)),
+                                    ("allreduce_tree", "SOLO_BYTES", reduce_tree, raw_allreduce)):
+            default = getattr(_buckets, attr)
+            for kib in (64, 256, 1024, 4096, 16384):
+                setattr(_buckets, attr, kib << 10)
+                _tree._plans.clear()  # the cached plans were made with the other threshold
+                try:
+                    out[f"{name} solo >= {kib} KiB"] = compare(fn, raw, rounds)
+                finally:
+                    setattr(_buckets, attr, default)
+                    _tree._plans.clear()
     return out
 
 
@@ -199,15 +240,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps", type=int, default=5, help="training steps per timed round")
     ap.add_argument("--skip-training", action="store_true")
+    ap.add_argument("--thresholds", action="store_true", help="also time other solo thresholds (part 1)")
     ap.add_argument("--json", help="write the figures to this file")
     args = ap.parse_args()
     comm = coll.init()
     start = time.perf_counter()
-    results = {"size": comm.size, "tree": tree_part(comm, args.rounds)}
+    results = {"size": comm.size, "tree": tree_part(comm, args.rounds, args.thresholds)}
     if comm.rank == 0:
         t = results["tree"]
         report(f"tree of {t['leaves']} float32 leaves, {t['bytes'] / 2**20:.1f} MiB, {comm.size} ranks "
-               f"(other = one flat Bcast/Allreduce of the same bytes)", t)
+               f"(other = one raw flat Bcast/Allreduce of the same bytes; /per-leaf: one raw call per leaf)", t)
     if not args.skip_training:
         results["training"] = training_part(comm, args.rounds, args.steps)
         if comm.rank == 0:

@@ -1,17 +1,32 @@
 """Fused collectives over many arrays: pack small ones into flat buffers, move big ones where they lie.
 
 A model's tree has hundreds of leaves, most of them small (biases, norms) and a few large (weight
-matrices). One collective per leaf pays the latency hundreds of times; copying everything into one buffer
-pays two copies of every byte. So:
+matrices). One collective per leaf pays the per-call cost (a rendezvous of the ranks) hundreds of times;
+packing everything into one buffer pays two extra copies of every byte (pack before, unpack after). So:
 
-- a leaf of ``solo_bytes(bucket_bytes)`` or more (1 MiB, or a quarter of the bucket bound when that is
-  smaller) gets a collective of its own, run directly on its memory when that is contiguous and writable
-  (no copy at all), else on a temporary copy;
-- smaller leaves are packed, in the tree's canonical order, into flat buffers per (device kind, dtype),
-  each at most ``bucket_bytes``; one collective per buffer; then unpacked into the leaves.
+- **allreduce**: a leaf of ``solo_bytes(bucket_bytes)`` bytes or more (``SOLO_BYTES``, 256 KiB, or a
+  quarter of ``bucket_bytes`` when that is smaller) is reduced on its own, in its own memory when that is
+  contiguous and writable (else on a temporary), through the transport's direct call (``fast_call``: for
+  host buffers from the shared-memory threshold on, the reduction runs in a node-shared window, and
+  ``mean`` divides only the rank's own slice, no extra pass); smaller leaves are packed, in the tree's
+  canonical order, into flat buffers per (device kind, dtype), each at most ``bucket_bytes``;
+- **broadcast**: the same with ``BROADCAST_SOLO_BYTES`` (4 MiB) and buckets of at most
+  ``BROADCAST_BUCKET_BYTES`` (8 MiB): one MPI broadcast costs several rendezvous, more than copying a few
+  MiB, and with several buckets the root packs the next one while the others unpack the last;
+- leaves in device memory (CUDA) are never packed on the host: they go to their device's transport, per
+  device in one call where the transport fuses (``allreduce_many``: one NCCL group), else one by one;
+- a host transport that fuses many buffers itself (``allreduce_many`` / ``broadcast_many``, see the end of
+  this module) gets every host leaf in its own memory, in one call: nothing is packed here.
 
-The plan depends only on what every rank agreed on (order, shapes, dtypes, device kinds, bucket_bytes),
-never on a local property such as writability, so every rank issues the same sequence of collectives.
+The thresholds were chosen by measurement (``benchmarks/bench_tree.py --thresholds``, 2 ranks on 2 shared
+cores): for allreduce, 128-512 KiB were best and 1-4 MiB worse; for broadcast, 2-8 MiB with 8-16 MiB
+buckets were best and everything at or below 1 MiB worse.
+
+The plan (:class:`Plan`) depends only on what every rank agreed on (order, shapes, dtypes, device kinds,
+bucket_bytes, op), never on a local property such as writability, so every rank issues the same sequence
+of collectives. It is returned by :func:`broadcast` and :func:`allreduce` and may be passed back for the
+next call on a tree of the same structure (``_tree`` caches it by the structure's fingerprint), which then
+skips planning.
 
 For ``allreduce`` a buffer has the *wire* dtype: float32 for bfloat16 (and for float16 where MPI cannot
 reduce it), widened while packing so no extra copy is made. For ``broadcast`` every dtype goes into one
@@ -30,22 +45,24 @@ import numpy as np
 
 from . import _arrays, _dtypes
 
-SOLO_BYTES = 1 << 20  # leaves this big are never copied into a bucket
+SOLO_BYTES = 256 << 10  # allreduce: leaves this big are reduced in their own memory (measured)
+BROADCAST_SOLO_BYTES = 4 << 20  # broadcast: leaves this big are broadcast in their own memory (measured)
+BROADCAST_BUCKET_BYTES = 8 << 20  # broadcast buckets are at most this big (pipelining, see broadcast())
 ALIGN = 64  # byte alignment of leaves inside a broadcast buffer
 MAX_POOLED = 8  # buffers kept per communicator
 
 
-def solo_bytes(bucket_bytes: int) -> int:
-    """Leaves of at least this many bytes get their own collective."""
-    return min(SOLO_BYTES, max(1, bucket_bytes // 4))
+def solo_bytes(bucket_bytes: int, solo: int | None = None) -> int:
+    """Leaves of at least this many bytes get their own collective (``solo``: default ``SOLO_BYTES``)."""
+    return min(SOLO_BYTES if solo is None else solo, max(1, bucket_bytes // 4))
 
 
 class Item:
     """One array leaf on its way through a fused collective.
 
     ``view`` is the NumPy view of its host memory in storage dtype (``_arrays``), or ``None`` for a leaf
-    in device memory (moved on its own by the Communicator's per-array collective); ``result`` is what the
-    caller's tree gets back: the leaf itself when it was updated in place, else a new array.
+    in device memory (moved by its device's transport); ``result`` is what the caller's tree gets back:
+    the leaf itself when it was updated in place, else a new array.
     """
 
     __slots__ = ("leaf", "adapter", "view", "info", "device", "result")
@@ -68,13 +85,18 @@ class Item:
     def take(self, fill) -> None:
         """Write a result into the leaf, or into a new array when the leaf cannot be written.
 
-        ``fill(target)`` writes the result into ``target``, an array of the view's shape and dtype.
+        ``fill(target)`` writes the result into ``target``, an array of the view's shape and dtype. A leaf
+        the library can write although its view cannot be (a lazily conjugated torch tensor) is written
+        through the library.
         """
         if self.writable_in_place():
             fill(self.view)
             return
         out = np.empty(self.view.shape, dtype=self.view.dtype)
         fill(out)
+        if self.adapter.writable(self.leaf, self.view):
+            self.adapter.write_back(self.leaf, self.view, out)
+            return
         self.result = self.adapter.wrap(out, self.info, self.leaf)
 
 
@@ -98,24 +120,41 @@ class _Pool:
         return buf[:n]
 
 
-_pools: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+class _State:
+    """What a communicator keeps between fused calls: the buffer pool and the transports' direct calls."""
+
+    __slots__ = ("pool", "runners")
+
+    def __init__(self):
+        self.pool = _Pool()
+        self.runners: dict = {}  # (id(transport), op, dtype) -> (transport, callable on a contiguous buffer)
+
+
+_states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _state(comm) -> _State:
+    s = _states.get(comm)
+    if s is None:
+        s = _states[comm] = _State()
+    return s
 
 
 def pool(comm) -> _Pool:
     """The buffer pool of a communicator (dropped with it)."""
-    p = _pools.get(comm)
-    if p is None:
-        p = _pools[comm] = _Pool()
-    return p
+    return _state(comm).pool
 
 
-def plan(items: list[Item], bucket_bytes: int, key, size) -> tuple[list[Item], list[tuple[object, list[Item]]]]:
+def plan(items: list[Item], bucket_bytes: int, key, size,
+         threshold: int | None = None) -> tuple[list[Item], list[tuple[object, list[Item]]]]:
     """Split items into solo leaves and buckets: ``(solos, [(key, bucket items), ...])``.
 
-    ``key(item)`` groups items that may share a buffer; ``size(item)`` is an item's bytes in the buffer.
-    Zero-size leaves are left out (nothing to move).
+    ``key(item)`` groups items that may share a buffer; ``size(item)`` is an item's bytes in the buffer;
+    items of ``threshold`` bytes or more (default ``solo_bytes(bucket_bytes)``) are solo. Zero-size leaves
+    are left out (nothing to move).
     """
-    threshold = solo_bytes(bucket_bytes)
+    if threshold is None:
+        threshold = solo_bytes(bucket_bytes)
     solos: list[Item] = []
     groups: dict[object, list[Item]] = {}
     for item in items:
@@ -142,6 +181,60 @@ def plan(items: list[Item], bucket_bytes: int, key, size) -> tuple[list[Item], l
     return solos, buckets
 
 
+class Plan:
+    """Which item (by position in the items list) goes where; reusable for a tree of the same structure.
+
+    Attributes:
+        devices: positions of device (CUDA) items, grouped per device in order of first appearance.
+        solos: positions of host items that get a collective of their own.
+        buckets: ``(key, total, [(position, offset, count), ...])`` per flat buffer; ``key`` is the device
+            kind for broadcast (offsets and ``total`` in bytes) and ``(device kind, dtype name, wire
+            dtype)`` for allreduce (in elements of the wire dtype).
+    """
+
+    __slots__ = ("devices", "solos", "buckets")
+
+    def __init__(self, devices, solos, buckets):
+        self.devices = devices
+        self.solos = solos
+        self.buckets = buckets
+
+
+def _device_groups(items) -> list[list[int]]:
+    groups: dict = {}
+    for pos, item in enumerate(items):
+        if item.view is None:
+            groups.setdefault(item.device, []).append(pos)
+    return list(groups.values())
+
+
+def _runner(comm, state: _State, transport, op: str, dtype: np.dtype):
+    """A callable reducing (``op``) or broadcasting (``op`` "broadcast", called with ``root``) a contiguous
+    host buffer of ``dtype`` in place: the transport's direct call where it has one, else the general path.
+
+    ``dtype`` is one the transport reduces natively (a wire dtype). Kept per communicator, so nothing here
+    may refer to the communicator itself (it would never be collected).
+    """
+    key = (id(transport), op, dtype)
+    hit = state.runners.get(key)
+    if hit is not None and hit[0] is transport:
+        return hit[1]
+    fast = getattr(transport, "fast_call", None)
+    run = fast(op, dtype, comm.size) if fast is not None else None
+    if run is None:
+        if op == "broadcast":
+            run = transport.broadcast
+        else:
+            wire_op, size = ("sum" if op == "mean" else op), comm.size
+
+            def run(buf):
+                transport.allreduce(buf, wire_op)
+                if op == "mean":
+                    np.divide(buf, size, out=buf)
+    state.runners[key] = (transport, run)
+    return run
+
+
 # ---------------------------------------------------------------------------------------------------------
 # broadcast
 
@@ -150,47 +243,81 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def broadcast(comm, items: list[Item], root: int, bucket_bytes: int) -> None:
-    """Root's values into every rank's items (``item.result`` is set where a new array was needed)."""
+def broadcast_plan(items: list[Item], bucket_bytes: int) -> Plan:
+    """The plan of :func:`broadcast`: byte buckets per device kind, offsets aligned to 64 bytes."""
+    host = [item for item in items if item.view is not None]
+    position = {id(item): pos for pos, item in enumerate(items)}
+    solos, buckets = plan(host, min(bucket_bytes, BROADCAST_BUCKET_BYTES), key=lambda it: _device_kind(it.device),
+                          size=lambda it: _aligned(it.nbytes),
+                          threshold=solo_bytes(bucket_bytes, BROADCAST_SOLO_BYTES))
+    laid = []
+    for k, bucket in buckets:
+        entries, off = [], 0
+        for item in bucket:
+            entries.append((position[id(item)], off, item.nbytes))
+            off += _aligned(item.nbytes)
+        laid.append((k, off, entries))
+    return Plan(_device_groups(items), [position[id(item)] for item in solos], laid)
+
+
+def _device_transports(comm, items, groups):
+    """The transport of every device group, made before any data moves (making one is collective, and may
+    fail: then it fails on every rank while nothing has changed yet)."""
+    return [comm._transport_for(items[group[0]].device) for group in groups]
+
+
+def broadcast(comm, items: list[Item], root: int, bucket_bytes: int, the_plan: Plan | None = None) -> Plan:
+    """Root's values into every rank's items (``item.result`` is set where a new array was needed).
+
+    Returns the plan used; pass it back as ``the_plan`` for items of the same agreed description.
+    """
+    if the_plan is None:
+        the_plan = broadcast_plan(items, bucket_bytes)
     if not items:
-        return
+        return the_plan
     is_root = comm.rank == root
-    for item in items:  # device leaves, one by one through the Communicator (its device transport)
-        if item.view is None:
-            item.result = comm.broadcast(item.leaf, root)
-    items = [item for item in items if item.view is not None]
-    solos, buckets = plan(items, bucket_bytes, key=lambda it: _device_kind(it.device),
-                          size=lambda it: _aligned(it.nbytes))
-    for item in solos:
-        transport = comm._transport_for(item.device)
+    for transport, group in zip(_device_transports(comm, items, the_plan.devices), the_plan.devices):
+        for pos in group:  # device leaves, one by one on their device's transport (no host copy)
+            item = items[pos]
+            item.result = transport.broadcast(item.leaf, item.adapter, root)
+    if not the_plan.solos and not the_plan.buckets:
+        return the_plan
+    state = _state(comm)
+    host = comm._transport_for(_arrays.HOST)
+    many = getattr(host, "broadcast_many", None)
+    if many is not None:
+        _broadcast_many(many, items, the_plan, root, is_root)
+        return the_plan
+    bcast = _runner(comm, state, host, "broadcast", np.dtype(np.uint8))
+    for pos in the_plan.solos:
+        item = items[pos]
         view = item.view
+        contiguous = view.flags.c_contiguous
         if is_root:
-            transport.broadcast(view if view.flags.c_contiguous else np.ascontiguousarray(view), root)
-        elif item.writable_in_place() and view.flags.c_contiguous:
-            transport.broadcast(view, root)
+            bcast((view if contiguous else np.ascontiguousarray(view)).reshape(-1).view(np.uint8), root)
+        elif contiguous and item.writable_in_place():
+            bcast(view.reshape(-1).view(np.uint8), root)
         else:
             buf = np.empty(view.shape, dtype=view.dtype)
-            transport.broadcast(buf, root)
+            bcast(buf.reshape(-1).view(np.uint8), root)
             item.take(lambda target, buf=buf: np.copyto(target, buf))
-    buffers = pool(comm)
-    for _, bucket in buckets:
-        transport = comm._transport_for(bucket[0].device)
-        offsets = []
-        total = 0
-        for item in bucket:
-            offsets.append(total)
-            total += _aligned(item.nbytes)
-        buf = buffers.take(np.dtype(np.uint8), total)
+    for _, total, entries in the_plan.buckets:
+        buf = state.pool.take(np.dtype(np.uint8), total)
         if is_root:
-            for item, off in zip(bucket, offsets):
-                view = item.view
-                buf[off:off + view.nbytes].view(view.dtype).reshape(view.shape)[...] = view
-        transport.broadcast(buf, root)
+            for pos, off, nbytes in entries:
+                view = items[pos].view
+                buf[off:off + nbytes].view(view.dtype).reshape(view.shape)[...] = view
+        bcast(buf, root)
         if not is_root:
-            for item, off in zip(bucket, offsets):
+            for pos, off, nbytes in entries:
+                item = items[pos]
                 view = item.view
-                seg = buf[off:off + view.nbytes].view(view.dtype).reshape(view.shape)
-                item.take(lambda target, seg=seg: np.copyto(target, seg))
+                seg = buf[off:off + nbytes].view(view.dtype).reshape(view.shape)
+                if item.writable_in_place():
+                    np.copyto(view, seg)
+                else:
+                    item.take(lambda target, seg=seg: np.copyto(target, seg))
+    return the_plan
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -198,64 +325,179 @@ def broadcast(comm, items: list[Item], root: int, bucket_bytes: int) -> None:
 
 
 def wire_dtype(transport, info: _dtypes.DType, op: str) -> np.dtype:
-    """The dtype a leaf travels in: float32 for bfloat16 and for float16 the transport cannot reduce."""
-    wire_op = "sum" if op == "mean" else op
+    """The dtype a host leaf travels in: float32 for bfloat16 and for float16 the transport cannot reduce."""
     if info.name == "bfloat16":
         return np.dtype(np.float32)
-    if info.storage == np.float16 and not transport.reduces(info.storage, wire_op):
+    if info.storage == np.float16 and not transport.reduces(info.storage, "sum" if op == "mean" else op):
         return np.dtype(np.float32)
     return info.storage
 
 
-def allreduce(comm, items: list[Item], op: str, bucket_bytes: int) -> None:
-    """Reduce every item over all ranks with ``op`` (already validated against every item's dtype)."""
+def allreduce_plan(comm, items: list[Item], op: str, bucket_bytes: int) -> Plan:
+    """The plan of :func:`allreduce`: buckets per (device kind, dtype, wire dtype), offsets in elements."""
+    host = comm._transport_for(_arrays.HOST)
+    wires: dict = {}
+
+    def wire(item):
+        w = wires.get(item.info)
+        if w is None:
+            w = wires[item.info] = wire_dtype(host, item.info, op)
+        return w
+
+    hosted = [item for item in items if item.view is not None]
+    position = {id(item): pos for pos, item in enumerate(items)}
+    solos, buckets = plan(hosted, bucket_bytes, key=lambda it: (_device_kind(it.device), it.info.name, wire(it)),
+                          size=lambda it: it.view.size * wire(it).itemsize)
+    laid = []
+    for k, bucket in buckets:
+        entries, off = [], 0
+        for item in bucket:
+            n = item.view.size
+            entries.append((position[id(item)], off, n))
+            off += n
+        laid.append((k, off, entries))
+    return Plan(_device_groups(items), [position[id(item)] for item in solos], laid)
+
+
+def allreduce(comm, items: list[Item], op: str, bucket_bytes: int, the_plan: Plan | None = None) -> Plan:
+    """Reduce every item over all ranks with ``op`` (already validated against every item's dtype).
+
+    Returns the plan used; pass it back as ``the_plan`` for items of the same agreed description.
+    """
+    if the_plan is None:
+        the_plan = allreduce_plan(comm, items, op, bucket_bytes)
     if not items:
-        return
-    for item in items:  # device leaves, one by one through the Communicator (its device transport)
-        if item.view is None:
-            item.result = comm.allreduce(item.leaf, op)
-    items = [item for item in items if item.view is not None]
+        return the_plan
+    for transport, group in zip(_device_transports(comm, items, the_plan.devices), the_plan.devices):
+        _allreduce_device(transport, [items[pos] for pos in group], op)
     if comm.size == 1:  # the reduction of one rank is the identity: only immutable leaves need new arrays
         for item in items:
-            if not item.writable_in_place():
+            if item.view is not None and not item.writable_in_place():
                 item.take(lambda target, view=item.view: np.copyto(target, view))
-        return
-
-    def key(item):
-        transport = comm._transport_for(item.device)
-        return _device_kind(item.device), item.info.name, wire_dtype(transport, item.info, op)
-
-    solos, buckets = plan(items, bucket_bytes, key=key,
-                          size=lambda it: it.view.size * wire_dtype(comm._transport_for(it.device), it.info,
-                                                                    op).itemsize)
-    for item in solos:
-        transport = comm._transport_for(item.device)
-        item.result = comm._in_place(
-            item.leaf, item.adapter, item.view, item.info,
-            lambda buf, t=transport, info=item.info: comm._reduce_buffer(t, buf, info, op, t.allreduce))
-    buffers = pool(comm)
-    for (_, name, wire), bucket in buckets:
-        transport = comm._transport_for(bucket[0].device)
-        total = sum(item.view.size for item in bucket)
-        buf = buffers.take(wire, total)
+        return the_plan
+    if not the_plan.solos and not the_plan.buckets:
+        return the_plan
+    state = _state(comm)
+    host = comm._transport_for(_arrays.HOST)
+    many = getattr(host, "allreduce_many", None)
+    if many is not None:
+        _allreduce_many(many, host, items, the_plan, op)
+        return the_plan
+    for pos in the_plan.solos:
+        item = items[pos]
+        view, info = item.view, item.info
+        if wire_dtype(host, info, op) != info.storage or info.kind == "b":  # widened, or bool as bytes
+            item.result = comm._in_place(
+                item.leaf, item.adapter, view, info,
+                lambda buf, info=info: comm._reduce_buffer(host, buf, info, op, host.allreduce))
+            continue
+        run = _runner(comm, state, host, op, view.dtype)
+        if view.flags.c_contiguous and item.writable_in_place():
+            run(view)  # in the leaf's own memory: no copy
+        else:
+            buf = np.array(view, order="C")
+            run(buf)
+            item.take(lambda target, buf=buf: np.copyto(target, buf))
+    for (_, name, wire), total, entries in the_plan.buckets:
+        buf = state.pool.take(wire, total)
         bf16 = name == "bfloat16"
-        off = 0
-        for item in bucket:  # pack (widening on the way)
-            n = item.view.size
+        for pos, off, n in entries:  # pack (widening on the way)
+            view = items[pos].view
             if bf16:
                 bits = buf[off:off + n].view(np.uint32)
-                bits.reshape(item.view.shape)[...] = item.view
+                bits.reshape(view.shape)[...] = view
                 bits <<= 16
             else:
-                buf[off:off + n].reshape(item.view.shape)[...] = item.view
-            off += n
-        comm._reduce_buffer(transport, buf, _dtypes.from_numpy(wire), op, transport.allreduce)
-        off = 0
-        for item in bucket:  # unpack (rounding back on the way)
-            n = item.view.size
-            seg = buf[off:off + n].reshape(item.view.shape)
+                buf[off:off + n].reshape(view.shape)[...] = view
+        if wire.kind == "b":
+            comm._reduce_buffer(host, buf, _dtypes.from_numpy(wire), op, host.allreduce)
+        else:
+            _runner(comm, state, host, op, wire)(buf)
+        for pos, off, n in entries:  # unpack (rounding back on the way)
+            item = items[pos]
+            view = item.view
+            seg = buf[off:off + n].reshape(view.shape)
             if bf16:
                 item.take(lambda target, seg=seg: _dtypes.f32_to_bf16(seg, out=target))
+            elif item.writable_in_place():
+                np.copyto(view, seg, casting="unsafe")
             else:
                 item.take(lambda target, seg=seg: np.copyto(target, seg, casting="unsafe"))
-            off += n
+    return the_plan
+
+
+def _allreduce_device(transport, group: list[Item], op: str) -> None:
+    """Reduce the device items of one device: in one fused call where the transport has one (NCCL: one
+    group), else one by one. Device transports write into the caller's arrays."""
+    many = getattr(transport, "allreduce_many", None)
+    if many is not None and len(group) > 1:
+        many([item.leaf for item in group], group[0].adapter, op)
+        return
+    for item in group:
+        item.result = transport.allreduce(item.leaf, item.adapter, op)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# transports that fuse many host buffers themselves
+#
+# A host transport may offer ``allreduce_many(bufs, op)`` and ``broadcast_many(bufs, root)``: every
+# contiguous buffer of ``bufs`` reduced (``op`` may be "mean" for floating and complex buffers) or
+# broadcast in place, the whole list as one operation (through the node-shared window: the window is the
+# bucket, so nothing is packed here and there is one synchronisation per window-full, not one per leaf).
+# Every rank passes the same number of buffers, of the same sizes and dtypes, in the same order: the plan
+# order. Then every host leaf goes to the transport in its own memory where it can; only non-contiguous,
+# read-only and widened (bfloat16, float16 the transport cannot reduce) leaves get a temporary.
+
+
+def _host_order(the_plan: Plan) -> list[int]:
+    return the_plan.solos + [pos for _, _, entries in the_plan.buckets for pos, _, _ in entries]
+
+
+def _broadcast_many(many, items, the_plan: Plan, root: int, is_root: bool) -> None:
+    bufs, later = [], []
+    for pos in _host_order(the_plan):
+        item = items[pos]
+        view = item.view
+        if is_root:
+            buf = view if view.flags.c_contiguous else np.ascontiguousarray(view)
+        elif view.flags.c_contiguous and item.writable_in_place():
+            buf = view
+        else:
+            buf = np.empty(view.shape, dtype=view.dtype)
+            later.append((item, buf))
+        bufs.append(buf.reshape(-1).view(np.uint8))
+    many(bufs, root)
+    for item, buf in later:
+        item.take(lambda target, buf=buf: np.copyto(target, buf))
+
+
+def _allreduce_many(many, host, items, the_plan: Plan, op: str) -> None:
+    groups: dict = {}  # wire dtype -> buffers, in plan order (the same on every rank)
+    later = []
+    for pos in _host_order(the_plan):
+        item = items[pos]
+        view, info = item.view, item.info
+        wire = wire_dtype(host, info, op)
+        if info.kind == "b":  # bool: max = any, min = all, as bytes
+            buf = view if view.flags.c_contiguous and item.writable_in_place() else np.array(view, order="C")
+            if buf is not view:
+                later.append((item, lambda target, buf=buf: np.copyto(target, buf)))
+            groups.setdefault(np.dtype(np.uint8), []).append(buf.reshape(-1).view(np.uint8))
+            continue
+        if wire != info.storage:
+            if info.name == "bfloat16":
+                buf = _dtypes.bf16_to_f32(view.reshape(-1))  # 1-d: a 0-d shift gives a scalar
+                later.append((item, lambda target, buf=buf: _dtypes.f32_to_bf16(buf, out=target)))
+            else:
+                buf = view.astype(wire)
+                later.append((item, lambda target, buf=buf: np.copyto(target, buf, casting="unsafe")))
+        elif view.flags.c_contiguous and item.writable_in_place():
+            buf = view
+        else:
+            buf = np.array(view, order="C")
+            later.append((item, lambda target, buf=buf: np.copyto(target, buf)))
+        groups.setdefault(wire, []).append(buf)
+    for wire, bufs in groups.items():
+        many(bufs, op)
+    for item, fill in later:
+        item.take(fill)

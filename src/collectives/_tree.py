@@ -18,7 +18,11 @@ The tree collectives follow one script:
    arguments) into 16 bytes and one small Allgather compares them; on a difference the full descriptions
    are gathered and every rank raises the same :class:`MismatchError` naming the first differing leaf; a
    held error is raised on every rank the same way. Nothing has moved yet, and the communicator is fine;
-3. move the data in fused buckets (``_buckets``) and rebuild the tree.
+3. move the data in fused buckets (``_buckets``) and rebuild the tree (only where a leaf was replaced).
+
+A repeated call on a tree of the same structure (a training loop) takes the description, its 16-byte
+digest and the bucket plan from a small per-communicator cache (see "the plan cache" below), so it pays
+for the walk over the tree, one look at each leaf, the 17-byte Allgather and the data, and nothing else.
 
 torch is never imported here: a tensor, module or optimizer can only exist if the user imported torch, so
 they are recognised through ``sys.modules``.
@@ -31,6 +35,8 @@ import dataclasses
 import hashlib
 import pickle
 import sys
+import weakref
+from collections import OrderedDict
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -108,7 +114,8 @@ def is_torch_optimizer(x) -> bool:
 
 def sorted_keys(keys) -> list:
     """Keys in canonical order: sorted by value, else by ``(type name, repr)`` when they do not compare."""
-    keys = list(keys)
+    if not isinstance(keys, (dict, list, tuple)):
+        keys = list(keys)  # iterated twice when the keys do not compare
     try:
         return sorted(keys)
     except TypeError:
@@ -123,20 +130,34 @@ class _Node:
     def __init__(self, kind, obj, keys, children):
         self.kind = kind  # "dict" "list" "tuple" "namedtuple" "dataclass" "module" "wrapper"
         self.obj = obj  # the original container
-        self.keys = keys  # the keys/indices/names of the children, in flat order
+        self.keys = keys  # the keys/names of the children, in flat order (None for lists and tuples)
         self.children = children  # child nodes; None marks a leaf position
 
 
 class Flat:
-    """A flattened tree: ``leaves[i]`` sits at ``paths[i]`` and is of kind ``kinds[i]``."""
+    """A flattened tree: ``leaves[i]`` sits at ``paths[i]`` and is of kind ``kinds[i]``.
 
-    __slots__ = ("leaves", "paths", "kinds", "treedef")
+    ``sig`` describes the containers (their kinds and keys, in flat order) so that, together with a
+    description of the leaves, it identifies the tree's structure without building any path string;
+    ``paths`` are made on first use (messages and fingerprints need them, a repeated call does not).
+    """
+
+    __slots__ = ("leaves", "kinds", "treedef", "sig", "_paths")
 
     def __init__(self):
         self.leaves: list = []
-        self.paths: list[str] = []
         self.kinds: list[str] = []
         self.treedef = None
+        self.sig: tuple = ()
+        self._paths: list[str] | None = None
+
+    @property
+    def paths(self) -> list[str]:
+        if self._paths is None:
+            out: list[str] = []
+            _paths_of(self.treedef, "", out)
+            self._paths = out
+        return self._paths
 
 
 def flatten(tree) -> Flat:
@@ -151,47 +172,109 @@ def flatten(tree) -> Flat:
         [3, None, 1, 2]
     """
     flat = Flat()
-    flat.treedef = _flatten(tree, "", flat, set())
+    sig: list = []
+    try:
+        flat.treedef = _flatten(tree, flat.leaves, flat.kinds, sig)
+    except RecursionError:
+        # A cyclic tree recurses without end; find the cycle and name it (a deep acyclic tree re-raises).
+        _find_cycle(tree, "", set())
+        raise
+    flat.sig = tuple(sig)
     return flat
 
 
-def _flatten(x, path: str, flat: Flat, active: set):
-    kind = _kind_of_type(type(x))
-    if kind in (ARRAY, OBJECT, OPTIMIZER):
-        flat.leaves.append(x)
-        flat.paths.append(path)
-        flat.kinds.append(kind)
+_LEAF_KINDS = frozenset((ARRAY, OBJECT, OPTIMIZER))
+
+
+def _flatten(x, leaves: list, kinds: list, sig: list):
+    t = type(x)
+    kind = _KIND.get(t) or _kind_of_type(t)
+    if kind in _LEAF_KINDS:
+        leaves.append(x)
+        kinds.append(kind)
         return None
+    if kind == _DICT:
+        keys = sorted_keys(x)
+        sig.append((kind, tuple(keys), tuple(map(type, keys))))  # 1 and True are equal keys, not equal paths
+        return _Node(kind, x, keys, _children([x[k] for k in keys], leaves, kinds, sig))
+    if kind == _LIST or kind == _TUPLE:
+        sig.append((kind, len(x)))
+        return _Node(kind, x, None, _children(x, leaves, kinds, sig))
+    if kind == _NAMEDTUPLE:
+        sig.append((kind, t))
+        return _Node(kind, x, t._fields, _children(x, leaves, kinds, sig))
+    if kind == _DATACLASS:
+        keys = [f.name for f in dataclasses.fields(x)]
+        sig.append((kind, tuple(keys)))
+        return _Node(kind, x, keys, _children([getattr(x, k) for k in keys], leaves, kinds, sig))
     if kind == _MODULE:
         named = dict(x.named_parameters())
         named.update(x.named_buffers())
         keys = sorted(named)
+        sig.append((kind, tuple(keys)))
         for k in keys:
-            flat.leaves.append(named[k])
-            flat.paths.append(f"{path}.{k}")
-            flat.kinds.append(ARRAY)
+            leaves.append(named[k])
+            kinds.append(ARRAY)
         return _Node(kind, x, keys, [None] * len(keys))
+    # a wrapper (DistributedOptimizer): its inner optimizer, at the same path
+    sig.append((kind,))
+    return _Node(kind, x, [None], [_flatten(x.inner, leaves, kinds, sig)])
+
+
+def _children(values, leaves: list, kinds: list, sig: list) -> list:
+    """The child nodes of a container's values (None for a leaf), leaves appended on the way."""
+    out = []
+    for v in values:
+        kind = _KIND.get(type(v))
+        if kind is ARRAY or kind is OBJECT:  # the common leaves, without a call
+            leaves.append(v)
+            kinds.append(kind)
+            out.append(None)
+        else:
+            out.append(_flatten(v, leaves, kinds, sig))
+    return out
+
+
+def _paths_of(node, path: str, out: list) -> None:
+    """Append the path of every leaf under ``node`` (at ``path``), in flat order."""
+    if node is None:
+        out.append(path)
+        return
+    kind = node.kind
     if kind == _WRAPPER:
-        return _Node(kind, x, [None], [_flatten(x.inner, path, flat, active)])
+        _paths_of(node.children[0], path, out)
+    elif kind == _DICT:
+        for k, child in zip(node.keys, node.children):
+            _paths_of(child, f"{path}[{k!r}]", out)
+    elif kind == _LIST or kind == _TUPLE:
+        for i, child in enumerate(node.children):
+            _paths_of(child, f"{path}[{i}]", out)
+    else:  # namedtuple, dataclass, module
+        for k, child in zip(node.keys, node.children):
+            _paths_of(child, f"{path}.{k}", out)
+
+
+def _find_cycle(x, path: str, active: set) -> None:
+    """Raise ValueError naming where ``x`` contains itself, if it does (after a RecursionError)."""
+    kind = _kind_of_type(type(x))
+    if kind in _LEAF_KINDS or kind == _MODULE:
+        return
+    if kind == _WRAPPER:
+        return _find_cycle(x.inner, path, active)
     if id(x) in active:
         raise ValueError(f"the tree contains itself at {render_path(path)}; trees must not be cyclic")
     active.add(id(x))
-    try:
-        if kind == _DICT:
-            keys = sorted_keys(x.keys())
-            children = [_flatten(x[k], f"{path}[{k!r}]", flat, active) for k in keys]
-        elif kind == _LIST or kind == _TUPLE:
-            keys = None
-            children = [_flatten(v, f"{path}[{i}]", flat, active) for i, v in enumerate(x)]
-        elif kind == _NAMEDTUPLE:
-            keys = type(x)._fields
-            children = [_flatten(v, f"{path}.{k}", flat, active) for k, v in zip(keys, x)]
-        else:  # dataclass
-            keys = [f.name for f in dataclasses.fields(x)]
-            children = [_flatten(getattr(x, k), f"{path}.{k}", flat, active) for k in keys]
-    finally:
-        active.discard(id(x))
-    return _Node(kind, x, keys, children)
+    if kind == _DICT:
+        children = [(x[k], f"{path}[{k!r}]") for k in sorted_keys(x)]
+    elif kind == _DATACLASS:
+        children = [(getattr(x, f.name), f"{path}.{f.name}") for f in dataclasses.fields(x)]
+    elif kind == _NAMEDTUPLE:
+        children = [(v, f"{path}.{k}") for k, v in zip(type(x)._fields, x)]
+    else:
+        children = [(v, f"{path}[{i}]") for i, v in enumerate(x)]
+    for child, child_path in children:
+        _find_cycle(child, child_path, active)
+    active.discard(id(x))
 
 
 def unflatten(flat: Flat, leaves: list) -> Any:
@@ -283,18 +366,36 @@ def array_desc(name: str, shape: tuple, kind: str) -> str:
     return f"{name} {shape}" if kind == "cpu" else f"{name} {shape} on {kind}"
 
 
-def digest(header: tuple, entries: list) -> bytes:
-    """16 bytes identifying a description: blake2b of its text (stable across processes and runs)."""
+_DIGESTS: OrderedDict = OrderedDict()  # id(entries) -> (entries, header, digest), for tuples (immutable)
+_MAX_DIGESTS = 32
+
+
+def digest(header: tuple, entries) -> bytes:
+    """16 bytes identifying a description: blake2b of its text (stable across processes and runs).
+
+    The digest of a *tuple* of entries is remembered (the tree collectives keep the description of a
+    tree structure they have seen as a tuple, so a repeated call does not hash it again).
+    """
+    memo = type(entries) is tuple
+    if memo:
+        hit = _DIGESTS.get(id(entries))
+        if hit is not None and hit[0] is entries and hit[1] == header:
+            return hit[2]
     text = repr(header) + "\n" + "\n".join(map("\t".join, entries))
-    return hashlib.blake2b(text.encode(), digest_size=16).digest()
+    value = hashlib.blake2b(text.encode(), digest_size=16).digest()
+    if memo:
+        _DIGESTS[id(entries)] = (entries, header, value)
+        while len(_DIGESTS) > _MAX_DIGESTS:
+            _DIGESTS.popitem(last=False)
+    return value
 
 
-def agree(comm, what: str, header: tuple, entries: list | None, error: BaseException | None) -> None:
+def agree(comm, what: str, header: tuple, entries, error: BaseException | None) -> None:
     """Make every rank agree on (header, entries) before any data moves; raise the same way everywhere.
 
     ``header`` is a tuple of ``(name, value)`` pairs (the call's arguments that must match); ``entries`` a
-    list of ``(path, description)`` strings, or ``None`` when this rank could not describe its tree (then
-    ``error`` is set). One Allgather of 17 bytes per rank when everything agrees.
+    list (or tuple) of ``(path, description)`` strings, or ``None`` when this rank could not describe its
+    tree (then ``error`` is set). One Allgather of 17 bytes per rank when everything agrees.
     """
     if comm.size == 1:
         if error is not None:
@@ -314,7 +415,8 @@ def agree(comm, what: str, header: tuple, entries: list | None, error: BaseExcep
     if (table[:, :16] == 0).all(axis=1).any():
         same = False  # somebody could not describe its tree: report the error, not a mismatch
     note = None if error is None else f"{type(error).__name__}: {error}"
-    gathered = transport.allgather_object((None if same else (header, entries), note))
+    mine_desc = None if same else (header, None if entries is None else list(entries))
+    gathered = transport.allgather_object((mine_desc, note))
     descriptions = [d for d, _ in gathered]
     if not same and all(d is not None and d[1] is not None for d in descriptions):
         raise MismatchError(mismatch_message(what, descriptions))
@@ -347,6 +449,40 @@ def mismatch_message(what: str, descriptions: list) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# the plan cache
+#
+# A repeated call on a tree of the same structure (DistributedOptimizer's every step, a training loop's
+# synchronize) skips building path strings, leaf descriptions, the fingerprint's hash and the bucket plan:
+# they are kept per communicator under a key made of the call's arguments, the containers' kinds and keys
+# (``Flat.sig``) and each leaf's dtype name and shape (``_Leaves.sig``), which together determine all of
+# them. Only calls that described every leaf without error are cached; the agreement step still runs on
+# every call (with the cached 16-byte digest), so a mismatch is still detected on every rank.
+
+PLAN_CACHE = 8  # structures remembered per communicator (least recently used dropped first)
+_plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _cached(comm, key):
+    """``(entries, plan)`` for ``key`` on ``comm``, or None."""
+    cache = _plans.get(comm)
+    if cache is None:
+        return None
+    hit = cache.get(key)
+    if hit is not None:
+        cache.move_to_end(key)
+    return hit
+
+
+def _remember(comm, key, entries: tuple, plan) -> None:
+    cache = _plans.get(comm)
+    if cache is None:
+        cache = _plans[comm] = OrderedDict()
+    cache[key] = (entries, plan)
+    while len(cache) > PLAN_CACHE:
+        cache.popitem(last=False)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # preparing leaves
 
 
@@ -360,30 +496,36 @@ def _bucket_bytes(bucket_bytes) -> int:
     return int(bucket_bytes)
 
 
-def _array_item(comm, x, path) -> tuple[_buckets.Item | None, str, BaseException | None]:
-    """The bucket item and the description of an array leaf (and an error to hold, if any).
+_NUMPY = _arrays.NUMPY
+_HOST = _arrays.HOST
+_FROM_NUMPY = _dtypes.from_numpy
+_Item = _buckets.Item
 
-    Host leaves get a NumPy view (fused collectives). Leaves on a device (CUDA) get no view: they are
-    moved one by one by the Communicator's own collectives, whose device transport is only made after
-    every rank agreed (making one may itself be collective).
+
+def _item(x) -> _buckets.Item:
+    """The bucket item of an array leaf (raises what its host view raises).
+
+    Host leaves get a NumPy view of their memory (fused collectives). Leaves on a device (CUDA) get none:
+    their description comes from ``x.shape`` and ``x.dtype``, and they are moved by their device's
+    transport, which is only made after every rank agreed (making one may itself be collective).
     """
+    if type(x) is np.ndarray:  # the common case, without the adapter and device look-ups
+        info = _dtypes.from_numpy(x.dtype)
+        return _buckets.Item(x, _NUMPY, x if info.storage == x.dtype else x.view(info.storage), info, _HOST)
     a = _arrays.adapter(x)
-    if type(x) is np.ndarray:  # the common case, without the device look-up
-        view, info = a.host_view(x)
-        return _buckets.Item(x, a, view, info, _arrays.HOST), f"{info.name} {view.shape}", None
     device = a.device(x)
-    kind = device_kind(device)
-    if kind != "cpu":
-        name = str(getattr(x, "dtype", "?")).replace("torch.", "")
-        shape = tuple(int(n) for n in getattr(x, "shape", ()))
-        return _buckets.Item(x, a, None, _info_from_name(name), device), array_desc(name, shape, kind), None
-    try:
-        view, info = a.host_view(x)
-    except Exception as exc:  # noqa: BLE001 - held and re-raised on every rank by agree()
-        name = str(getattr(x, "dtype", "?")).replace("torch.", "")
-        shape = tuple(int(n) for n in getattr(x, "shape", ()))
-        return None, array_desc(name, shape, kind), _at(path, exc)
-    return _buckets.Item(x, a, view, info, device), f"{info.name} {view.shape}", None
+    if device[0] not in _arrays.HOST_DEVICE_TYPES:
+        return _buckets.Item(x, a, None, _info_from_name(_dtype_name(x)), device)
+    view, info = a.host_view(x)
+    return _buckets.Item(x, a, view, info, device)
+
+
+def _dtype_name(x) -> str:
+    return str(getattr(x, "dtype", "?")).replace("torch.", "")
+
+
+def _shape(x) -> tuple:
+    return tuple(int(n) for n in getattr(x, "shape", ()))
 
 
 def _info_from_name(name: str) -> _dtypes.DType:
@@ -404,6 +546,75 @@ def _at(path, exc: BaseException) -> BaseException:
         return exc
     new.__cause__ = exc.__cause__
     return new
+
+
+_ORDINALS = ("", "2nd ", "3rd ")
+
+
+class _Leaves:
+    """The array leaves of one call, prepared: items, and what the cache key and descriptions need.
+
+    ``add(i, x)`` makes the item of leaf ``i`` (or records why it could not), and appends the leaf's part
+    of the cache key: ``(dtype name, shape)`` for a host array, the same plus the device kind and the
+    device's ordinal in the tree for a device array (leaves on a tree's second CUDA device are described
+    as such, so that every rank groups its device leaves the same way).
+    """
+
+    __slots__ = ("items", "index", "sig", "failed", "errors", "devices")
+
+    def __init__(self):
+        self.items: list[_buckets.Item] = []
+        self.index: list[int] = []  # the leaf index of each item
+        self.sig: list = []
+        self.failed = False  # some leaf could not be described: nothing of this call is cached
+        self.errors: dict[int, BaseException] = {}  # leaf index -> why it has no item
+        self.devices: dict = {}  # device -> ordinal among the tree's device kinds' devices
+
+    def add(self, i: int, x) -> _buckets.Item | None:
+        if type(x) is np.ndarray:  # the common case, inline
+            dtype = x.dtype
+            info = _FROM_NUMPY(dtype)
+            storage = info.storage
+            item = _Item(x, _NUMPY, x if storage is dtype or storage == dtype else x.view(storage), info, _HOST)
+            self.items.append(item)
+            self.index.append(i)
+            self.sig.append((info.name, x.shape))
+            return item
+        try:
+            item = _item(x)
+        except Exception as exc:  # noqa: BLE001 - held and re-raised on every rank by agree()
+            self.errors[i] = exc
+            self.failed = True
+            self.sig.append(None)
+            return None
+        self.items.append(item)
+        self.index.append(i)
+        if item.view is not None:
+            self.sig.append((item.info.name, item.view.shape))
+        else:
+            ordinal = self.devices.setdefault(item.device, len(self.devices))
+            self.sig.append((device_kind(item.device), _dtype_name(x), _shape(x), ordinal))
+        return item
+
+    def describe(self, item: _buckets.Item) -> str:
+        if item.view is not None:
+            return f"{item.info.name} {item.view.shape}"
+        x = item.leaf
+        text = array_desc(_dtype_name(x), _shape(x), device_kind(item.device))
+        ordinal = self.devices[item.device]
+        if ordinal:
+            nth = _ORDINALS[ordinal] if ordinal < len(_ORDINALS) else f"{ordinal + 1}th "
+            text += f" (the tree's {nth}device)"
+        return text
+
+    def failure(self, i: int, x, path: str) -> tuple[str, BaseException]:
+        """The description and the held error of leaf ``i``, which has no item."""
+        exc = self.errors[i]
+        try:
+            device = _arrays.adapter(x).device(x)
+        except Exception:  # noqa: BLE001 - the error itself is what gets reported
+            device = _HOST
+        return array_desc(_dtype_name(x), _shape(x), device_kind(device)), _at(path, exc)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -482,7 +693,8 @@ def synchronize(tree, root: int = 0, *, comm=None, bucket_bytes: int | None = No
     What moves:
 
     - array leaves (NumPy, torch incl. parameters that require grad, anything with ``__dlpack__``): root's
-      values, bit for bit, in fused buckets; in place where the library allows (writable NumPy arrays,
+      values, bit for bit, in fused buckets (leaves of 4 MiB or more in their own memory; CUDA leaves one
+      by one on their device's transport); in place where the library allows (writable NumPy arrays,
       torch tensors), else a new array in the returned tree (read-only NumPy, array-api-strict, JAX);
     - non-array leaves (``None``, Python and NumPy scalars, strings, any picklable object): root's, in
       one pickled broadcast for all of them;
@@ -521,24 +733,32 @@ def synchronize(tree, root: int = 0, *, comm=None, bucket_bytes: int | None = No
     c = _resolve(comm)
     what = "synchronize"
     header = (("root", root), ("bucket_bytes", bucket_bytes))
-    entries, error, flat, items = None, None, None, []
+    entries, error, flat = None, None, None
+    prepared = _Leaves()
     payload = None
+    key = cached = None
+    has_objects = has_optimizer = False
     try:
         root = c._check_root(root)
         header = (("root", root), ("bucket_bytes", _bucket_bytes(bucket_bytes)))
         flat = flatten(tree)
-        entries = []
-        for i, (leaf, path, kind) in enumerate(zip(flat.leaves, flat.paths, flat.kinds)):
+        sig = prepared.sig
+        for i, (leaf, kind) in enumerate(zip(flat.leaves, flat.kinds)):
             if kind == ARRAY:
-                item, desc, err = _array_item(c, leaf, path)
-                items.append((i, item))
-                entries.append((path, desc))
-                error = error or err
-            elif kind == OPTIMIZER:
-                entries.extend(_optimizer_entries(leaf, path))
+                prepared.add(i, leaf)
+            elif kind == OBJECT:
+                has_objects = True
+                sig.append(OBJECT)
             else:
-                entries.append((path, "a non-array value"))
-        if c.size > 1 and c.rank == root and error is None and any(k != ARRAY for k in flat.kinds):
+                has_optimizer = True
+        if not prepared.failed and not has_optimizer:  # an optimizer's description is its state's: not cached
+            key = (what, header, flat.sig, tuple(sig))
+            cached = _cached(c, key)
+        if cached is not None:
+            entries = cached[0]
+        else:
+            entries, error = _sync_entries(flat, prepared)
+        if c.size > 1 and c.rank == root and error is None and (has_objects or has_optimizer):
             # Pickle now, so that an unpicklable value fails here (held) instead of inside the broadcast.
             objects = [leaf for leaf, kind in zip(flat.leaves, flat.kinds) if kind == OBJECT]
             skeletons, tensors = [], []
@@ -550,14 +770,18 @@ def synchronize(tree, root: int = 0, *, comm=None, bucket_bytes: int | None = No
         error = exc
     agree(c, what, header, entries, error)
     if c.size == 1:
+        if key is not None and cached is None:
+            _remember(c, key, entries, None)  # one rank moves nothing: no plan
         return tree
     nbytes = header[1][1]
     is_root = c.rank == root
     transport = c._transport_for(_arrays.HOST)
-    results = list(flat.leaves)
+    results = None
+    items = prepared.items
     opt_items: list[_buckets.Item] = []
     loads = []  # (optimizer, root's state_dict skeleton) to load on non-root ranks
-    if any(k != ARRAY for k in flat.kinds):
+    if has_objects or has_optimizer:
+        results = list(flat.leaves)
         data = transport.broadcast_object(payload[0] if is_root else None, root)
         err = None
         try:
@@ -578,23 +802,46 @@ def synchronize(tree, root: int = 0, *, comm=None, bucket_bytes: int | None = No
                         results[i] = next(objs)
                     elif kind == OPTIMIZER:
                         loads.append((flat.leaves[i], next(sk)))
-            for t in tensors:
-                item, _, e = _array_item(c, t, "")
-                if e is not None:
-                    raise e
-                opt_items.append(item)
+            opt_items = [_item(t) for t in tensors]
         except Exception as exc:  # noqa: BLE001 - e.g. a class root pickled that this rank cannot import
             err = exc
         agree(c, what, (), [], err)  # all ranks unpickled root's values, or all raise
-    all_items = [item for _, item in items] + opt_items
-    _buckets.broadcast(c, all_items, root, nbytes)
-    if not is_root:
-        for i, item in items:
+    plan = None if cached is None else cached[1]
+    plan = _buckets.broadcast(c, items + opt_items if opt_items else items, root, nbytes, plan)
+    if key is not None and cached is None:
+        _remember(c, key, entries, plan)
+    if is_root:
+        return tree
+    for i, item in zip(prepared.index, items):
+        if item.result is not item.leaf:
+            if results is None:
+                results = list(flat.leaves)
             results[i] = item.result
+    if loads:
         tensors = [item.result for item in opt_items]
         for opt, skel in loads:
             opt.load_state_dict(_fill(skel, tensors))
-    return unflatten(flat, results)
+    return tree if results is None else unflatten(flat, results)
+
+
+def _sync_entries(flat: Flat, prepared: _Leaves) -> tuple[tuple, BaseException | None]:
+    """The description entries of synchronize's tree, and the first error to hold (the slow path)."""
+    entries = []
+    error = None
+    items = iter(prepared.items)
+    for i, (leaf, path, kind) in enumerate(zip(flat.leaves, flat.paths, flat.kinds)):
+        if kind == ARRAY:
+            if i in prepared.errors:
+                desc, err = prepared.failure(i, leaf, path)
+                error = error or err
+            else:
+                desc = prepared.describe(next(items))
+            entries.append((path, desc))
+        elif kind == OPTIMIZER:
+            entries.extend(_optimizer_entries(leaf, path))
+        else:
+            entries.append((path, "a non-array value"))
+    return tuple(entries), error
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -609,13 +856,14 @@ def allreduce_tree(tree, op: str = "mean", *, comm=None, bucket_bytes: int | Non
     Every rank must call it with the same ``op`` and a tree of the same structure (checked first, with
     one 17-byte Allgather; on a difference every rank raises :class:`MismatchError` and nothing changes).
 
-    Small leaves are packed into flat buffers per (device, dtype) of at most ``bucket_bytes`` each, one
-    collective per buffer; a leaf of 1 MiB or more (or a quarter of ``bucket_bytes``) is reduced on its
+    Small host leaves are packed into flat buffers per dtype of at most ``bucket_bytes`` each, one
+    collective per buffer; a leaf of 256 KiB or more (or a quarter of ``bucket_bytes``) is reduced on its
     own, in its own memory when it is contiguous and writable, so large gradients are never copied.
-    Results are written back into the caller's arrays where they are writable (NumPy, torch), else new
-    arrays are returned in the result tree. Leaves may be of mixed dtypes and libraries; leaves that are
-    the same object are reduced once (distinct leaves must not overlap in memory, e.g. ``x`` and
-    ``x[:2]``: the overlap would be reduced twice).
+    Leaves in CUDA memory are reduced on their device by its transport, per device in one call where it
+    fuses (NCCL: one group). Results are written back into the caller's arrays where they are writable
+    (NumPy, torch), else new arrays are returned in the result tree. Leaves may be of mixed dtypes and
+    libraries; leaves that are the same object are reduced once (distinct leaves must not overlap in
+    memory, e.g. ``x`` and ``x[:2]``: the overlap would be reduced twice).
 
     Leaves that are not arrays: Python and NumPy scalars are reduced too (and returned as the same type);
     ``None`` is kept (all ranks must have ``None`` there, e.g. a parameter without gradient); anything
@@ -652,64 +900,108 @@ def allreduce_tree(tree, op: str = "mean", *, comm=None, bucket_bytes: int | Non
     what = "allreduce_tree"
     header = (("op", op), ("bucket_bytes", bucket_bytes))
     entries, error, flat = None, None, None
-    items: list[tuple[int, _buckets.Item, Any]] = []  # (leaf index, item, how to return it)
+    prepared = _Leaves()
+    scalars: list[tuple[int, type]] = []  # (position in prepared.items, the scalar's type)
     aliases: list[tuple[int, int]] = []  # (leaf index, index of the first leaf that is the same object)
+    key = cached = None
     try:
         header = (("op", op), ("bucket_bytes", _bucket_bytes(bucket_bytes)))
         op = _dtypes.check_op(op)
         flat = flatten(tree)
-        entries = []
-        seen: dict[int, tuple[int, str]] = {}
-        for i, (leaf, path, kind) in enumerate(zip(flat.leaves, flat.paths, flat.kinds)):
+        sig = prepared.sig
+        seen: dict[int, int] = {}
+        for i, (leaf, kind) in enumerate(zip(flat.leaves, flat.kinds)):
             if kind == ARRAY:
-                first = seen.get(id(leaf))
-                if first is not None:
-                    aliases.append((i, first[0]))
-                    entries.append((path, f"the same array object as leaf {render_path(first[1])}"))
-                    continue
-                seen[id(leaf)] = (i, path)
-                item, desc, err = _array_item(c, leaf, path)
-                entries.append((path, desc))
-                if err is None:
-                    try:
-                        _dtypes.check_reduction(item.info, op)
-                    except TypeError as exc:
-                        err = _at(path, exc)
-                    items.append((i, item, None))
-                error = error or err
+                first = seen.setdefault(id(leaf), i)
+                if first != i:
+                    aliases.append((i, first))
+                    sig.append(first)
+                else:
+                    prepared.add(i, leaf)
             elif leaf is None:
-                entries.append((path, "None"))
+                sig.append(None)
             elif isinstance(leaf, _SCALARS):
-                arr = np.array(leaf)
-                info = _dtypes.from_numpy(arr.dtype)
-                name = type(leaf).__name__ if isinstance(leaf, np.generic) else f"Python {type(leaf).__name__}"
-                entries.append((path, f"a {name} scalar ({info.name})"))
-                try:
-                    _dtypes.check_reduction(info, op)
-                except TypeError as exc:
-                    error = error or _at(path, TypeError(f"{name} scalar: {exc}"))
-                a = _arrays.adapter(arr)
-                view, info = a.host_view(arr)
-                items.append((i, _buckets.Item(arr, a, view, info, _arrays.HOST), type(leaf)))
+                item = _item(np.array(leaf))  # TypeError for an int too large for int64
+                scalars.append((len(prepared.items), type(leaf)))
+                prepared.items.append(item)
+                prepared.index.append(i)
+                sig.append((type(leaf), item.info.name))
             else:
-                entries.append((path, f"a {type(leaf).__name__} (not an array)"))
-                hint = ("use synchronize() to copy root's optimizer state" if kind == OPTIMIZER
-                        else "allreduce_tree reduces arrays and numbers; take it out of the tree, or use "
-                             "synchronize() to copy root's value")
-                error = error or TypeError(f"leaf {render_path(path)}: cannot reduce a "
-                                           f"{type(leaf).__name__}; {hint}")
+                prepared.failed = True
+                sig.append(OBJECT)
+        if not prepared.failed:
+            key = (what, header, flat.sig, tuple(sig))
+            cached = _cached(c, key)
+        if cached is not None:
+            entries = cached[0]
+        else:
+            entries, error = _reduce_entries(flat, prepared, op)
     except Exception as exc:  # noqa: BLE001 - held, raised on every rank by agree()
         error = exc
     agree(c, what, header, entries, error)
-    _buckets.allreduce(c, [item for _, item, _ in items], op, header[1][1])
-    results = list(flat.leaves)
-    for i, item, scalar_type in items:
-        if scalar_type is None:
+    items = prepared.items
+    plan = None if cached is None else cached[1]
+    plan = _buckets.allreduce(c, items, op, header[1][1], plan)
+    if key is not None and cached is None:
+        _remember(c, key, entries, plan)
+    leaves = flat.leaves
+    results = None
+    for pos, scalar_type in scalars:
+        item = items[pos]
+        item.result = (item.result[()] if issubclass(scalar_type, np.generic)
+                       else scalar_type(item.result.item()))
+    for i, item in zip(prepared.index, items):
+        if item.result is not leaves[i]:
+            if results is None:
+                results = list(leaves)
             results[i] = item.result
-        elif issubclass(scalar_type, np.generic):
-            results[i] = item.result[()]
-        else:
-            results[i] = scalar_type(item.result.item())
+    if results is None:
+        return tree
     for i, first in aliases:
         results[i] = results[first]
     return unflatten(flat, results)
+
+
+def _reduce_entries(flat: Flat, prepared: _Leaves, op: str) -> tuple[tuple, BaseException | None]:
+    """The description entries of allreduce_tree's tree, and the first error to hold (the slow path)."""
+    entries = []
+    error = None
+    paths = flat.paths
+    items = iter(prepared.items)
+    done: dict[int, int] = {}
+    for i, (leaf, path, kind) in enumerate(zip(flat.leaves, paths, flat.kinds)):
+        if kind == ARRAY:
+            first = done.setdefault(id(leaf), i)
+            if first != i:
+                entries.append((path, f"the same array object as leaf {render_path(paths[first])}"))
+                continue
+            if i in prepared.errors:
+                desc, err = prepared.failure(i, leaf, path)
+            else:
+                item = next(items)
+                desc, err = prepared.describe(item), None
+                try:
+                    _dtypes.check_reduction(item.info, op)
+                except TypeError as exc:
+                    err = _at(path, exc)
+            entries.append((path, desc))
+            error = error or err
+        elif leaf is None:
+            entries.append((path, "None"))
+        elif isinstance(leaf, _SCALARS):
+            item = next(items)
+            info = item.info
+            name = type(leaf).__name__ if isinstance(leaf, np.generic) else f"Python {type(leaf).__name__}"
+            entries.append((path, f"a {name} scalar ({info.name})"))
+            try:
+                _dtypes.check_reduction(info, op)
+            except TypeError as exc:
+                error = error or _at(path, TypeError(f"{name} scalar: {exc}"))
+        else:
+            entries.append((path, f"a {type(leaf).__name__} (not an array)"))
+            hint = ("use synchronize() to copy root's optimizer state" if kind == OPTIMIZER
+                    else "allreduce_tree reduces arrays and numbers; take it out of the tree, or use "
+                         "synchronize() to copy root's value")
+            error = error or TypeError(f"leaf {render_path(path)}: cannot reduce a "
+                                       f"{type(leaf).__name__}; {hint}")
+    return tuple(entries), error

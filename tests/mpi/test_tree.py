@@ -558,3 +558,56 @@ def test_mismatch_optimizer_params(comm):
     opt = kind([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
     with pytest.raises(coll.MismatchError, match="rank 0 has a Adam"):
         coll.synchronize(opt, comm=comm)
+
+
+@needs_two
+@pytest.mark.parametrize("fn", ["synchronize", "allreduce_tree"])
+def test_mismatch_detected_after_the_structure_was_cached(comm, fn):
+    """A repeated call takes its description from the cache; a rank whose tree changed is still caught."""
+    call = (lambda t: coll.synchronize(t, comm=comm)) if fn == "synchronize" else (
+        lambda t: coll.allreduce_tree(t, op="sum", comm=comm))
+    for _ in range(3):  # cached on every rank
+        tree = {"w": np.ones((2, 3), np.float32), "b": [np.ones(4)]}
+        call(tree)
+    last = comm.size - 1
+
+    def make(r):
+        return {"w": np.ones((2, 4 if r == last else 3), np.float32), "b": [np.ones(4)]}
+
+    _mismatch(comm, make, call, r"leaf \['w'\]: rank 0 has float32 \(2, 3\), rank %d has float32 \(2, 4\)" % last)
+    call({"w": np.ones((2, 3), np.float32), "b": [np.ones(4)]})  # the cached structure still works
+
+
+def test_repeated_calls_on_one_structure_stay_correct(comm):
+    """Cached plans: new leaf objects each call, immutable ones among them, every call right."""
+    import torch
+
+    total = sum(range(comm.size))
+    for step in range(4):
+        ro = np.full(3000, float(comm.rank + step))
+        ro.flags.writeable = False
+        tree = {"big": np.full(5000, float(comm.rank + step)), "ro": ro,
+                "t": torch.full((7,), float(comm.rank + step)), "bf": torch.full((3,), 1.0, dtype=torch.bfloat16),
+                "s": float(step)}
+        out = coll.allreduce_tree(tree, op="sum", comm=comm, bucket_bytes=SMALL_BUCKET)
+        want = total + step * comm.size
+        assert out["big"] is tree["big"] and (out["big"] == want).all() and (out["ro"] == want).all()
+        assert out["ro"] is not ro and (ro == comm.rank + step).all()
+        assert (out["t"] == want).all() and out["s"] == step * comm.size
+        assert float(out["bf"][0]) == comm.size
+        state = {"w": np.full(3000, float(comm.rank + step)), "n": comm.rank}
+        out = coll.synchronize(state, root=step % comm.size, comm=comm, bucket_bytes=SMALL_BUCKET)
+        assert (out["w"] == step % comm.size + step).all() and out["n"] == step % comm.size
+
+
+def test_lazily_conjugated_tensors_are_updated_in_place(comm):
+    """A conj() view cannot be written through NumPy; torch writes it (packed and solo leaves alike)."""
+    import torch
+
+    for n in (3, 3000):  # packed, solo with SMALL_BUCKET
+        t = torch.full((n,), complex(comm.rank + 1, 1.0), dtype=torch.complex64).conj()
+        out = coll.allreduce_tree({"t": t}, op="sum", comm=comm, bucket_bytes=SMALL_BUCKET)
+        assert out["t"] is t and complex(t[-1]) == complex(comm.size * (comm.size + 1) / 2, -comm.size)
+        u = torch.full((n,), complex(comm.rank, 1.0), dtype=torch.complex64).conj()
+        assert coll.synchronize({"u": u}, root=0, comm=comm, bucket_bytes=SMALL_BUCKET)["u"] is u
+        assert complex(u[0]) == complex(0, -1)

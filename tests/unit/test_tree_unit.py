@@ -283,7 +283,7 @@ def test_bucket_plan_bounds_and_solos():
     assert [[it.view.size for it in b] for _, b in buckets] == [[1, 10, 5, 2]]
     solos, buckets = _buckets.plan(items, 40, key=lambda it: "k", size=lambda it: it.nbytes)
     assert all(sum(it.nbytes for it in b) <= 40 or len(b) == 1 for _, b in buckets)
-    assert _buckets.solo_bytes(25 << 20) == 1 << 20
+    assert _buckets.solo_bytes(25 << 20) == _buckets.SOLO_BYTES
 
 
 def test_pool_reuses_and_is_bounded():
@@ -294,6 +294,205 @@ def test_pool_reuses_and_is_bounded():
     for dt in ("f2", "f4", "f8", "i1", "i2", "i4", "i8", "u1", "u2", "c8"):
         pool.take(np.dtype(dt), 4)
     assert len(pool._buffers) == _buckets.MAX_POOLED
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the plan cache: a repeated call on the same structure skips describing and planning
+
+
+def count_calls(monkeypatch, name):
+    calls = []
+    real = getattr(_tree, name)
+
+    def spy(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(_tree, name, spy)
+    return calls
+
+
+def test_repeated_calls_reuse_the_description_and_plan(monkeypatch):
+    described = count_calls(monkeypatch, "_reduce_entries")
+    seen = capture(monkeypatch)
+    comm = Communicator(Recorder(rank=0, size=2))
+    for step in range(3):
+        tree = {"w": np.full((4, 3), 1.0 + step), "b": [np.ones(2, np.float32), 2.0]}
+        out = coll.allreduce_tree(tree, op="sum", comm=comm, bucket_bytes=64)
+        assert out["w"] is tree["w"] and (tree["w"] == 2 * (1.0 + step)).all() and out["b"][1] == 4.0
+    assert len(described) == 1, "described once, then taken from the cache"
+    assert len({_tree.digest(*s) for s in seen}) == 1, "the cached digest is the one a fresh call makes"
+    coll.allreduce_tree({"w": np.ones((4, 4)), "b": [np.ones(2, np.float32), 2.0]}, op="sum", comm=comm)
+    assert len(described) == 2, "another shape is another structure"
+    coll.allreduce_tree({"w": np.ones((4, 3)), "b": [np.ones(2, np.float32), 2.0]}, op="max", comm=comm)
+    assert len(described) == 3, "the op is part of the key"
+
+
+def test_cache_key_tells_equal_keys_of_other_types_apart(monkeypatch):
+    seen = capture(monkeypatch)
+    comm = Communicator(Recorder(rank=0, size=2))
+    coll.allreduce_tree({1: np.ones(2)}, op="sum", comm=comm)
+    coll.allreduce_tree({True: np.ones(2)}, op="sum", comm=comm)  # 1 == True, but the paths differ
+    assert seen[0][1] == (("[1]", "float64 (2,)"),) and seen[1][1] == (("[True]", "float64 (2,)"),)
+
+
+def test_cached_calls_still_return_new_arrays_for_immutable_leaves():
+    comm = Communicator(Recorder(rank=0, size=2))
+    ro = np.ones(3)
+    ro.flags.writeable = False
+    for _ in range(2):
+        out = coll.allreduce_tree({"ro": ro, "big": np.ones(3000)}, op="sum", comm=comm, bucket_bytes=4096)
+        assert out["ro"] is not ro and out["ro"].tolist() == [2.0] * 3 and ro.tolist() == [1.0] * 3
+
+
+def test_synchronize_cache_on_the_receiving_side(monkeypatch):
+    described = count_calls(monkeypatch, "_sync_entries")
+    root_t = Recorder(rank=0)
+    coll.synchronize(tree_of_everything(0), root=0, comm=Communicator(root_t), bucket_bytes=4096)
+    other = Communicator(Recorder(rank=1, replay=root_t.sent * 2))
+    for _ in range(2):
+        tree = tree_of_everything(1)
+        out = coll.synchronize(tree, root=0, comm=other, bucket_bytes=4096)
+        assert flat_bits(out) == flat_bits(tree_of_everything(0))
+        assert out["ro"] is not tree["ro"] and out["f32"] is tree["f32"]
+    assert len(described) == 2, "once per communicator"
+
+
+def test_plan_cache_is_bounded():
+    comm = Communicator(Recorder(rank=0, size=2))
+    for n in range(1, _tree.PLAN_CACHE + 5):
+        coll.allreduce_tree({"w": np.ones(n)}, op="sum", comm=comm)
+    assert len(_tree._plans[comm]) == _tree.PLAN_CACHE
+
+
+def test_flatten_paths_are_lazy_and_cycles_are_named():
+    flat = _tree.flatten({"a": [np.zeros(1), {"b": 2}]})
+    assert flat._paths is None and flat.paths == ["['a'][0]", "['a'][1]['b']"]
+    deep = [[[[1]]]]
+    for _ in range(3000):
+        deep = [deep]
+    with pytest.raises(RecursionError):
+        _tree.flatten(deep)  # deep, not cyclic: not reported as a cycle
+
+
+# ---------------------------------------------------------------------------------------------------------
+# leaves in device memory, routed to a stand-in device transport (no GPU needed)
+
+
+class FakeCuda:
+    """An array on CUDA device ``index`` as far as collectives can tell; its memory is never touched."""
+
+    def __init__(self, values, index=0):
+        self.values = np.asarray(values)
+        self.shape = self.values.shape
+        self.dtype = self.values.dtype
+        self.index = index
+
+    def __dlpack_device__(self):
+        return (2, self.index)
+
+    def __dlpack__(self, **kw):
+        raise AssertionError("a device leaf's memory must not be read on the host")
+
+
+class FakeDeviceTransport:
+    """A device transport (array level) that records its calls; ``grouped`` gives it allreduce_many."""
+
+    array_level = True
+    name = "fake-device"
+
+    def __init__(self, index, calls, grouped):
+        self.index, self.calls = index, calls
+        if grouped:
+            self.allreduce_many = self._many
+
+    def allreduce(self, x, a, op):
+        assert x.index == self.index
+        x.values = x.values * 2
+        self.calls.append(("allreduce", self.index, op, x))
+        return x
+
+    def _many(self, arrays, a, op):
+        assert all(x.index == self.index for x in arrays)
+        for x in arrays:
+            x.values = x.values * 2
+        self.calls.append(("allreduce_many", self.index, op, list(arrays)))
+        return arrays
+
+    def broadcast(self, x, a, root):
+        self.calls.append(("broadcast", self.index, root, x))
+        return x
+
+
+def device_comm(monkeypatch, grouped=True, rank=0, replay=None):
+    host = Recorder(rank=rank, size=2, replay=replay)
+    comm = Communicator(host)
+    calls, made = [], {}
+
+    def transport_for(device):
+        if device[0] in coll._arrays.HOST_DEVICE_TYPES:
+            return host
+        calls.append(("made", device[1]))
+        return made.setdefault(device, FakeDeviceTransport(device[1], calls, grouped))
+
+    monkeypatch.setattr(comm, "_transport_for", transport_for)
+    monkeypatch.setattr(coll._arrays.Adapter, "host_view",
+                        lambda self, x: pytest.fail("host_view called on a device leaf"))
+    return comm, calls
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_allreduce_tree_routes_device_leaves_per_device(monkeypatch, grouped):
+    comm, calls = device_comm(monkeypatch, grouped)
+    a0, b0, c1, d0 = (FakeCuda([1.0, 2.0]), FakeCuda(np.ones((2, 2), np.float32)), FakeCuda([3.0], index=1),
+                      FakeCuda([4.0]))
+    host = np.ones(3)
+    seen = capture(monkeypatch)
+    tree = {"a": a0, "b": b0, "c": c1, "d": d0, "h": host}
+    out = coll.allreduce_tree(tree, op="sum", comm=comm)
+    assert out is tree and host.tolist() == [2.0] * 3, "host leaves are reduced by the host transport"
+    assert a0.values.tolist() == [2.0, 4.0] and c1.values.tolist() == [6.0] and d0.values.tolist() == [8.0]
+    made = [c for c in calls if c[0] == "made"]
+    moved = [c for c in calls if c[0] != "made"]
+    assert calls.index(made[-1]) < calls.index(moved[0]), "every transport is made before any data moves"
+    if grouped:  # one fused call per device, arrays in flat order
+        got = [(c[0], c[1], c[2], [id(x) for x in (c[3] if isinstance(c[3], list) else [c[3]])]) for c in moved]
+        assert got == [("allreduce_many", 0, "sum", [id(a0), id(b0), id(d0)]), ("allreduce", 1, "sum", [id(c1)])]
+    else:
+        assert [(c[0], c[1]) for c in moved] == [("allreduce", 0)] * 3 + [("allreduce", 1)]
+    entries = dict(seen[0][1])
+    assert entries["['a']"] == "float64 (2,) on cuda" and entries["['b']"] == "float32 (2, 2) on cuda"
+    assert entries["['c']"] == "float64 (1,) on cuda (the tree's 2nd device)"
+    # again: the cached plan routes the same way
+    calls.clear()
+    coll.allreduce_tree(tree, op="sum", comm=comm)
+    assert a0.values.tolist() == [4.0, 8.0] and len([c for c in calls if c[0] != "made"]) == len(moved)
+
+
+def test_synchronize_broadcasts_device_leaves_one_by_one(monkeypatch):
+    comm, calls = device_comm(monkeypatch)
+    w, v = FakeCuda([1.0]), FakeCuda([2, 3], index=0)
+    host = np.ones(2)
+    out = coll.synchronize({"w": w, "v": v, "h": host}, root=0, comm=comm)
+    assert out["w"] is w and out["v"] is v
+    assert [(c[0], c[2], c[3]) for c in calls if c[0] == "broadcast"] == [("broadcast", 0, v),
+                                                                          ("broadcast", 0, w)]
+
+
+def test_device_transport_failure_leaves_host_leaves_untouched(monkeypatch):
+    comm, calls = device_comm(monkeypatch)
+    real = comm._transport_for
+
+    def refuse(device):
+        if device[0] == 2:
+            raise coll.BackendUnavailableError("array on cuda:0: no GPU here")
+        return real(device)
+
+    monkeypatch.setattr(comm, "_transport_for", refuse)
+    host = np.ones(3)
+    with pytest.raises(coll.BackendUnavailableError, match="cuda"):
+        coll.allreduce_tree({"h": host, "g": FakeCuda([1.0])}, op="sum", comm=comm)
+    assert host.tolist() == [1.0] * 3
 
 
 # ---------------------------------------------------------------------------------------------------------
