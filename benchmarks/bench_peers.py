@@ -21,7 +21,9 @@ Every peer runs in *every* round, in an order that rotates from round to round; 
 rank after a barrier, a block of ``k`` back-to-back calls of one peer; a round's time per call is the
 slowest rank's block time / ``k``. Reported: the median over rounds, and for each peer the median over
 rounds of its time / mpi4py's time in the *same round*, so that the machine's changing speed (other
-jobs, frequency) cancels out of the ratio. Only ratios mean something on a shared machine.
+jobs, frequency) cancels out of the ratio. Only ratios mean something on a shared machine. ``k`` follows
+the size (about 160 MiB per peer per size, 31 to 20000 calls in at most 61 rounds), except that a peer
+whose calls are slow (gloo at small sizes) makes only about 20 ms of calls per round.
 
 ``--run`` (not under mpiexec) is the driver: it builds the C program and library when ``mpicc`` is in the
 venv (or on PATH), runs the job above, runs the C program as a separate job (its figures are another
@@ -56,6 +58,7 @@ PEERS = ("collectives", "mpi4py", "c", "gloo")
 OPS = ("allreduce", "mean", "broadcast")
 TARGET_LARGE = 0.67  # ours / mpi4py, allreduce sum and mean, 1 MiB .. 64 MiB
 TARGET_SMALL = 1.5  # ours / mpi4py at 8 B, same thread level
+ROUND_S = 0.02  # a peer whose single call is slow makes fewer calls per round: about this many seconds
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20,
           "g": 2**30, "gb": 2**30, "gib": 2**30}
 
@@ -208,13 +211,13 @@ def job(args) -> int:
                 if op == "broadcast":
                     def f(k, x=x):
                         for _ in range(k):
-                            collectives.broadcast(x, root=0, comm=ours)
+                            collectives.broadcast(x, root=0)
                 else:
                     o = "mean" if op == "mean" else "sum"
 
                     def f(k, x=x, o=o):
                         for _ in range(k):
-                            collectives.allreduce(x, op=o, comm=ours)
+                            collectives.allreduce(x, op=o)
             elif p == "mpi4py":
                 if op == "broadcast":
                     def f(k, x=x):
@@ -261,23 +264,37 @@ def job(args) -> int:
         for op in ops:
             x = (np.zeros if op == "allreduce" else np.ones)(nbytes // 4, np.float32)  # stays finite
             fs = blocks(op, x)
-            for f in fs:  # warm-up: first calls allocate, fault pages in, make windows
-                f(max(2, min(k, 50)))
+            # warm-up (first calls allocate, fault pages in, make windows), and a first timing that caps
+            # a slow peer's block (gloo at small sizes) at about ROUND_S; agreed, as every rank must
+            # make the same number of calls
+            first = np.empty(len(fs))
+            w = max(2, min(k, 50))
+            for i, f in enumerate(fs):
+                f(w)
+                blocks_s = []
+                for _ in range(5):  # the median of 5 short blocks: one hiccup must not decide
+                    raw.Barrier()
+                    t0 = perf()
+                    f(max(1, w // 5))
+                    blocks_s.append((perf() - t0) / max(1, w // 5))
+                first[i] = np.median(blocks_s)
+            raw.Allreduce(MPI.IN_PLACE, first, MPI.MAX)
+            ks = [int(max(1, min(k, ROUND_S // max(t, 1e-9)))) for t in first]
             times = np.empty((rounds, len(fs)))
             for r in range(rounds):
                 for j in range(len(fs)):
                     i = (j + r) % len(fs)
                     raw.Barrier()
                     t0 = perf()
-                    fs[i](k)
-                    times[r, i] = (perf() - t0) / k
+                    fs[i](ks[i])
+                    times[r, i] = (perf() - t0) / ks[i]
             raw.Allreduce(MPI.IN_PLACE, times, MPI.MAX)  # the slowest rank ends the collective
             ref = peers.index("mpi4py")
             row = {"op": op, "bytes": nbytes, "calls": rounds * k, "rounds": rounds, "peers": {}}
             for i, p in enumerate(peers):
                 row["peers"][p] = {"median_s": float(np.median(times[:, i])),
                                    "ratio": float(np.median(times[:, i] / times[:, ref])),
-                                   "rounds_s": times[:, i].tolist()}
+                                   "calls": rounds * ks[i], "rounds_s": times[:, i].tolist()}
             results.append(row)
             if rank == 0 and not args.quiet:
                 print(f"  {op:>9} {human(nbytes):>8}: " + "  ".join(
@@ -404,13 +421,20 @@ def driver(args) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1))
+    show(doc)
+    print(f"\nwrote {out}")
+    return 0
+
+
+def show(doc: dict) -> None:
+    """Print a driver's results (also from a saved file: ``--show PATH``)."""
+    for note in doc.get("notes", []):
+        print(f"note: {note}")
     print_job(doc["job"])
     if "c_program" in doc:
         print_c_program(doc)
     if "thread_levels" in doc:
         print_thread_levels(doc["thread_levels"])
-    print(f"\nwrote {out}")
-    return 0
 
 
 def print_c_program(doc: dict) -> None:
@@ -423,6 +447,31 @@ def print_c_program(doc: dict) -> None:
         m = ref.get((r["op"], r["bytes"]))
         ratio = f"{r['median_s'] / m:5.2f}x" if m else ""
         print(f"  {r['op']:>9} {human(r['bytes']):>8}: {fmt_time(r['median_s']).strip():>11}  {ratio}")
+
+
+def show_many(docs: list[dict]) -> None:
+    """Several driver runs: per op and size, the median over runs of each peer's ratio to mpi4py."""
+    jobs = [d["job"] for d in docs]
+    peers = [p for p in jobs[0]["header"]["peers"] if p != "mpi4py"]
+    loads = ", ".join(str(j["header"]["load_average_at_start"][0]) for j in jobs)
+    print(f"{len(jobs)} runs ({jobs[0]['header']['ranks']} ranks; load average at start: {loads}); "
+          f"median over runs of each run's ratio (time / mpi4py's time, same rounds), [min..max] over runs")
+    for op in OPS:
+        keys = sorted({r["bytes"] for r in jobs[0]["results"] if r["op"] == op})
+        if not keys:
+            continue
+        print(f"\n{op}")
+        print(f"{'size':>9}  " + "  ".join(f"{p:>24}" for p in peers))
+        for b in keys:
+            cells = []
+            for p in peers:
+                v = [r["peers"][p]["ratio"] for j in jobs for r in j["results"]
+                     if r["op"] == op and r["bytes"] == b and p in r["peers"]]
+                cells.append(f"{np.median(v):6.2f}x [{min(v):.2f}..{max(v):.2f}]" if v else "-")
+            print(f"{human(b):>9}  " + "  ".join(f"{c:>24}" for c in cells))
+    runs = [t for d in docs for t in d.get("thread_levels", [])]
+    if runs:
+        print_thread_levels(runs)
 
 
 def summarise_thread_levels(runs: list[dict]) -> dict:
@@ -478,7 +527,14 @@ def main() -> int:
                     help="driver: R pairs of 8 B jobs at mpi4py's default thread level and at ours")
     ap.add_argument("--timeout", type=int, default=1800, help="driver: seconds per job")
     ap.add_argument("--out", default=str(HERE / "results" / "peers.json"), help="driver: JSON output")
+    ap.add_argument("--show", metavar="PATH", nargs="+",
+                    help="print the summary of a driver's JSON file and exit; of several: the median over "
+                         "files of each ratio")
     args = ap.parse_args()
+    if args.show:
+        docs = [json.loads(Path(p).read_text()) for p in args.show]
+        show(docs[0]) if len(docs) == 1 else show_many(docs)
+        return 0
     for p in args.peers.split(","):
         if p.strip() and p.strip() not in PEERS:
             ap.error(f"--peers: unknown {p!r}; expected from {', '.join(PEERS)}")

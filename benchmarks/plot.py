@@ -1,6 +1,7 @@
 """Plots of benchmark results: latency and bandwidth against size, one line per implementation.
 
     python benchmarks/plot.py                                    # benchmarks/results/peers.json -> docs/img/
+    python benchmarks/plot.py run1.json run2.json run3.json     # several runs: medians, with spreads
     python benchmarks/plot.py results.json --out docs/img --prefix quiet-
     mpiexec -n 2 python -m collectives bench -c allreduce,broadcast --json > bench.json
     python benchmarks/plot.py bench.json                         # the bench tool's output works too
@@ -11,7 +12,8 @@ Input: the JSON of ``benchmarks/bench_peers.py --run`` (or of one ``bench_peers.
 * ``<prefix>peers-<op>.png`` for each op: time per call (left) and bus bandwidth (right, nccl-tests
   definition: allreduce ``2(n-1)/n * bytes / time``, broadcast ``bytes / time``), log-log, one line per
   peer (the C program's separate job dashed);
-* ``<prefix>peers-ratio.png``: each peer's time / raw mpi4py's time in the same rounds, with the targets;
+* ``<prefix>peers-ratio.png``: each peer's time / raw mpi4py's time in the same rounds, with the targets
+  (of several runs: the median of the runs' ratios, the smallest and largest as error bars);
 * ``<prefix>bench.png`` for bench-tool input: time and busbw per (collective, op).
 
 Each figure notes the machine, the number of ranks, the library versions and the date of the run.
@@ -24,6 +26,8 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 STYLE = {"collectives": ("C0", "o", "-"), "mpi4py": ("C1", "s", "-"), "c": ("C2", "^", "-"),
@@ -88,21 +92,42 @@ def _axes(plt, title: str):
     return fig, a_t, a_bw
 
 
-def plot_peers(doc: dict, out: Path, prefix: str) -> list[Path]:
+def plot_peers(docs: list[dict], out: Path, prefix: str) -> list[Path]:
+    """Several runs: times are the median over runs of each run's median; ratios the median over runs of
+    each run's ratio, with the smallest and largest as error bars."""
     plt = _matplotlib()
-    job = doc.get("job", doc)
-    h = job["header"]
+    from matplotlib.ticker import FuncFormatter
+
+    jobs = [d.get("job", d) for d in docs]
+    h = dict(jobs[0]["header"])
+    if len(jobs) > 1:
+        h["date"] = f"{len(jobs)} runs, {jobs[0]['header']['date']} to {jobs[-1]['header']['date']}"
+        h["load_average_at_start"] = None
     n = h["ranks"]
     written = []
-    ops = [op for op in ("allreduce", "mean", "broadcast") if any(r["op"] == op for r in job["results"])]
+    ops = [op for op in ("allreduce", "mean", "broadcast") if any(r["op"] == op for r in jobs[0]["results"])]
     names = {"allreduce": "allreduce (sum)", "mean": "allreduce (mean)", "broadcast": "broadcast"}
+
+    def collect(op, peer, key):
+        """{bytes: [value per run]} for one op and peer."""
+        out: dict = {}
+        for j in jobs:
+            for r in j["results"]:
+                if r["op"] == op and peer in r["peers"]:
+                    out.setdefault(r["bytes"], []).append(r["peers"][peer][key])
+        return dict(sorted(out.items()))
+
+    runs_note = f" (median of {len(jobs)} runs)" if len(jobs) > 1 else ""
     for op in ops:
-        rows = sorted((r for r in job["results"] if r["op"] == op), key=lambda r: r["bytes"])
-        fig, a_t, a_bw = _axes(plt, f"{names[op]}, float32, {n} ranks")
-        series = {p: [(r["bytes"], r["peers"][p]["median_s"]) for r in rows] for p in h["peers"]}
-        own = [(r["bytes"], r["median_s"]) for r in doc.get("c_program", []) if r.get("op") == op and "median_s" in r]
+        fig, a_t, a_bw = _axes(plt, f"{names[op]}, float32, {n} ranks{runs_note}")
+        series = {p: [(b, float(np.median(v))) for b, v in collect(op, p, "median_s").items()] for p in h["peers"]}
+        own: dict = {}
+        for d in docs:
+            for r in d.get("c_program", []):
+                if r.get("op") == op and "median_s" in r:
+                    own.setdefault(r["bytes"], []).append(r["median_s"])
         if own:
-            series["c (own job)"] = sorted(own)
+            series["c (own job)"] = [(b, float(np.median(v))) for b, v in sorted(own.items())]
         for p, pts in series.items():
             color, marker, line = STYLE.get(p, ("C7", ".", "-"))
             xs, ts = [b for b, _ in pts], [t for _, t in pts]
@@ -118,17 +143,19 @@ def plot_peers(doc: dict, out: Path, prefix: str) -> list[Path]:
         plt.close(fig)
         written.append(path)
     # ratios to raw mpi4py, measured within rounds
-    from matplotlib.ticker import FuncFormatter
-
     fig, axes = plt.subplots(1, len(ops), figsize=(5 * len(ops), 4.6), squeeze=False)
     for ax, op in zip(axes[0], ops):
-        rows = sorted((r for r in job["results"] if r["op"] == op), key=lambda r: r["bytes"])
         for p in h["peers"]:
             if p == "mpi4py":
                 continue
             color, marker, line = STYLE.get(p, ("C7", ".", "-"))
-            ax.plot([r["bytes"] for r in rows], [r["peers"][p]["ratio"] for r in rows], color=color,
-                    marker=marker, linestyle=line, label=LABEL.get(p, p), ms=4)
+            per = collect(op, p, "ratio")
+            xs = list(per)
+            med = np.array([np.median(v) for v in per.values()])
+            lo = med - np.array([min(v) for v in per.values()])
+            hi = np.array([max(v) for v in per.values()]) - med
+            ax.errorbar(xs, med, yerr=[lo, hi] if len(jobs) > 1 else None, color=color, marker=marker,
+                        linestyle=line, label=LABEL.get(p, p), ms=4, capsize=2, lw=1.2)
         ax.axhline(1.0, color="k", lw=0.8)
         if op in ("allreduce", "mean"):
             ax.axhline(0.67, color="k", lw=0.8, ls=":", label="target from 1 MiB: 0.67")
@@ -140,8 +167,10 @@ def plot_peers(doc: dict, out: Path, prefix: str) -> list[Path]:
         ax.set_ylabel("time / raw mpi4py time (same rounds)")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
+    if len(jobs) > 1:
+        fig.suptitle(f"median over {len(jobs)} runs of each run's ratio; bars: smallest and largest", fontsize=9)
     fig.text(0.01, 0.01, caption(h), fontsize=7, va="bottom", ha="left", color="0.3")
-    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    fig.tight_layout(rect=(0, 0.12, 1, 0.96))
     path = out / f"{prefix}peers-ratio.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -174,15 +203,16 @@ def plot_bench(doc: dict, out: Path, prefix: str) -> list[Path]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("input", nargs="?", default=str(ROOT / "benchmarks" / "results" / "peers.json"))
+    ap.add_argument("inputs", nargs="*", default=[str(ROOT / "benchmarks" / "results" / "peers.json")],
+                    help="JSON files: several runs of bench_peers.py are combined (medians)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "img"), help="folder for the PNG files")
     ap.add_argument("--prefix", default="", help="prefix of the file names")
     args = ap.parse_args(argv)
-    doc = json.loads(Path(args.input).read_text())
+    docs = [json.loads(Path(p).read_text()) for p in args.inputs]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    is_bench = bool(doc.get("results")) and "collective" in doc["results"][0]
-    written = plot_bench(doc, out, args.prefix) if is_bench else plot_peers(doc, out, args.prefix)
+    is_bench = bool(docs[0].get("results")) and "collective" in docs[0]["results"][0]
+    written = plot_bench(docs[0], out, args.prefix) if is_bench else plot_peers(docs, out, args.prefix)
     for p in written:
         print(f"wrote {p}")
     return 0

@@ -102,6 +102,11 @@ class Arrays:
 
     def __init__(self, name: str, dtype: str, local_rank: int):
         self.name = name
+        if name in ("numpy", "cupy"):
+            try:
+                np.dtype(dtype)
+            except TypeError:
+                raise ValueError(f"-d {dtype}: not a NumPy dtype (e.g. float32, int64, complex64)") from None
         if name == "numpy":
             self.dtype = np.dtype(dtype)
             self.version = np.__version__
@@ -381,7 +386,9 @@ def main(argv=None) -> int:
         ap.error(f"-r {args.root}: out of range for {comm.size} ranks")
     try:
         arrays = Arrays(args.array, args.dtype, comm.local_rank)
-    except (ValueError, TypeError, ImportError) as exc:
+    except ImportError as exc:
+        ap.error(f"-a {args.array}: cannot import it ({exc}); install it or choose another -a")
+    except (ValueError, TypeError) as exc:
         ap.error(f"{exc}")
     info = header(coll, comm, arrays, args)
     n, rank = comm.size, comm.rank

@@ -56,6 +56,7 @@ class Communicator:
         self._mpi_comm = mpi_comm  # the user's communicator we duplicated, if any
         self._devices: dict = {}  # (dlpack device type, id) -> device transport
         self._fast: dict = {}  # (op or "broadcast", NumPy dtype) -> direct transport call (hot path)
+        self._size = host.size  # a plain attribute for the hot path
         self.check = bool(check)
 
     # ---- identity ----
@@ -125,9 +126,9 @@ class Communicator:
     # ---- the array collectives ----
     def broadcast(self, x, root: int = 0):
         """Root's ``x`` on every rank. See :func:`collectives.broadcast`."""
-        if type(x) is np.ndarray and type(root) is int and not self.check:  # hot path, see _fast_path
+        if x.__class__ is np.ndarray and root.__class__ is int and not self.check:  # hot path: _fast_path
             run = self._fast.get(("broadcast", x.dtype))
-            if run is not None and 0 <= root < self.size and x.flags.c_contiguous and x.flags.writeable:
+            if run is not None and x.flags.carray and 0 <= root < self._size:  # carray: C order, writable
                 run(x, root)
                 return x
         try:
@@ -154,9 +155,9 @@ class Communicator:
 
     def allreduce(self, x, op: str = "sum"):
         """Reduce ``x`` over all ranks, result on every rank. See :func:`collectives.allreduce`."""
-        if type(x) is np.ndarray and not self.check:  # hot path, see _fast_path
+        if x.__class__ is np.ndarray and not self.check:  # hot path, see _fast_path
             run = self._fast.get((op, x.dtype))
-            if run is not None and x.flags.c_contiguous and x.flags.writeable:
+            if run is not None and x.flags.carray:  # C-contiguous, aligned and writable
                 run(x)
                 return x
         try:
@@ -551,7 +552,8 @@ def broadcast(x, root: int = 0, *, comm=None):
         >>> coll.broadcast(x, root=0).tolist()
         [0, 1, 2, 3]
     """
-    return _resolve(comm).broadcast(x, root)
+    c = _world if comm is None else _resolve(comm)
+    return (c if c is not None else init()).broadcast(x, root)
 
 
 def allreduce(x, op: str = "sum", *, comm=None):
@@ -577,7 +579,8 @@ def allreduce(x, op: str = "sum", *, comm=None):
         >>> coll.allreduce(x, op="mean").tolist() == [(comm.size + 1) / 2, comm.size + 1.0]
         True
     """
-    return _resolve(comm).allreduce(x, op)
+    c = _world if comm is None else _resolve(comm)
+    return (c if c is not None else init()).allreduce(x, op)
 
 
 def reduce(x, op: str = "sum", root: int = 0, *, comm=None):
