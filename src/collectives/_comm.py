@@ -26,6 +26,7 @@ from ._backends.self import SelfTransport
 from ._errors import BackendUnavailableError
 
 BACKENDS = ("auto", "mpi", "self")
+_UNSET = object()  # "argument not part of this collective" (None is a value users may pass by mistake)
 
 
 class Communicator:
@@ -131,25 +132,10 @@ class Communicator:
             if run is not None and x.flags.carray and 0 <= root < self._size:  # carray: C order, writable
                 run(x, root)
                 return x
-        try:
-            a = _arrays.adapter(x)
-            device = a.device(x)
-            root = self._check_root(root)
-            transport = self._local_transport(device)
-            if transport is not None and not transport.array_level:
-                view, info = a.host_view(x)
-        except Exception as exc:
-            if self.check:  # the others wait in the agreement step: tell them, then raise (see _check)
-                _check.refuse(self._host, "broadcast", exc)
-            raise
-        if transport is None:  # checked mode, an array outside host memory
-            self._agree_device("broadcast", x, device, root=root)
-            transport = self._transport_for(device)
+        a, transport, view, info, _, root = self._prepare("broadcast", x, root=root)
         if transport.array_level:
             return transport.broadcast(x, a, root)
-        if self.check:
-            self._agree(transport, "broadcast", view, info, root=root)
-        elif a is _arrays.NUMPY:
+        if a is _arrays.NUMPY and not self.check:
             self._fast_path(("broadcast", x.dtype), transport)
         return self._in_place(x, a, view, info, lambda buf: transport.broadcast(buf, root))
 
@@ -160,52 +146,19 @@ class Communicator:
             if run is not None and x.flags.carray:  # C-contiguous, aligned and writable
                 run(x)
                 return x
-        try:
-            a = _arrays.adapter(x)
-            device = a.device(x)
-            op = _dtypes.check_op(op)
-            transport = self._local_transport(device)
-            if transport is not None and not transport.array_level:
-                view, info = a.host_view(x)
-                _dtypes.check_reduction(info, op)
-        except Exception as exc:
-            if self.check:
-                _check.refuse(self._host, "allreduce", exc)
-            raise
-        if transport is None:
-            self._agree_device("allreduce", x, device, op=op)
-            transport = self._transport_for(device)
+        a, transport, view, info, op, _ = self._prepare("allreduce", x, op=op)
         if transport.array_level:
             return transport.allreduce(x, a, op)
-        if self.check:
-            self._agree(transport, "allreduce", view, info, op=op)
-        elif a is _arrays.NUMPY:
+        if a is _arrays.NUMPY and not self.check:
             self._fast_path((op, x.dtype), transport)
         return self._in_place(x, a, view, info,
                               lambda buf: self._reduce_buffer(transport, buf, info, op, transport.allreduce))
 
     def reduce(self, x, op: str = "sum", root: int = 0):
         """Reduce ``x`` over all ranks, result on ``root``. See :func:`collectives.reduce`."""
-        try:
-            a = _arrays.adapter(x)
-            device = a.device(x)
-            op = _dtypes.check_op(op)
-            root = self._check_root(root)
-            transport = self._local_transport(device)
-            if transport is not None and not transport.array_level:
-                view, info = a.host_view(x)
-                _dtypes.check_reduction(info, op)
-        except Exception as exc:
-            if self.check:
-                _check.refuse(self._host, "reduce", exc)
-            raise
-        if transport is None:
-            self._agree_device("reduce", x, device, op=op, root=root)
-            transport = self._transport_for(device)
+        a, transport, view, info, op, root = self._prepare("reduce", x, op=op, root=root)
         if transport.array_level:
             return transport.reduce(x, a, op, root)
-        if self.check:
-            self._agree(transport, "reduce", view, info, op=op, root=root)
         if self.rank != root:  # non-root ranks contribute x and get it back unchanged
             buf = view if view.flags.c_contiguous else np.array(view, order="C")
             self._reduce_buffer(transport, buf, info, op,
@@ -216,27 +169,46 @@ class Communicator:
 
     def allgather(self, x):
         """Every rank's ``x``, stacked along a new leading axis. See :func:`collectives.allgather`."""
-        try:
-            a = _arrays.adapter(x)
-            device = a.device(x)
-            transport = self._local_transport(device)
-            if transport is not None and not transport.array_level:
-                view, info = a.host_view(x)
-        except Exception as exc:
-            if self.check:
-                _check.refuse(self._host, "allgather", exc)
-            raise
-        if transport is None:
-            self._agree_device("allgather", x, device)
-            transport = self._transport_for(device)
+        a, transport, view, info, _, _ = self._prepare("allgather", x)
         if transport.array_level:
             return transport.allgather(x, a)
-        if self.check:
-            self._agree(transport, "allgather", view, info)
         send = view if view.flags.c_contiguous else np.array(view, order="C")
         out = np.empty((self.size,) + view.shape, dtype=view.dtype)
         transport.allgather(send, out.reshape(self.size, -1))
         return a.wrap(out, info, x)
+
+    def _prepare(self, collective: str, x, op=_UNSET, root=_UNSET):
+        """Validate a call, choose its transport and, in checked mode, agree on it with the other ranks.
+
+        Every check runs before any communication. In checked mode a rank whose own arguments are invalid
+        first tells the others (they wait in the agreement step and raise MismatchError), then raises its
+        TypeError/ValueError. Returns ``(adapter, transport, view, info, op, root)``; ``view`` and
+        ``info`` (the NumPy view of x's memory and its dtype entry) are None for device transports.
+        """
+        args = {}
+        view = info = None
+        try:
+            a = _arrays.adapter(x)
+            device = a.device(x)
+            if op is not _UNSET:
+                op = args["op"] = _dtypes.check_op(op)
+            if root is not _UNSET:
+                root = args["root"] = self._check_root(root)
+            transport = self._local_transport(device)
+            if transport is not None and not transport.array_level:
+                view, info = a.host_view(x)
+                if op is not _UNSET:
+                    _dtypes.check_reduction(info, op)
+        except Exception as exc:
+            if self.check:  # the others wait in the agreement step: tell them, then raise (see _check)
+                _check.refuse(self._host, collective, exc)
+            raise
+        if transport is None:  # checked mode, an array outside host memory
+            self._agree_device(collective, x, device, **args)
+            transport = self._transport_for(device)
+        elif self.check and not transport.array_level:
+            self._agree(transport, collective, view, info, **args)
+        return a, transport, view, info, op, root
 
     def barrier(self) -> None:
         """Block until every rank has called it. See :func:`collectives.barrier`."""
@@ -340,7 +312,8 @@ class Communicator:
             buf[...] = wire  # float32 -> float16, round to nearest
 
     def close(self) -> None:
-        """Release this communicator's resources (its MPI duplicate). Idempotent."""
+        """Release this communicator's resources (its MPI duplicate, its shared-memory window, device
+        communicators). Collective: every rank calls it (``finalize()`` and interpreter exit do). Idempotent."""
         host, self._host = self._host, None
         self._fast = {}
         devices, self._devices = list(self._devices.values()), {}
@@ -498,7 +471,8 @@ def finalize() -> None:
     """Release every communicator the library made; :func:`init` may be called again afterwards.
 
     MPI itself is left initialised (mpi4py finalises it at exit), so other MPI users in the process are
-    not disturbed. Idempotent; also runs at interpreter exit.
+    not disturbed. Collective (freeing MPI windows and communicators is): every rank calls it, as every
+    rank reaches interpreter exit. Idempotent; also runs at interpreter exit.
 
     Example:
         >>> import collectives as coll
