@@ -35,6 +35,7 @@ import os
 import threading
 from typing import Any, NamedTuple
 
+from .. import _config
 from .._errors import NcclError
 
 __all__ = [
@@ -462,22 +463,8 @@ _FIX = (
     f"or set {ENV_LIBRARY}=/path/to/{LIBRARY_NAME}, or put NCCL's lib directory on LD_LIBRARY_PATH."
 )
 
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
-
-
 def _disabled() -> bool:
-    raw = os.environ.get(ENV_DISABLE)
-    if raw is None:
-        return False
-    value = raw.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ValueError(
-        f"environment variable {ENV_DISABLE}={raw!r}: expected 1/0, true/false, yes/no or on/off"
-    )
+    return _config.flag(ENV_DISABLE)  # the one reader of boolean variables (stdlib only, like this module)
 
 
 def _check_enabled() -> None:
