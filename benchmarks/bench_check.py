@@ -33,57 +33,9 @@ import sys
 import time
 
 import numpy as np
+from _common import fmt_time, human, measure, parse_bytes, plan
 
 import collectives
-
-_UNITS = {"b": 1, "": 1, "kib": 2**10, "kb": 2**10, "k": 2**10, "mib": 2**20, "mb": 2**20, "m": 2**20}
-
-
-def parse_bytes(text: str) -> int:
-    t = text.strip().lower()
-    digits = len(t) - len(t.lstrip("0123456789"))
-    if digits == 0 or t[digits:] not in _UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 8B, 64KiB, 1MiB")
-    return int(t[:digits]) * _UNITS[t[digits:]]
-
-
-def human(nbytes: int) -> str:
-    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale and nbytes % scale == 0:
-            return f"{nbytes // scale} {unit}"
-    return f"{nbytes} B"
-
-
-def fmt_time(seconds: float) -> str:
-    return f"{seconds * 1e6:9.2f} us" if seconds < 1e-3 else f"{seconds * 1e3:9.3f} ms"
-
-
-def plan(nbytes: int, iters: int | None) -> tuple[int, int]:
-    """(rounds, calls per round and side)."""
-    if iters is not None:
-        rounds = max(1, min(iters, 41))
-        return rounds, -(-iters // rounds)
-    total = int(min(8000, max(61, (64 * 2**20) // max(nbytes, 1))))
-    rounds = min(total, 41)
-    return rounds, -(-total // rounds)
-
-
-def measure(barrier, sides, rounds: int, k: int) -> np.ndarray:
-    times = np.empty((rounds, len(sides)))
-    for f in sides:
-        for _ in range(max(5, min(k, 100))):
-            f()
-    perf = time.perf_counter
-    for r in range(rounds):
-        order = range(len(sides)) if r % 2 == 0 else reversed(range(len(sides)))
-        for i in order:
-            f = sides[i]
-            barrier()
-            t0 = perf()
-            for _ in range(k):
-                f()
-            times[r, i] = (perf() - t0) / k
-    return times
 
 
 def main() -> int:
@@ -130,14 +82,14 @@ def main() -> int:
     results = []
     started = time.perf_counter()
     for nbytes in sizes:
-        rounds, k = plan(nbytes, args.iters)
+        rounds, k = plan(nbytes, args.iters, budget=64 * 2**20, min_calls=61, max_calls=8000, max_rounds=41)
         for op in ops:
             x = np.zeros(nbytes // 4, np.float32)  # zeros: the sum stays finite however often it runs
             if op == "allreduce":
                 sides = [lambda c=c: c.allreduce(x, op="sum") for c in comms]
             else:
                 sides = [lambda c=c: c.broadcast(x, root=0) for c in comms]
-            times = measure(barrier, sides, rounds, k)
+            times = measure(barrier, sides, rounds, k, warmup=(5, 100))
             world.Allreduce(MPI.IN_PLACE, times, MPI.MAX)
             med = np.median(times, axis=0)
             row = {"op": op, "bytes": nbytes, "calls_per_side": rounds * k, "rounds": rounds}

@@ -38,91 +38,17 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import re
 import sys
 import time
 
 import numpy as np
+from _common import fmt_time, human, measure, parse_sizes, plan
 
 import collectives
 
 TARGET_SMALL = 2.0  # ours/raw at the smallest size
 TARGET_LARGE = 1.05  # ours/raw from 1 MiB up
 LARGE = 2**20
-
-_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20,
-          "g": 2**30, "gb": 2**30, "gib": 2**30}
-
-
-def parse_bytes(text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 8B, 4KiB, 64MiB")
-    return int(m.group(1)) * _UNITS[m.group(2).lower()]
-
-
-def parse_sizes(text: str, factor: int) -> list[int]:
-    """``8B..64MiB`` (every ``factor``-th power down from the top, plus the bottom) or ``8B,1MiB,...``."""
-    if ".." in text:
-        lo, hi = (parse_bytes(t) for t in text.split("..", 1))
-        if lo > hi:
-            lo, hi = hi, lo
-        sizes, s = [], hi
-        while s > lo:
-            sizes.append(s)
-            s //= factor
-        sizes.append(lo)
-        sizes = sorted(set(sizes))
-    else:
-        sizes = sorted({parse_bytes(t) for t in text.split(",") if t.strip()})
-    for s in sizes:
-        if s < 4 or s % 4:
-            raise SystemExit(f"size {s} B is not a whole number of float32 elements (a multiple of 4 B)")
-    return sizes
-
-
-def human(nbytes: int) -> str:
-    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale and nbytes % scale == 0:
-            return f"{nbytes // scale} {unit}"
-    return f"{nbytes} B"
-
-
-def fmt_time(seconds: float) -> str:
-    if seconds < 1e-3:
-        return f"{seconds * 1e6:8.2f} us"
-    return f"{seconds * 1e3:8.3f} ms"
-
-
-def plan(nbytes: int, iters: int | None) -> tuple[int, int]:
-    """(rounds, calls per round) for one side at this size."""
-    if iters is not None:
-        rounds = max(1, min(iters, 61))
-        return rounds, -(-iters // rounds)  # at least iters calls in all
-    # About 160 MiB moved per side per size, at least 31 and at most 20000 calls: thousands of calls at
-    # 8 B, 31 at 16 MiB and 64 MiB.
-    total = int(min(20000, max(31, (160 * 2**20) // nbytes)))
-    rounds = min(total, 61)
-    return rounds, -(-total // rounds)
-
-
-def measure(comm, sides, rounds: int, k: int) -> np.ndarray:
-    """Times of one call (block time / k), shape (rounds, len(sides)), for this rank."""
-    times = np.empty((rounds, len(sides)))
-    for f in sides:  # warm up: first calls allocate, fault pages in, set up MPI paths
-        for _ in range(max(2, min(k, 50))):
-            f()
-    perf = time.perf_counter
-    for r in range(rounds):
-        order = range(len(sides)) if r % 2 == 0 else reversed(range(len(sides)))
-        for i in order:
-            f = sides[i]
-            comm.Barrier()
-            t0 = perf()
-            for _ in range(k):
-                f()
-            times[r, i] = (perf() - t0) / k
-    return times
 
 
 def main() -> int:
@@ -191,7 +117,7 @@ def main() -> int:
         for op in ops:
             # zeros for sum (stays finite however often it runs), ones for mean (a fixed point)
             x = np.ones(nbytes // 4, np.float32) if op == "mean" else np.zeros(nbytes // 4, np.float32)
-            times = measure(raw, sides_for(op, x), rounds, k)
+            times = measure(raw.Barrier, sides_for(op, x), rounds, k)
             # every block starts after a barrier, so the slowest rank's block time is the collective's
             raw.Allreduce(MPI.IN_PLACE, times, MPI.MAX)
             ours, peer = np.median(times, axis=0)

@@ -40,7 +40,6 @@ import ctypes
 import json
 import os
 import platform
-import re
 import shutil
 import socket
 import subprocess
@@ -50,6 +49,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _common import fmt_time, human, parse_sizes, plan
 
 HERE = Path(__file__).resolve().parent
 C_DIR = HERE / "c"
@@ -59,59 +59,6 @@ OPS = ("allreduce", "mean", "broadcast")
 TARGET_LARGE = 0.67  # ours / mpi4py, allreduce sum and mean, 1 MiB .. 64 MiB
 TARGET_SMALL = 1.5  # ours / mpi4py at 8 B, same thread level
 ROUND_S = 0.02  # a peer whose single call is slow makes fewer calls per round: about this many seconds
-_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20,
-          "g": 2**30, "gb": 2**30, "gib": 2**30}
-
-
-def parse_bytes(text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 8B, 4KiB, 64MiB")
-    return int(m.group(1)) * _UNITS[m.group(2).lower()]
-
-
-def parse_sizes(text: str, factor: int) -> list[int]:
-    """``8B..64MiB`` (the top, top/factor, ... and the bottom) or a comma list ``8B,1MiB``."""
-    if ".." in text:
-        lo, hi = sorted(parse_bytes(t) for t in text.split("..", 1))
-        sizes, s = [], hi
-        while s > lo:
-            sizes.append(s)
-            s //= factor
-        sizes.append(lo)
-    else:
-        sizes = [parse_bytes(t) for t in text.split(",") if t.strip()]
-    sizes = sorted(set(sizes))
-    for s in sizes:
-        if s < 4 or s % 4:
-            raise SystemExit(f"size {s} B is not a whole number of float32 elements (a multiple of 4 B)")
-    return sizes
-
-
-def human(nbytes: int) -> str:
-    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale and nbytes % scale == 0:
-            return f"{nbytes // scale} {unit}"
-    return f"{nbytes} B"
-
-
-def fmt_time(seconds: float) -> str:
-    if seconds != seconds:
-        return f"{'-':>11}"
-    if seconds < 1e-3:
-        return f"{seconds * 1e6:8.2f} us"
-    return f"{seconds * 1e3:8.3f} ms"
-
-
-def plan(nbytes: int, iters: int | None) -> tuple[int, int]:
-    """(rounds, calls per round): about 160 MiB per peer per size, 31 to 20000 calls, at most 61 rounds."""
-    if iters is not None:
-        rounds = max(1, min(iters, 61))
-        return rounds, -(-iters // rounds)
-    total = int(min(20000, max(31, (160 * 2**20) // nbytes)))
-    rounds = min(total, 61)
-    return rounds, -(-total // rounds)
-
 
 def _cpu() -> str:
     try:
