@@ -14,9 +14,7 @@ packing everything into one buffer pays two extra copies of every byte (pack bef
   ``BROADCAST_BUCKET_BYTES`` (8 MiB): one MPI broadcast costs several rendezvous, more than copying a few
   MiB, and with several buckets the root packs the next one while the others unpack the last;
 - leaves in device memory (CUDA) are never packed on the host: they go to their device's transport, per
-  device in one call where the transport fuses (``allreduce_many``: one NCCL group), else one by one;
-- a host transport that fuses many buffers itself (``allreduce_many`` / ``broadcast_many``, see the end of
-  this module) gets every host leaf in its own memory, in one call: nothing is packed here.
+  device in one call where the transport fuses (``allreduce_many``: one NCCL group), else one by one.
 
 The thresholds were chosen by measurement (``benchmarks/bench_tree.py --thresholds``, 2 ranks on 2 shared
 cores): for allreduce, 128-512 KiB were best and 1-4 MiB worse; for broadcast, 2-8 MiB with 8-16 MiB
@@ -284,10 +282,6 @@ def broadcast(comm, items: list[Item], root: int, bucket_bytes: int, the_plan: P
         return the_plan
     state = _state(comm)
     host = comm._transport_for(_arrays.HOST)
-    many = getattr(host, "broadcast_many", None)
-    if many is not None:
-        _broadcast_many(many, items, the_plan, root, is_root)
-        return the_plan
     bcast = _runner(comm, state, host, "broadcast", np.dtype(np.uint8))
     for pos in the_plan.solos:
         item = items[pos]
@@ -379,10 +373,6 @@ def allreduce(comm, items: list[Item], op: str, bucket_bytes: int, the_plan: Pla
         return the_plan
     state = _state(comm)
     host = comm._transport_for(_arrays.HOST)
-    many = getattr(host, "allreduce_many", None)
-    if many is not None:
-        _allreduce_many(many, host, items, the_plan, op)
-        return the_plan
     for pos in the_plan.solos:
         item = items[pos]
         view, info = item.view, item.info
@@ -436,68 +426,3 @@ def _allreduce_device(transport, group: list[Item], op: str) -> None:
     for item in group:
         item.result = transport.allreduce(item.leaf, item.adapter, op)
 
-
-# ---------------------------------------------------------------------------------------------------------
-# transports that fuse many host buffers themselves
-#
-# A host transport may offer ``allreduce_many(bufs, op)`` and ``broadcast_many(bufs, root)``: every
-# contiguous buffer of ``bufs`` reduced (``op`` may be "mean" for floating and complex buffers) or
-# broadcast in place, the whole list as one operation (through the node-shared window: the window is the
-# bucket, so nothing is packed here and there is one synchronisation per window-full, not one per leaf).
-# Every rank passes the same number of buffers, of the same sizes and dtypes, in the same order: the plan
-# order. Then every host leaf goes to the transport in its own memory where it can; only non-contiguous,
-# read-only and widened (bfloat16, float16 the transport cannot reduce) leaves get a temporary.
-
-
-def _host_order(the_plan: Plan) -> list[int]:
-    return the_plan.solos + [pos for _, _, entries in the_plan.buckets for pos, _, _ in entries]
-
-
-def _broadcast_many(many, items, the_plan: Plan, root: int, is_root: bool) -> None:
-    bufs, later = [], []
-    for pos in _host_order(the_plan):
-        item = items[pos]
-        view = item.view
-        if is_root:
-            buf = view if view.flags.c_contiguous else np.ascontiguousarray(view)
-        elif view.flags.c_contiguous and item.writable_in_place():
-            buf = view
-        else:
-            buf = np.empty(view.shape, dtype=view.dtype)
-            later.append((item, buf))
-        bufs.append(buf.reshape(-1).view(np.uint8))
-    many(bufs, root)
-    for item, buf in later:
-        item.take(lambda target, buf=buf: np.copyto(target, buf))
-
-
-def _allreduce_many(many, host, items, the_plan: Plan, op: str) -> None:
-    groups: dict = {}  # wire dtype -> buffers, in plan order (the same on every rank)
-    later = []
-    for pos in _host_order(the_plan):
-        item = items[pos]
-        view, info = item.view, item.info
-        wire = wire_dtype(host, info, op)
-        if info.kind == "b":  # bool: max = any, min = all, as bytes
-            buf = view if view.flags.c_contiguous and item.writable_in_place() else np.array(view, order="C")
-            if buf is not view:
-                later.append((item, lambda target, buf=buf: np.copyto(target, buf)))
-            groups.setdefault(np.dtype(np.uint8), []).append(buf.reshape(-1).view(np.uint8))
-            continue
-        if wire != info.storage:
-            if info.name == "bfloat16":
-                buf = _dtypes.bf16_to_f32(view.reshape(-1))  # 1-d: a 0-d shift gives a scalar
-                later.append((item, lambda target, buf=buf: _dtypes.f32_to_bf16(buf, out=target)))
-            else:
-                buf = view.astype(wire)
-                later.append((item, lambda target, buf=buf: np.copyto(target, buf, casting="unsafe")))
-        elif view.flags.c_contiguous and item.writable_in_place():
-            buf = view
-        else:
-            buf = np.array(view, order="C")
-            later.append((item, lambda target, buf=buf: np.copyto(target, buf)))
-        groups.setdefault(wire, []).append(buf)
-    for wire, bufs in groups.items():
-        many(bufs, op)
-    for item, fill in later:
-        item.take(fill)
