@@ -52,9 +52,8 @@ class Communicator:
         True
     """
 
-    def __init__(self, host: Transport, *, check: bool = False, mpi_comm=None):
+    def __init__(self, host: Transport, *, check: bool = False):
         self._host = host
-        self._mpi_comm = mpi_comm  # the user's communicator we duplicated, if any
         self._devices: dict = {}  # (dlpack device type, id) -> device transport
         self._fast: dict = {}  # (op or "broadcast", NumPy dtype) -> direct transport call (hot path)
         self._size = host.size  # a plain attribute for the hot path
@@ -444,7 +443,7 @@ def init(backend: str = "auto", *, comm=None, check: bool | None = None) -> Comm
         from . import _failure
 
         _failure.install(transport)  # an uncaught exception on one rank aborts the job (see _failure)
-        result = Communicator(transport, check=_config.check() if check is None else check, mpi_comm=comm)
+        result = Communicator(transport, check=_config.check() if check is None else check)
         if comm is not None:
             _by_comm[id(comm)] = (comm, result)
         if _world is None:
