@@ -27,7 +27,7 @@ How it is measured, so that the machine's noise (shared cores, frequency changes
   size instead.
 
 Only the ratios (ours / raw) mean something, and only between figures of one run: absolute times move by
-2x between runs on a shared machine. Targets: per-call overhead at 8 B within 2x of raw mpi4py; within
+2x between runs on a shared machine. Targets: per-call overhead at 8 B within 1.5x of raw mpi4py at the same MPI thread level; within
 1.05x from 1 MiB up. From ``COLLECTIVES_SHM_THRESHOLD`` (256 KiB) up, our allreduce between ranks of one
 node goes through node-shared memory rather than MPI's allreduce, so it may beat raw mpi4py there; run
 with ``COLLECTIVES_SHM=0`` to compare the same MPI call on both sides.
@@ -46,7 +46,7 @@ from _common import fmt_time, human, measure, parse_sizes, plan
 
 import collectives
 
-TARGET_SMALL = 2.0  # ours/raw at the smallest size
+TARGET_SMALL = 1.5  # ours/raw at the smallest size (issue 7: at the same MPI thread level)
 TARGET_LARGE = 1.05  # ours/raw from 1 MiB up
 LARGE = 2**20
 

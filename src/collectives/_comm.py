@@ -26,6 +26,7 @@ from ._backends.self import SelfTransport
 from ._errors import BackendUnavailableError
 
 BACKENDS = ("auto", "mpi", "self")
+_NONE: dict = {}  # read-only by convention: what the hot path looks in for an op with no cached calls
 _UNSET = object()  # "argument not part of this collective" (None is a value users may pass by mistake)
 
 
@@ -55,9 +56,19 @@ class Communicator:
     def __init__(self, host: Transport, *, check: bool = False):
         self._host = host
         self._devices: dict = {}  # (dlpack device type, id) -> device transport
-        self._fast: dict = {}  # (op or "broadcast", NumPy dtype) -> direct transport call (hot path)
+        self._fast: dict = {}  # op or "broadcast" -> {NumPy dtype: direct transport call} (hot path)
         self._size = host.size  # a plain attribute for the hot path
         self.check = bool(check)
+
+    @property
+    def check(self) -> bool:
+        """Whether a cross-rank agreement check runs before every collective (settable)."""
+        return self._check
+
+    @check.setter
+    def check(self, value) -> None:
+        self._check = bool(value)
+        self._fast = {}  # the hot path skips the check: empty it; unchecked calls refill it (_fast_path)
 
     # ---- identity ----
     @property
@@ -126,8 +137,8 @@ class Communicator:
     # ---- the array collectives ----
     def broadcast(self, x, root: int = 0):
         """Root's ``x`` on every rank. See :func:`collectives.broadcast`."""
-        if x.__class__ is np.ndarray and root.__class__ is int and not self.check:  # hot path: _fast_path
-            run = self._fast.get(("broadcast", x.dtype))
+        if x.__class__ is np.ndarray and root.__class__ is int:  # hot path: see _fast_path
+            run = self._fast.get("broadcast", _NONE).get(x.dtype)
             if run is not None and x.flags.carray and 0 <= root < self._size:  # carray: C order, writable
                 run(x, root)
                 return x
@@ -135,13 +146,13 @@ class Communicator:
         if transport.array_level:
             return transport.broadcast(x, a, root)
         if a is _arrays.NUMPY and not self.check:
-            self._fast_path(("broadcast", x.dtype), transport)
+            self._fast_path("broadcast", x.dtype, transport)
         return self._in_place(x, a, view, info, lambda buf: transport.broadcast(buf, root))
 
     def allreduce(self, x, op: str = "sum"):
         """Reduce ``x`` over all ranks, result on every rank. See :func:`collectives.allreduce`."""
-        if x.__class__ is np.ndarray and not self.check:  # hot path, see _fast_path
-            run = self._fast.get((op, x.dtype))
+        if x.__class__ is np.ndarray and op.__class__ is str:  # hot path, see _fast_path
+            run = self._fast.get(op, _NONE).get(x.dtype)
             if run is not None and x.flags.carray:  # C-contiguous, aligned and writable
                 run(x)
                 return x
@@ -149,7 +160,7 @@ class Communicator:
         if transport.array_level:
             return transport.allreduce(x, a, op)
         if a is _arrays.NUMPY and not self.check:
-            self._fast_path((op, x.dtype), transport)
+            self._fast_path(op, x.dtype, transport)
         return self._in_place(x, a, view, info,
                               lambda buf: self._reduce_buffer(transport, buf, info, op, transport.allreduce))
 
@@ -216,19 +227,23 @@ class Communicator:
             _check.agree(transport, {"collective": "barrier"})
         transport.barrier()
 
-    def _fast_path(self, key, transport) -> None:
+    def _fast_path(self, op: str, dtype, transport) -> None:
         """Cache the transport's direct call for (op, dtype) of contiguous writable NumPy arrays.
 
-        Filled by the general path once a call with that key has been fully validated, so the cache holds
-        only legal, natively supported pairs; a later call with the same key skips the adapter, the dtype
-        table and the op checks (a dictionary look-up and two flag reads instead). Bounded: a handful of
-        ops times the dtypes in use.
+        Filled by the general path once a call with that pair has been fully validated, so the cache holds
+        only legal, natively supported pairs; a later call with the same pair skips the adapter, the dtype
+        table and the op checks (two dictionary look-ups and a flag read instead). Never filled in checked
+        mode (setting ``check`` empties it). Bounded: a handful of ops times the dtypes in use. The
+        module-level :func:`allreduce` and :func:`broadcast` read it too, to save a call per collective.
         """
-        if key not in self._fast:
+        if self._check:
+            return
+        table = self._fast.setdefault(op, {})
+        if dtype not in table:
             fast = getattr(transport, "fast_call", None)
-            run = fast(key[0], key[1], self.size) if fast is not None else None
+            run = fast(op, dtype, self.size) if fast is not None else None
             if run is not None:
-                self._fast[key] = run
+                table[dtype] = run
 
     def _local_transport(self, device):
         """``_transport_for(device)``, except in checked mode for an array outside host memory: None.
@@ -526,7 +541,14 @@ def broadcast(x, root: int = 0, *, comm=None):
         [0, 1, 2, 3]
     """
     c = _world if comm is None else _resolve(comm)
-    return (c if c is not None else init()).broadcast(x, root)
+    if c is None:
+        c = init()
+    if x.__class__ is np.ndarray and root.__class__ is int:  # Communicator.broadcast's hot path, inlined
+        run = c._fast.get("broadcast", _NONE).get(x.dtype)
+        if run is not None and x.flags.carray and 0 <= root < c._size:
+            run(x, root)
+            return x
+    return c.broadcast(x, root)
 
 
 def allreduce(x, op: str = "sum", *, comm=None):
@@ -553,7 +575,14 @@ def allreduce(x, op: str = "sum", *, comm=None):
         True
     """
     c = _world if comm is None else _resolve(comm)
-    return (c if c is not None else init()).allreduce(x, op)
+    if c is None:
+        c = init()
+    if x.__class__ is np.ndarray and op.__class__ is str:  # Communicator.allreduce's hot path, inlined
+        run = c._fast.get(op, _NONE).get(x.dtype)
+        if run is not None and x.flags.carray:
+            run(x)
+            return x
+    return c.allreduce(x, op)
 
 
 def reduce(x, op: str = "sum", root: int = 0, *, comm=None):
