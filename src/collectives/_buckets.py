@@ -280,8 +280,11 @@ def broadcast(comm, items: list[Item], root: int, bucket_bytes: int, the_plan: P
             item.result = transport.broadcast(item.leaf, item.adapter, root)
     if not the_plan.solos and not the_plan.buckets:
         return the_plan
-    state = _state(comm)
     host = comm._transport_for(_arrays.HOST)
+    if getattr(host, "can_broadcast_many", False):
+        _broadcast_many(host, items, is_root, root, bucket_bytes)
+        return the_plan
+    state = _state(comm)
     bcast = _runner(comm, state, host, "broadcast", np.dtype(np.uint8))
     for pos in the_plan.solos:
         item = items[pos]
@@ -312,6 +315,30 @@ def broadcast(comm, items: list[Item], root: int, bucket_bytes: int, the_plan: P
                 else:
                     item.take(lambda target, seg=seg: np.copyto(target, seg))
     return the_plan
+
+
+def _broadcast_many(host, items: list[Item], is_root: bool, root: int, bucket_bytes: int) -> None:
+    """Every host item through the transport's pipelined ``broadcast_many``, in the agreed order: no
+    packing here (the transport packs on the root, into at most ``bucket_bytes`` of buffers, and the
+    others receive straight into their leaves); a leaf that cannot be written in place receives into a
+    temporary first."""
+    bufs, later = [], []
+    for item in items:
+        view = item.view
+        if view is None or view.nbytes == 0:
+            continue
+        contiguous = view.flags.c_contiguous
+        if is_root:
+            buf = view if contiguous else np.ascontiguousarray(view)
+        elif contiguous and item.writable_in_place():
+            buf = view
+        else:
+            buf = np.empty(view.shape, dtype=view.dtype)
+            later.append((item, buf))
+        bufs.append(buf.reshape(-1).view(np.uint8))
+    host.broadcast_many(bufs, root, bucket_bytes)
+    for item, buf in later:
+        item.take(lambda target, buf=buf: np.copyto(target, buf))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -55,11 +55,15 @@ def cases(comm):
     if hasattr(coll, "allreduce_tree"):
         tree = {"w": np.ones(4), "b": [np.zeros(2, dtype=np.float32)]}
         out["allreduce_tree"] = lambda: coll.allreduce_tree(tree, op="sum", comm=comm)
+        frozen = np.arange(6.0)
+        frozen.flags.writeable = False  # received into a new buffer (new MPI datatypes) on every call
+        synced = {"w": np.ones(300), "b": np.zeros(3, dtype=np.float32), "frozen": frozen}
+        out["synchronize"] = lambda: coll.synchronize(synced, comm=comm)
     return out
 
 
 NAMES = ["allreduce", "allreduce-strided-mean", "reduce", "broadcast", "allgather", "barrier",
-         "allreduce-torch-bfloat16", "allreduce_tree", "checked-allreduce", "deadline-allreduce",
+         "allreduce-torch-bfloat16", "allreduce_tree", "synchronize", "checked-allreduce", "deadline-allreduce",
          "deadline-allgather", "deadline-checked-broadcast"]
 
 

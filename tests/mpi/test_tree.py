@@ -59,6 +59,58 @@ def values(rank, n=5, dtype=np.float64):
 # ---------------------------------------------------------------------------------------------------------
 # synchronize
 
+# Every synchronize test runs on each of the host transport's ways of broadcasting a tree: the pipelined
+# point-to-point broadcast_many (ranks of one node), also with tiny messages so that a tree spans many
+# of them and the root's ring of pack buffers wraps around, and the fused buckets (across nodes, or
+# with COLLECTIVES_TIMEOUT).
+BROADCAST_PATHS = ["pipeline", "pipeline-tiny-messages", "buckets"]
+
+
+def pytest_generate_tests(metafunc):
+    if metafunc.function.__name__.startswith("test_synchronize"):
+        metafunc.parametrize("broadcast_path", BROADCAST_PATHS, indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def broadcast_path(request, comm, monkeypatch):
+    path = getattr(request, "param", None)
+    host = type(comm._host)
+    if path == "buckets":
+        monkeypatch.setattr(host, "can_broadcast_many", False, raising=False)
+    elif path == "pipeline-tiny-messages" and hasattr(host, "PIPE_CHUNK"):
+        monkeypatch.setattr(host, "PIPE_CHUNK", 192)
+        comm._host._pipe_plans.clear()  # plans cut for the default message size
+        monkeypatch.setattr(comm._host, "_pipe_plans", {})
+    return path
+
+
+def test_broadcast_many_pieces_ring_and_cached_datatypes(comm, monkeypatch):
+    """The transport's pipeline directly: buffers split across messages, a ring that wraps while messages
+    are in flight, datatypes cached per set of addresses (and evicted), zero-length buffers, every root."""
+    host = comm._host
+    if not getattr(host, "can_broadcast_many", False):
+        pytest.skip("broadcast_many needs 2 or more ranks on one node")
+    monkeypatch.setattr(type(host), "PIPE_CHUNK", 100)
+    monkeypatch.setattr(host, "_pipe_plans", {})
+    lengths = [0, 7, 100, 250, 1, 0, 999, 64]
+    for trial in range(2 * host.MAX_TYPE_SETS + 1):  # new buffers every time: new datatypes, evictions
+        for root in range(comm.size):
+            bufs = [np.full(n, comm.rank * 16 + trial % 7, dtype=np.uint8) for n in lengths]
+            if comm.rank == root:
+                for i, b in enumerate(bufs):
+                    b[:] = (np.arange(b.size) * (i + 3) + root) % 251
+            host.broadcast_many(bufs, root, 300)  # ring of 3 messages for 15 messages
+            for i, b in enumerate(bufs):
+                np.testing.assert_array_equal(b, (np.arange(b.size) * (i + 3) + root) % 251)
+        assert len(host._pipe_typesets) <= host.MAX_TYPE_SETS
+    kept = [np.zeros(n, dtype=np.uint8) for n in lengths]  # the same buffers again: cached datatypes
+    for root in range(comm.size):
+        if comm.rank == root:
+            for b in kept:
+                b[:] = root + 1
+        host.broadcast_many(kept, root, 1 << 20)
+        assert all((b == root + 1).all() for b in kept)
+
 
 def test_synchronize_every_container_kind_and_root(comm):
     import torch
