@@ -23,7 +23,7 @@ import numpy as np
 from . import _arrays, _check, _config, _dtypes
 from ._backends.base import Transport
 from ._backends.self import SelfTransport
-from ._errors import BackendUnavailableError
+from ._errors import BackendUnavailableError, transport_failure, translating
 
 BACKENDS = ("auto", "mpi", "self")
 _NONE: dict = {}  # read-only by convention: what the hot path looks in for an op with no cached calls
@@ -137,33 +137,40 @@ class Communicator:
     # ---- the array collectives ----
     def broadcast(self, x, root: int = 0):
         """Root's ``x`` on every rank. See :func:`collectives.broadcast`."""
-        if x.__class__ is np.ndarray and root.__class__ is int:  # hot path: see _fast_path
-            run = self._fast.get("broadcast", _NONE).get(x.dtype)
-            if run is not None and x.flags.carray and 0 <= root < self._size:  # carray: C order, writable
-                run(x, root)
-                return x
-        a, transport, view, info, _, root = self._prepare("broadcast", x, root=root)
-        if transport.array_level:
-            return transport.broadcast(x, a, root)
-        if a is _arrays.NUMPY and not self.check:
-            self._fast_path("broadcast", x.dtype, transport)
-        return self._in_place(x, a, view, info, lambda buf: transport.broadcast(buf, root))
+        try:
+            if x.__class__ is np.ndarray and root.__class__ is int:  # hot path: see _fast_path
+                run = self._fast.get("broadcast", _NONE).get(x.dtype)
+                if run is not None and x.flags.carray and 0 <= root < self._size:  # C order, writable
+                    run(x, root)
+                    return x
+            a, transport, view, info, _, root = self._prepare("broadcast", x, root=root)
+            if transport.array_level:
+                return transport.broadcast(x, a, root)
+            if a is _arrays.NUMPY and not self.check:
+                self._fast_path("broadcast", x.dtype, transport)
+            return self._in_place(x, a, view, info, lambda buf: transport.broadcast(buf, root))
+        except Exception as exc:  # costs nothing unless raised: MPI's own errors become CollectiveError
+            _reraise(exc, "broadcast")
 
     def allreduce(self, x, op: str = "sum"):
         """Reduce ``x`` over all ranks, result on every rank. See :func:`collectives.allreduce`."""
-        if x.__class__ is np.ndarray and op.__class__ is str:  # hot path, see _fast_path
-            run = self._fast.get(op, _NONE).get(x.dtype)
-            if run is not None and x.flags.carray:  # C-contiguous, aligned and writable
-                run(x)
-                return x
-        a, transport, view, info, op, _ = self._prepare("allreduce", x, op=op)
-        if transport.array_level:
-            return transport.allreduce(x, a, op)
-        if a is _arrays.NUMPY and not self.check:
-            self._fast_path(op, x.dtype, transport)
-        return self._in_place(x, a, view, info,
-                              lambda buf: self._reduce_buffer(transport, buf, info, op, transport.allreduce))
+        try:
+            if x.__class__ is np.ndarray and op.__class__ is str:  # hot path, see _fast_path
+                run = self._fast.get(op, _NONE).get(x.dtype)
+                if run is not None and x.flags.carray:  # C-contiguous, aligned and writable
+                    run(x)
+                    return x
+            a, transport, view, info, op, _ = self._prepare("allreduce", x, op=op)
+            if transport.array_level:
+                return transport.allreduce(x, a, op)
+            if a is _arrays.NUMPY and not self.check:
+                self._fast_path(op, x.dtype, transport)
+            return self._in_place(x, a, view, info, lambda buf: self._reduce_buffer(
+                transport, buf, info, op, transport.allreduce))
+        except Exception as exc:
+            _reraise(exc, "allreduce")
 
+    @translating("reduce")
     def reduce(self, x, op: str = "sum", root: int = 0):
         """Reduce ``x`` over all ranks, result on ``root``. See :func:`collectives.reduce`."""
         a, transport, view, info, op, root = self._prepare("reduce", x, op=op, root=root)
@@ -177,6 +184,7 @@ class Communicator:
         return self._in_place(x, a, view, info, lambda buf: self._reduce_buffer(
             transport, buf, info, op, lambda b, o: transport.reduce(b, o, root)))
 
+    @translating("allgather")
     def allgather(self, x):
         """Every rank's ``x``, stacked along a new leading axis. See :func:`collectives.allgather`."""
         a, transport, view, info, _, _ = self._prepare("allgather", x)
@@ -220,6 +228,7 @@ class Communicator:
             self._agree(transport, collective, view, info, **args)
         return a, transport, view, info, op, root
 
+    @translating("barrier")
     def barrier(self) -> None:
         """Block until every rank has called it. See :func:`collectives.barrier`."""
         transport = self._transport_for(_arrays.HOST)
@@ -348,6 +357,14 @@ class Communicator:
         from ._tree import allreduce_tree
 
         return allreduce_tree(tree, op, comm=self)
+
+
+def _reraise(exc: Exception, what: str):
+    """Raise ``exc``, or the CollectiveError for it when MPI reported it (see _errors.transport_failure)."""
+    err = transport_failure(exc, what)
+    if err is None:
+        raise exc
+    raise err from exc
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -546,7 +563,10 @@ def broadcast(x, root: int = 0, *, comm=None):
     if x.__class__ is np.ndarray and root.__class__ is int:  # Communicator.broadcast's hot path, inlined
         run = c._fast.get("broadcast", _NONE).get(x.dtype)
         if run is not None and x.flags.carray and 0 <= root < c._size:
-            run(x, root)
+            try:
+                run(x, root)
+            except Exception as exc:
+                _reraise(exc, "broadcast")
             return x
     return c.broadcast(x, root)
 
@@ -580,7 +600,10 @@ def allreduce(x, op: str = "sum", *, comm=None):
     if x.__class__ is np.ndarray and op.__class__ is str:  # Communicator.allreduce's hot path, inlined
         run = c._fast.get(op, _NONE).get(x.dtype)
         if run is not None and x.flags.carray:
-            run(x)
+            try:
+                run(x)
+            except Exception as exc:
+                _reraise(exc, "allreduce")
             return x
     return c.allreduce(x, op)
 

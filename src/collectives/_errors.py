@@ -7,6 +7,9 @@ job itself are :class:`CollectiveError` and its subclasses.
 
 from __future__ import annotations
 
+import functools
+import sys
+
 __all__ = [
     "CollectiveError",
     "MismatchError",
@@ -92,3 +95,46 @@ class NcclError(CollectiveError):
 
     def __reduce__(self):
         return (type(self), (self.status, self.name, self.detail, self.call))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# MPI's own errors, as CollectiveError
+
+
+def transport_failure(exc: BaseException, what: str) -> CollectiveError | None:
+    """A :class:`CollectiveError` describing ``exc`` if it is an error MPI reported (``mpi4py.MPI.Exception``),
+    else None. mpi4py is looked up, never imported: if it is not loaded, no MPI call can have failed."""
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is None or not isinstance(exc, MPI.Exception):
+        return None
+    try:
+        name = MPI.Get_error_string(exc.Get_error_class()).split(",")[0]
+    except Exception:  # noqa: BLE001 - a broken MPI must not hide the original error
+        name = "error"
+    text = str(exc).split(", error stack")[0].strip()
+    first = text.splitlines()[0] if text else name
+    try:
+        where = f" on rank {MPI.COMM_WORLD.Get_rank()} of {MPI.COMM_WORLD.Get_size()}"
+    except Exception:  # noqa: BLE001
+        where = ""
+    return CollectiveError(
+        f"MPI failed in {what}{where}: {first} (MPI error class {exc.Get_error_class()}: {name}). Usually the "
+        f"ranks disagreed: arrays of different sizes, or different collectives in a different order; run "
+        f"with COLLECTIVES_CHECK=1 to have the library compare every call across ranks first. After an MPI "
+        f"error the job cannot continue reliably: end it")
+
+
+def translating(what: str):
+    """Decorator: an MPI error raised inside becomes a :class:`CollectiveError` (the MPI error chained)."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except Exception as exc:
+                err = transport_failure(exc, what)
+                if err is None:
+                    raise
+                raise err from exc
+        return call
+    return wrap

@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import _arrays, _buckets, _config, _dtypes
-from ._errors import CollectiveError, MismatchError
+from ._errors import CollectiveError, MismatchError, translating
 
 # ---------------------------------------------------------------------------------------------------------
 # flatten / unflatten
@@ -682,6 +682,7 @@ def _optimizer_entries(opt, path) -> list:
     return entries
 
 
+@translating("synchronize")
 def synchronize(tree, root: int = 0, *, comm=None, bucket_bytes: int | None = None):
     """Make every leaf of ``tree`` equal to root's: parameters, buffers, optimizer state, settings.
 
@@ -850,6 +851,7 @@ def _sync_entries(flat: Flat, prepared: _Leaves) -> tuple[tuple, BaseException |
 _SCALARS = (bool, int, float, complex, np.generic)
 
 
+@translating("allreduce_tree")
 def allreduce_tree(tree, op: str = "mean", *, comm=None, bucket_bytes: int | None = None):
     """Reduce every array leaf of ``tree`` over all ranks, fused into few collectives.
 

@@ -45,6 +45,12 @@ def main(name: str) -> None:
         else:
             comm.allreduce(x, op="mean")
 
+    elif name == "mpi-error":  # unchecked, one rank's buffer is smaller: MPI itself reports the error
+        if comm.rank == last:
+            mark(name)
+        comm.broadcast(np.zeros(4 if comm.rank == last else 64), root=0)
+        comm.allreduce(x)
+
     elif name == "sigkill":  # one rank is killed hard mid-training
         for step in range(5):
             if step == 3 and comm.rank == last:

@@ -94,6 +94,15 @@ def test_invalid_call_on_one_rank_unchecked_aborts_the_job(n):
 
 
 @pytest.mark.parametrize("n", SIZES)
+def test_an_error_reported_by_mpi_is_a_collective_error_and_aborts_the_job(n):
+    job = run("mpi-error", n)
+    ended_promptly(job)
+    assert f"rank {n - 1} of {n} failed with CollectiveError: MPI failed in broadcast on rank {n - 1}" \
+        in job.err, job
+    assert "COLLECTIVES_CHECK=1" in job.err and "mpi4py.MPI.Exception" in job.err, job  # the cause, chained
+
+
+@pytest.mark.parametrize("n", SIZES)
 def test_sigkill_of_one_rank_ends_the_job(n):
     """MPICH's hydra notices the killed process and ends the others by itself (no deadline needed)."""
     job = run("sigkill", n)

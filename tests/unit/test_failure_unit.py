@@ -290,3 +290,25 @@ def test_timeout_variable_chooses_the_transport_once(timeout):
         assert first == "DeadlineMPITransport 2.5 [{'a': 1}] [2]" and second == "False"
     else:
         assert first == "MPITransport None [{'a': 1}] [2]" and second == "True"
+
+
+def test_mpi_errors_become_collective_errors_and_others_pass_through():
+    from mpi4py import MPI
+
+    from collectives._errors import transport_failure, translating
+
+    err = transport_failure(MPI.Exception(MPI.ERR_TRUNCATE), "broadcast")
+    assert isinstance(err, CollectiveError)
+    assert str(err).startswith("MPI failed in broadcast on rank 0 of 1: ")
+    assert f"MPI error class {MPI.ERR_TRUNCATE}" in str(err) and "COLLECTIVES_CHECK=1" in str(err)
+    assert transport_failure(ValueError("x"), "broadcast") is None
+
+    @translating("synchronize")
+    def fails(exc):
+        raise exc
+
+    with pytest.raises(CollectiveError, match="MPI failed in synchronize") as info:
+        fails(MPI.Exception(MPI.ERR_COUNT))
+    assert isinstance(info.value.__cause__, MPI.Exception)
+    with pytest.raises(TypeError, match="wrong"):  # not MPI's: untouched
+        fails(TypeError("wrong"))
