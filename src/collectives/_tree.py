@@ -694,9 +694,12 @@ def synchronize(tree, root: int = 0, *, comm=None, bucket_bytes: int | None = No
     What moves:
 
     - array leaves (NumPy, torch incl. parameters that require grad, anything with ``__dlpack__``): root's
-      values, bit for bit, in fused buckets (leaves of 4 MiB or more in their own memory; CUDA leaves one
-      by one on their device's transport); in place where the library allows (writable NumPy arrays,
-      torch tensors), else a new array in the returned tree (read-only NumPy, array-api-strict, JAX);
+      values, bit for bit. Host leaves, when every rank is on one node: one pipeline of 1 MiB messages,
+      the root packing into at most ``bucket_bytes`` of reused buffers and the others receiving straight
+      into their leaves; across nodes (or with ``COLLECTIVES_TIMEOUT``): fused buckets, leaves of 4 MiB
+      or more in their own memory. CUDA leaves one by one on their device's transport. In place where the
+      library allows (writable NumPy arrays, torch tensors), else a new array in the returned tree
+      (read-only NumPy, array-api-strict, JAX);
     - non-array leaves (``None``, Python and NumPy scalars, strings, any picklable object): root's, in
       one pickled broadcast for all of them;
     - a torch ``nn.Module``: its parameters and buffers, in place;
@@ -710,7 +713,8 @@ def synchronize(tree, root: int = 0, *, comm=None, bucket_bytes: int | None = No
         tree: a tree (see above) of arrays and other values.
         root: the rank whose values everybody gets.
         comm: a :class:`Communicator` or an mpi4py communicator (default: :func:`world`).
-        bucket_bytes: the size bound of one fused buffer (default ``COLLECTIVES_BUCKET_BYTES``, 25 MiB).
+        bucket_bytes: the size bound of one fused buffer, and of the root's pack buffers (default
+            ``COLLECTIVES_BUCKET_BYTES``, 25 MiB).
 
     Returns:
         The tree with root's values. On root: ``tree`` itself. Elsewhere: ``tree`` itself when every leaf
