@@ -26,6 +26,7 @@ from ._backends.self import SelfTransport
 from ._errors import BackendUnavailableError, transport_failure, translating
 
 BACKENDS = ("auto", "mpi", "self")
+_ndarray = np.ndarray  # one global look-up on the hot path instead of two
 _NONE: dict = {}  # read-only by convention: what the hot path looks in for an op with no cached calls
 _UNSET = object()  # "argument not part of this collective" (None is a value users may pass by mistake)
 
@@ -56,7 +57,8 @@ class Communicator:
     def __init__(self, host: Transport, *, check: bool = False):
         self._host = host
         self._devices: dict = {}  # (dlpack device type, id) -> device transport
-        self._fast: dict = {}  # op or "broadcast" -> {NumPy dtype: direct transport call} (hot path)
+        self._fast: dict = {}  # op -> {NumPy dtype: direct transport call} (hot path); see _fast_path
+        self._fast_broadcast: dict = {}  # the same for broadcast (one look-up less)
         self._size = host.size  # a plain attribute for the hot path
         self.check = bool(check)
 
@@ -68,7 +70,8 @@ class Communicator:
     @check.setter
     def check(self, value) -> None:
         self._check = bool(value)
-        self._fast = {}  # the hot path skips the check: empty it; unchecked calls refill it (_fast_path)
+        self._fast, self._fast_broadcast = {}, {}  # the hot path skips the check: empty it (unchecked
+        # calls refill it, see _fast_path)
 
     # ---- identity ----
     @property
@@ -138,8 +141,8 @@ class Communicator:
     def broadcast(self, x, root: int = 0):
         """Root's ``x`` on every rank. See :func:`collectives.broadcast`."""
         try:
-            if x.__class__ is np.ndarray and root.__class__ is int:  # hot path: see _fast_path
-                run = self._fast.get("broadcast", _NONE).get(x.dtype)
+            if x.__class__ is _ndarray and root.__class__ is int:  # hot path: see _fast_path
+                run = self._fast_broadcast.get(x.dtype)
                 if run is not None and x.flags.carray and 0 <= root < self._size:  # C order, writable
                     run(x, root)
                     return x
@@ -155,7 +158,7 @@ class Communicator:
     def allreduce(self, x, op: str = "sum"):
         """Reduce ``x`` over all ranks, result on every rank. See :func:`collectives.allreduce`."""
         try:
-            if x.__class__ is np.ndarray and op.__class__ is str:  # hot path, see _fast_path
+            if x.__class__ is _ndarray and op.__class__ is str:  # hot path, see _fast_path
                 run = self._fast.get(op, _NONE).get(x.dtype)
                 if run is not None and x.flags.carray:  # C-contiguous, aligned and writable
                     run(x)
@@ -247,7 +250,7 @@ class Communicator:
         """
         if self._check:
             return
-        table = self._fast.setdefault(op, {})
+        table = self._fast_broadcast if op == "broadcast" else self._fast.setdefault(op, {})
         if dtype not in table:
             fast = getattr(transport, "fast_call", None)
             run = fast(op, dtype, self.size) if fast is not None else None
@@ -338,7 +341,7 @@ class Communicator:
         """Release this communicator's resources (its MPI duplicate, its shared-memory window, device
         communicators). Collective: every rank calls it (``finalize()`` and interpreter exit do). Idempotent."""
         host, self._host = self._host, None
-        self._fast = {}
+        self._fast, self._fast_broadcast = {}, {}
         devices, self._devices = list(self._devices.values()), {}
         for d in devices:  # device transports first: NCCL communicators were set up over the host one
             d.close()
@@ -560,8 +563,8 @@ def broadcast(x, root: int = 0, *, comm=None):
     c = _world if comm is None else _resolve(comm)
     if c is None:
         c = init()
-    if x.__class__ is np.ndarray and root.__class__ is int:  # Communicator.broadcast's hot path, inlined
-        run = c._fast.get("broadcast", _NONE).get(x.dtype)
+    if x.__class__ is _ndarray and root.__class__ is int:  # Communicator.broadcast's hot path, inlined
+        run = c._fast_broadcast.get(x.dtype)
         if run is not None and x.flags.carray and 0 <= root < c._size:
             try:
                 run(x, root)
@@ -597,7 +600,7 @@ def allreduce(x, op: str = "sum", *, comm=None):
     c = _world if comm is None else _resolve(comm)
     if c is None:
         c = init()
-    if x.__class__ is np.ndarray and op.__class__ is str:  # Communicator.allreduce's hot path, inlined
+    if x.__class__ is _ndarray and op.__class__ is str:  # Communicator.allreduce's hot path, inlined
         run = c._fast.get(op, _NONE).get(x.dtype)
         if run is not None and x.flags.carray:
             try:

@@ -200,6 +200,7 @@ def test_float16_widened_path_matches_native(comm, monkeypatch):
     native = coll.allreduce(x.copy(), op="mean", comm=comm)
     monkeypatch.setattr(comm._host, "_float16", False)  # as on an MPI without MPI_FLOAT16
     monkeypatch.setattr(comm, "_fast", {})
+    monkeypatch.setattr(comm, "_fast_broadcast", {})
     widened = coll.allreduce(x.copy(), op="mean", comm=comm)
     want = (sum(np.float32(np.float16(0.1 * (r + 1))) for r in range(comm.size)) / comm.size)
     np.testing.assert_allclose(widened.astype(np.float32), want, rtol=1e-3)
@@ -217,10 +218,39 @@ def test_bfloat16_rounds_to_nearest(comm):
     assert torch.equal(x, want)
 
 
+def test_broadcast_hot_path_kinds(comm, monkeypatch):
+    """The broadcast fast path is MPI's own Bcast where mpi4py types the buffer, else a closure that falls
+    back to pieces when an older mpi4py refuses a count past 2**31-1 (OverflowError, before any data)."""
+    host = comm._host
+    if not hasattr(host, "_typed_from_buffer"):
+        pytest.skip("not the MPI transport")
+    assert host.fast_call("broadcast", np.dtype(np.float32), comm.size) == host.comm.Bcast
+
+    class OldMpi4py:  # refuses the first call as mpi4py 3 refuses a count that does not fit an int
+        def __init__(self, comm):
+            self.comm, self.refused = comm, 0
+
+        def Bcast(self, buf, root):
+            if not self.refused:
+                self.refused += 1
+                raise OverflowError("value too large to convert to int")
+            return self.comm.Bcast(buf, root)
+
+    fake = OldMpi4py(host.comm)
+    monkeypatch.setattr(host, "_typed_from_buffer", lambda dtype: False)
+    monkeypatch.setattr(host, "comm", fake)
+    run = host.fast_call("broadcast", np.dtype(np.float32), comm.size)
+    x = np.arange(5, dtype=np.float32) + comm.rank
+    run(x, comm.size - 1)
+    assert fake.refused == 1
+    np.testing.assert_array_equal(x, np.arange(5, dtype=np.float32) + comm.size - 1)
+
+
 def test_chunked_counts(comm, monkeypatch):
     """Messages past the per-call count limit are split; checked with a small limit."""
     monkeypatch.setattr(comm._host, "_max_count", 7)
     monkeypatch.setattr(comm, "_fast", {})
+    monkeypatch.setattr(comm, "_fast_broadcast", {})
     x = np.arange(50, dtype=np.int64) * (comm.rank + 1)
     coll.allreduce(x, comm=comm)
     np.testing.assert_array_equal(x, np.arange(50) * comm.size * (comm.size + 1) // 2)
@@ -317,6 +347,7 @@ def test_reduce_non_root_widened_dtypes_leave_input_bit_for_bit(comm, monkeypatc
         assert y is x and torch.equal(x.view(torch.int16), bits)
     monkeypatch.setattr(comm._host, "_float16", False)
     monkeypatch.setattr(comm, "_fast", {})
+    monkeypatch.setattr(comm, "_fast_broadcast", {})
     h = np.array([1.5, -2.0], dtype=np.float16)
     h.flags.writeable = False
     out = coll.reduce(h, op="mean", root=0, comm=comm)

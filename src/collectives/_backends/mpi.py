@@ -37,6 +37,7 @@ def import_mpi():
     return MPI
 
 
+DEFAULT_MAX_COUNT = 2**31 - 1  # COLLECTIVES_MAX_COUNT's default: what an MPI int count holds
 _OPS_CACHE: dict = {}
 _TYPES_CACHE: dict = {}
 
@@ -121,13 +122,25 @@ class MPITransport(Transport):
         comm, in_place, max_count = self.comm, self._in_place, self._max_count
         if op == "broadcast":
             bcast, byte = comm.Bcast, self.MPI.BYTE
+            if max_count < DEFAULT_MAX_COUNT:  # the user asked for pieces: honour it on every call
 
-            def run_bcast(x, root):
-                if x.nbytes > max_count:
-                    return self.broadcast(x, root)
-                bcast([x, byte], root)
+                def run_bcast(x, root):
+                    if x.nbytes > max_count:
+                        return self.broadcast(x, root)
+                    bcast([x, byte], root)
 
-            return run_bcast
+                return run_bcast
+
+            if self._typed_from_buffer(dtype):
+                return bcast  # the MPI call itself: no Python in between (mpi4py types it from the buffer)
+
+            def run_bcast_any_size(x, root):  # no size test: mpi4py moves a count past 2**31-1 in one
+                try:                          # call (MPI-4 large-count routines, or its own fallback)...
+                    bcast([x, byte], root)
+                except OverflowError:  # ...or, an older mpi4py, refuses it before any communication
+                    self.broadcast(x, root)
+
+            return run_bcast_any_size
         datatype = self._types.get(dtype)
         if datatype is None or (dtype == np.float16 and not self._float16):
             return None
@@ -158,6 +171,20 @@ class MPITransport(Transport):
             allreduce(in_place, [x, datatype], mop)
 
         return run
+
+    def _typed_from_buffer(self, dtype: np.dtype) -> bool:
+        """Whether ``comm.Bcast(x, root)`` on a bare array of ``dtype`` is right at any size: mpi4py 4 or
+        later (counts past 2**31-1 in one call) and a buffer format it maps to an MPI type of the same
+        size. Then the broadcast hot path is the MPI call itself."""
+        import mpi4py
+
+        if int(mpi4py.__version__.split(".")[0]) < 4 or not dtype.isnative or dtype.kind not in "biufc":
+            return False
+        try:
+            datatype = self.MPI.Datatype.fromcode(memoryview(np.empty(1, dtype)).format)
+            return datatype != self.MPI.DATATYPE_NULL and datatype.Get_size() == dtype.itemsize
+        except Exception:  # noqa: BLE001 - a format mpi4py does not know: the closure below then
+            return False
 
     def _chunks(self, buf: np.ndarray, datatype_size: int = 1):
         """Yield 1-d pieces of ``buf`` no longer than the largest count one MPI call takes."""
