@@ -25,8 +25,9 @@ then an MPI allreduce among the node leaders (local rank 0) on the node's result
 after which every rank copies the global result out of the leader-written regions.
 
 Only for dtypes NumPy reduces natively (bool, int*, uint*, float*, complex*); ``op`` is ``sum``, ``prod``,
-``min``, ``max`` or ``mean`` (sum, then a division of each result slice by the number of ranks, done by
-the rank that owns the slice: one pass over 1/local_size of the data instead of a pass over all of it).
+``min``, ``max`` or ``mean`` (a sum, divided by the number of ranks as each rank writes the result slices
+into its own buffer, so the division costs no pass of its own; every rank divides the same sums, so the
+results stay bit-identical).
 ``min``/``max`` propagate NaN (``np.minimum``/``np.maximum``).
 
 Made lazily, collectively, by :class:`~collectives._backends.mpi.MPITransport` on the first allreduce
@@ -155,9 +156,13 @@ class Reducer:
             if self.multi_node:
                 self._across_nodes(chunk, bounds, regions, op, divisor)
             elif n > 1:
-                for q in range(n):  # 5: the other ranks' result slices
+                for q in range(n):  # 5: the other ranks' result slices (sums for mean: divided here)
                     if q != p:
-                        chunk[bounds[q]:bounds[q + 1]] = regions[q][q][:bounds[q + 1] - bounds[q]]
+                        part, out = regions[q][q][:bounds[q + 1] - bounds[q]], chunk[bounds[q]:bounds[q + 1]]
+                        if divisor is None:
+                            out[...] = part
+                        else:
+                            np.divide(part, divisor, out=out)
             elif divisor is not None:
                 np.divide(chunk, divisor, out=chunk)
 
@@ -176,9 +181,10 @@ class Reducer:
         ufunc(src[0], src[1], out=res)
         for q in range(2, n):
             ufunc(res, src[q], out=res)
-        if divisor is not None:
-            np.divide(res, divisor, out=res)
-        mine[...] = res
+        if divisor is None:
+            mine[...] = res
+        else:  # the region keeps the sum; each rank divides while copying it out (one pass less)
+            np.divide(res, divisor, out=mine)
         self._sync()  # 4
 
     def _across_nodes(self, chunk, bounds, regions, op, divisor) -> None:
