@@ -129,3 +129,37 @@ def test_repeated_calls_do_not_grow_memory(request, comm, name):
     assert (everyone[:, 0] < SLACK).all(), (
         f"{name}: resident memory grew by {(everyone[:, 0] / 2**20).round(2).tolist()} MiB on the ranks "
         f"over {done} calls (allowed {SLACK / 2**20:g} MiB)")
+
+
+@pytest.mark.parametrize("collective", ["synchronize", "allreduce_tree"])
+def test_tree_collectives_hold_at_most_one_bucket_of_extra_memory(comm, collective):
+    """Issue 7's memory bound: whatever the tree's size, a fused collective adds at most one bucket
+    (bucket_bytes) of buffers per (device, dtype), counting the buffers it keeps for the next call. On a
+    new communicator (nothing pooled yet), with tracemalloc, which sees NumPy's data allocations: the peak
+    during two calls, and what is still held after them."""
+    import tracemalloc
+
+    if comm.backend != "mpi":
+        pytest.skip("needs the MPI transport")
+    from mpi4py import MPI
+
+    mine = MPI.COMM_WORLD.Dup()
+    fresh = coll.init(comm=mine)
+    bucket = 1 << 20  # leaves of a quarter of it or more are reduced in place: these are packed
+    tree = {f"w{i:02d}": np.full(24 << 10, float(comm.rank)) for i in range(24)}  # 24 x 192 KiB = 4.5 MiB
+    run = {"synchronize": lambda: coll.synchronize(tree, comm=fresh, bucket_bytes=bucket),
+           "allreduce_tree": lambda: coll.allreduce_tree(tree, op="max", comm=fresh, bucket_bytes=bucket)}
+    tracemalloc.start()
+    try:
+        before, _ = tracemalloc.get_traced_memory()
+        run[collective]()
+        run[collective]()
+        held, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        fresh.close()
+        mine.Free()
+    slack = 128 << 10  # plans, datatypes' Python objects, the agreement's messages: not data buffers
+    assert peak - before <= bucket + slack, f"{collective}: peak {peak - before} bytes over its inputs"
+    assert held - before <= bucket + slack, f"{collective}: keeps {held - before} bytes for the next call"
+    assert all((v == (0.0 if collective == "synchronize" else comm.size - 1)).all() for v in tree.values())

@@ -111,8 +111,8 @@ class MPITransport(Transport):
 
         self._shm, self._shm_threshold = None, shm.settings(self.comm, self.local_size)  # agreed by all
         self._pipe_ring = None  # broadcast_many's pack buffers (root only, made at first use)
-        self._pipe_plans: dict = {}  # lengths -> messages
-        self._pipe_typesets: dict = {}  # (addresses, lengths) -> MPI datatypes, least recently used first
+        self._pipe_plans: dict = {}  # (lengths, message size) -> messages
+        self._pipe_typesets: dict = {}  # (addresses, plan key) -> MPI datatypes, least recently used first
 
     # ---- data ----
     def fast_call(self, op: str, dtype: np.dtype, size: int):
@@ -233,6 +233,7 @@ class MPITransport(Transport):
 
     # ---- many buffers, one broadcast (synchronize) ----
     PIPE_CHUNK = 1 << 20  # bytes per message of broadcast_many
+    MIN_PIPE_CHUNK = 4096  # ... and the least, for a tiny bucket_bytes
     PIPE_TAG = 7  # on the library's private communicator, used only by broadcast_many
     MAX_TYPE_SETS = 4  # receive datatypes kept per transport (for that many different sets of buffers)
 
@@ -263,10 +264,13 @@ class MPITransport(Transport):
         Only for ranks of one node (:attr:`can_broadcast_many`): the root sends to every other rank.
         """
         lengths = tuple(b.nbytes for b in bufs)
-        chunks = self._pipe_chunks(lengths)
+        # Messages of PIPE_CHUNK bytes, smaller when the ring could not hold two of them: the ring (the
+        # only memory this adds) stays within ring_bytes, the same on every rank (bucket_bytes is agreed).
+        step = min(self.PIPE_CHUNK, max(ring_bytes // 2, self.MIN_PIPE_CHUNK))
+        chunks = self._pipe_chunks(lengths, step)
         if not chunks:
             return
-        MPI, comm, tag, step = self.MPI, self.comm, self.PIPE_TAG, self.PIPE_CHUNK
+        MPI, comm, tag = self.MPI, self.comm, self.PIPE_TAG
         if self.rank == root:
             depth = max(2, ring_bytes // step)
             need = sum(lengths) if len(chunks) <= depth else depth * step
@@ -291,16 +295,16 @@ class MPITransport(Transport):
                     waitall(reqs)
             return
         recv, bottom = comm.Recv, MPI.BOTTOM
-        for datatype in self._pipe_types(bufs, lengths, chunks):
+        for datatype in self._pipe_types(bufs, (lengths, step), chunks):
             recv([bottom, 1, datatype], root, tag)
 
-    def _pipe_chunks(self, lengths: tuple) -> list:
+    def _pipe_chunks(self, lengths: tuple, size: int) -> list:
         """The byte stream of buffers of ``lengths``, cut into messages: ``[(pieces, total), ...]`` with
         ``pieces`` ``[(buffer index, offset in it, offset in the message, bytes), ...]``. Cached."""
-        hit = self._pipe_plans.get(lengths)
+        key = (lengths, size)
+        hit = self._pipe_plans.get(key)
         if hit is not None:
             return hit
-        size = self.PIPE_CHUNK
         chunks, pieces, used = [], [], 0
         for i, length in enumerate(lengths):
             off = 0
@@ -316,15 +320,15 @@ class MPITransport(Transport):
             chunks.append((pieces, used))
         if len(self._pipe_plans) >= 16:
             self._pipe_plans.pop(next(iter(self._pipe_plans)))
-        self._pipe_plans[lengths] = chunks
+        self._pipe_plans[key] = chunks
         return chunks
 
-    def _pipe_types(self, bufs: list, lengths: tuple, chunks: list) -> list:
+    def _pipe_types(self, bufs: list, plan_key: tuple, chunks: list) -> list:
         """One committed MPI datatype per message, addressing this rank's ``bufs`` (absolute addresses, for
         ``MPI.BOTTOM``). Cached by the buffers' addresses: a model's parameters keep theirs."""
         get_address = self.MPI.Get_address
         addresses = tuple(get_address(b) for b in bufs)
-        key = (addresses, lengths)
+        key = (addresses, plan_key)
         types = self._pipe_typesets.pop(key, None)
         if types is None:
             byte = self.MPI.BYTE
