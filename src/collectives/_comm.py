@@ -432,7 +432,9 @@ def init(backend: str = "auto", *, comm=None, check: bool | None = None) -> Comm
     In an MPI job of more than one process, the first ``init`` also makes an uncaught exception on any
     rank end the whole job (``MPI_Abort``) instead of leaving the other ranks waiting in a collective
     (``COLLECTIVES_ABORT_ON_ERROR=0`` turns it off). With ``COLLECTIVES_TIMEOUT`` set when a communicator
-    is made, its host collectives raise :class:`CollectiveTimeoutError` after that many seconds.
+    is made, its host collectives raise :class:`CollectiveTimeoutError` after that many seconds. With
+    ``COLLECTIVES_NCCL_EAGER=1`` (on every rank, torch or CuPy imported), it also sets up this rank's CUDA
+    device transport (``MismatchError`` if only some ranks set it; a refused init leaves nothing behind).
 
     Returns:
         The default communicator (``comm=None``), or the communicator for ``comm``. The first call also
@@ -441,7 +443,8 @@ def init(backend: str = "auto", *, comm=None, check: bool | None = None) -> Comm
 
     Raises:
         BackendUnavailableError: MPI was required (explicitly, or by a multi-process launcher) but cannot
-            be used.
+            be used; or ``COLLECTIVES_NCCL_EAGER=1`` and the CUDA transport cannot be set up.
+        MismatchError: ``COLLECTIVES_NCCL_EAGER`` differs across ranks.
         ValueError: an unknown backend, or a backend other than the one already initialised.
 
     Example:
@@ -479,6 +482,13 @@ def init(backend: str = "auto", *, comm=None, check: bool | None = None) -> Comm
 
         _failure.install(transport)  # an uncaught exception on one rank aborts the job (see _failure)
         result = Communicator(transport, check=_config.check() if check is None else check)
+        try:
+            from ._backends import cuda
+
+            cuda.initialize_eagerly(result)  # COLLECTIVES_NCCL_EAGER: agreed by every rank, else a no-op
+        except BaseException:
+            result.close()  # every rank fails alike here (the ranks agreed first), so every rank closes
+            raise
         if comm is not None:
             _by_comm[id(comm)] = (comm, result)
         if _world is None:

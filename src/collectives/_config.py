@@ -12,7 +12,7 @@ variable                        meaning                                         
 ``COLLECTIVES_NCCL_LIBRARY``    explicit path of ``libnccl.so.2``                            search
 ``COLLECTIVES_DISABLE_NCCL``    ``1``: never use NCCL (CUDA arrays go through MPI or host)   ``0``
 ``COLLECTIVES_CUDA_AWARE_MPI``  ``1``: hand CUDA pointers to MPI; ``0``: stage through host  unset
-``COLLECTIVES_NCCL_EAGER``      ``1``: make the NCCL communicator at init, not at first use  ``0``
+``COLLECTIVES_NCCL_EAGER``      ``1``: set up the CUDA transport at init, not at first use  ``0``
 ``COLLECTIVES_ABORT_ON_ERROR``  ``0``: do not abort the job on an uncaught exception         ``1``
 ``COLLECTIVES_SHM``             ``0``: never reduce through node-shared memory, MPI only     ``1``
 ``COLLECTIVES_SHM_THRESHOLD``   host allreduces of this many bytes and up use shared memory  256 KiB
@@ -166,7 +166,8 @@ def cuda_aware_mpi() -> bool | None:
 
 
 def nccl_eager() -> bool:
-    """``COLLECTIVES_NCCL_EAGER=1``: create this rank's NCCL communicator at ``init()``, not at first use."""
+    """``COLLECTIVES_NCCL_EAGER=1``: set up this rank's CUDA transport (NCCL, ...) at ``init()``, agreed by
+    every rank (``_backends.cuda.initialize_eagerly``), not at the first CUDA collective."""
     return flag("COLLECTIVES_NCCL_EAGER")
 
 

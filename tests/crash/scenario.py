@@ -27,6 +27,16 @@ def mark(what: str) -> None:
 
 
 def main(name: str) -> None:
+    if name == "clean-eager-refused":  # COLLECTIVES_NCCL_EAGER=1 without a GPU: init refuses on every rank
+        import torch  # noqa: F401 - the CUDA library the eager set-up looks for
+
+        try:
+            coll.init()
+        except coll.BackendUnavailableError as e:
+            say(f"refused: {str(e).splitlines()[0][:120]}")
+        else:
+            raise AssertionError("init() did not refuse")
+        os.environ["COLLECTIVES_NCCL_EAGER"] = "0"  # after a refused init, init works again
     comm = coll.init()
     rank, last = comm.rank, comm.size - 1
     x = np.ones(4)
@@ -120,6 +130,9 @@ def main(name: str) -> None:
         comm = coll.init()
         comm.allreduce(x)
         coll.finalize()
+
+    elif name == "clean-eager-refused":  # after the refused init (above): collectives work
+        assert (x == comm.size).all() and not comm._devices, (x, comm._devices)
 
     else:
         raise SystemExit(f"unknown scenario {name!r}")

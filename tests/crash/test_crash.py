@@ -103,6 +103,17 @@ def test_an_error_reported_by_mpi_is_a_collective_error_and_aborts_the_job(n):
 
 
 @pytest.mark.parametrize("n", SIZES)
+def test_nccl_eager_without_a_gpu_refuses_init_on_every_rank_and_init_works_after(n):
+    pytest.importorskip("torch")
+    job = run("clean-eager-refused", n, COLLECTIVES_NCCL_EAGER=1)
+    if "refused: array on cuda:0" not in job.out and job.rc == 0 and "SURVIVED" not in job.out:
+        pytest.skip("this machine has a GPU: the eager set-up succeeded")
+    assert job.rc == 0, job
+    assert job.out.count("refused: array on cuda:0: cannot set up a CUDA transport") == n, job
+    assert sorted(re.findall(r"^DONE (\d+)$", job.out, re.M)) == [str(r) for r in range(n)], job
+
+
+@pytest.mark.parametrize("n", SIZES)
 def test_sigkill_of_one_rank_ends_the_job(n):
     """MPICH's hydra notices the killed process and ends the others by itself (no deadline needed)."""
     job = run("sigkill", n)

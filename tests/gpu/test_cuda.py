@@ -255,3 +255,23 @@ def test_distributed_optimizer_step_on_cuda(comm, dev):
         torch.testing.assert_close(p.grad, mean)
         gathered = coll.allgather(p.detach(), comm=comm)
         assert all(torch.equal(gathered[0], gathered[r]) for r in range(comm.size))
+
+
+def test_nccl_eager_sets_up_the_device_at_init(comm, dev, monkeypatch):
+    """COLLECTIVES_NCCL_EAGER=1: a new communicator has its device transport right after init()."""
+    if comm.backend != "mpi":
+        pytest.skip("needs the MPI backend (init(comm=...))")
+    from mpi4py import MPI
+
+    monkeypatch.setenv("COLLECTIVES_NCCL_EAGER", "1")
+    mine = MPI.COMM_WORLD.Dup()
+    fresh = coll.init(comm=mine)
+    try:
+        want = f"cuda:{cuda.local_device(fresh)}"
+        assert cuda.device_transports(fresh) == {want: expected_transport(fresh)}
+        x = dev.make(np.ones(4), "float32")
+        coll.allreduce(x, comm=fresh)
+        np.testing.assert_array_equal(dev.to_numpy(x), np.full(4, comm.size, np.float32))
+    finally:
+        fresh.close()
+        mine.Free()

@@ -372,3 +372,31 @@ def test_nan_through_max_and_min(comm, op, dtype, nan_rank, n):
     got = comm.allgather(y[:2])
     assert (got[:, 1:] == 2.0).all()
     assert np.isnan(got[:, 0]).all(), f"{op} dropped a NaN held by rank {holder}: {got[:, 0].tolist()}"
+
+
+def test_nccl_eager_must_be_set_alike_on_every_rank(comm, monkeypatch):
+    """COLLECTIVES_NCCL_EAGER is agreed before any rank sets up a device: set on some ranks only, every
+    rank raises MismatchError (instead of one rank starting a collective set-up alone); set on every
+    rank of a machine without a GPU, every rank raises BackendUnavailableError. The communicator stays
+    usable either way."""
+    pytest.importorskip("torch")
+    from collectives import _config
+    from collectives._backends import cuda
+
+    if comm.size > 1:
+        monkeypatch.setattr(_config, "nccl_eager", lambda: comm.rank == 0)
+        with pytest.raises(MismatchError, match=r"COLLECTIVES_NCCL_EAGER=1 on rank\(s\) 0 but not"):
+            cuda.initialize_eagerly(comm)
+    monkeypatch.setattr(_config, "nccl_eager", lambda: True)
+    try:
+        gpus = cuda.device_api().device_count()
+    except BackendUnavailableError:
+        gpus = 0
+    if gpus == 0:
+        with pytest.raises(BackendUnavailableError) as info:
+            cuda.initialize_eagerly(comm)
+        assert comm._devices == {}
+        assert len(set(comm._host.allgather_object(str(info.value)))) == 1, "ranks raised different errors"
+    x = np.full(3, float(comm.rank))
+    comm.allreduce(x, op="max")
+    assert (x == comm.size - 1).all()

@@ -806,3 +806,52 @@ def test_make_transport_builds_nccl_with_the_exchanged_settings(fake_gpu, monkey
     assert t.name == "nccl" and t.device_index == 1 and t._timeout == 7.0
     assert lib.calls[0] == ("init", 1, 128, 0) and lib.config.blocking == 0
     t.close()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# COLLECTIVES_NCCL_EAGER: the device transport at init, agreed first
+
+class VotingHost(FakeHost):
+    """A host whose allgather hands back the given ranks' answers (this process is rank 0)."""
+
+    def __init__(self, others):
+        super().__init__(size=1 + len(others))
+        self.others = others
+
+    def allgather_object(self, obj):
+        self.objects.append(("allgather_object", obj))
+        return [obj] + list(self.others)
+
+
+@needs_torch
+def test_eager_sets_up_the_local_device_at_init(fake_gpu, monkeypatch):
+    lib = FakeNCCL(nranks=1)
+    monkeypatch.setattr(_libnccl, "get", lambda path=None: lib)
+    comm = coll.Communicator(SelfTransport())
+    cuda.initialize_eagerly(comm)
+    assert comm._devices == {}  # not asked for: nothing made
+    monkeypatch.setenv("COLLECTIVES_NCCL_EAGER", "1")
+    cuda.initialize_eagerly(comm)
+    assert cuda.device_transports(comm) == {"cuda:0": "nccl"} and lib.calls[0][0] == "init"
+    comm.close()
+
+
+@needs_torch
+def test_eager_refuses_ranks_that_disagree_or_have_no_cuda_library(fake_gpu, monkeypatch):
+    monkeypatch.setenv("COLLECTIVES_NCCL_EAGER", "1")
+    comm = coll.Communicator(SelfTransport())
+    comm._host = VotingHost([(True, True), (False, True)])
+    with pytest.raises(coll.MismatchError, match=r"on rank\(s\) 0,1 but not on rank\(s\) 2"):
+        cuda.initialize_eagerly(comm)
+    comm._host = VotingHost([(True, False), (True, True)])
+    with pytest.raises(coll.BackendUnavailableError, match=r"rank\(s\) 1 imported neither torch nor CuPy"):
+        cuda.initialize_eagerly(comm)
+    assert comm._devices == {}
+
+
+def test_eager_without_any_cuda_library_is_refused_on_one_process(monkeypatch):
+    monkeypatch.setenv("COLLECTIVES_NCCL_EAGER", "1")
+    for name in ("torch", "cupy"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    with pytest.raises(coll.BackendUnavailableError, match="COLLECTIVES_NCCL_EAGER=1"):
+        cuda.initialize_eagerly(coll.Communicator(SelfTransport()))

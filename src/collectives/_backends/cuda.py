@@ -32,7 +32,7 @@ import warnings
 import numpy as np
 
 from .. import _check, _config, _dtypes
-from .._errors import BackendUnavailableError
+from .._errors import BackendUnavailableError, MismatchError
 
 NCCL = "nccl"
 CUDA_AWARE_MPI = "cuda-aware-mpi"
@@ -505,18 +505,42 @@ def make_transport(comm, device):
 
 
 def initialize_eagerly(comm) -> None:
-    """``COLLECTIVES_NCCL_EAGER=1``: set up this rank's CUDA transport now (collective).
+    """``COLLECTIVES_NCCL_EAGER=1``: set up this rank's CUDA transport now, at ``init()`` (collective).
 
-    The device is :func:`choose_device` of the node-local rank. Does nothing unless the variable is set
-    and torch or CuPy is already imported (without one there is no CUDA array to serve yet).
+    Called by :func:`collectives.init` on every rank. The ranks first exchange whether each asks for it and
+    whether torch or CuPy is imported (one small allgather), since setting up a device transport is
+    collective and a rank doing it alone would leave the others waiting: if only some ranks set the
+    variable, every rank raises :class:`MismatchError`; if every rank sets it but some have imported
+    neither library (so no CUDA array can exist there yet), every rank raises
+    :class:`BackendUnavailableError`. Otherwise each rank sets up the device :func:`local_device` gives
+    (node-local rank modulo the visible devices), with the usual choice of NCCL, CUDA-aware MPI or host
+    staging, and its failures (no visible device, say) are reported on every rank by that choice.
     """
-    if not _config.nccl_eager() or ("torch" not in sys.modules and "cupy" not in sys.modules):
+    mine = (bool(_config.nccl_eager()), "torch" in sys.modules or "cupy" in sys.modules)
+    votes = [mine] if comm.size == 1 else comm._host.allgather_object(mine)
+    asked = [r for r, (eager, _) in enumerate(votes) if eager]
+    if not asked:
         return
+    if len(asked) < len(votes):
+        others = [r for r in range(len(votes)) if r not in asked]
+        raise MismatchError(
+            f"COLLECTIVES_NCCL_EAGER=1 on rank(s) {_ranks(asked)} but not on rank(s) {_ranks(others)}: set up at "
+            f"init() on some ranks only, the CUDA transport would hang; set it the same on every rank")
+    missing = [r for r, (_, loaded) in enumerate(votes) if not loaded]
+    if missing:
+        raise BackendUnavailableError(
+            f"COLLECTIVES_NCCL_EAGER=1, but rank(s) {_ranks(missing)} imported neither torch nor CuPy before "
+            f"init(), so there is no CUDA library to set up a device with: import one first, or unset "
+            f"COLLECTIVES_NCCL_EAGER")
     try:
         index = local_device(comm)
     except BackendUnavailableError:
         index = 0  # make_transport reports the problem on every rank
     comm._transport_for((2, index))  # 2: DLPack's kDLCUDA
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ",".join(map(str, ranks))
 
 
 # ---------------------------------------------------------------------------------------------------------
