@@ -663,3 +663,25 @@ def test_lazily_conjugated_tensors_are_updated_in_place(comm):
         u = torch.full((n,), complex(comm.rank, 1.0), dtype=torch.complex64).conj()
         assert coll.synchronize({"u": u}, root=0, comm=comm, bucket_bytes=SMALL_BUCKET)["u"] is u
         assert complex(u[0]) == complex(0, -1)
+
+
+def test_synchronize_tied_and_overlapping_leaves(comm):
+    """The same array twice (tied weights) and a view inside another leaf: every rank ends with root's
+    bytes; receivers never hand MPI a receive datatype whose entries overlap (spare buffers instead)."""
+    torch = pytest.importorskip("torch")
+    root = comm.size - 1
+    w = np.arange(3000.0).reshape(60, 50) + 1000 * comm.rank
+    emb = torch.nn.Embedding(40, 8)
+    with torch.no_grad():
+        emb.weight.fill_(float(comm.rank))
+    out = torch.nn.Linear(8, 40, bias=False)
+    out.weight = emb.weight  # tied
+    tree = {"a": w, "b": w, "inner": w[5:7], "model": torch.nn.ModuleDict({"emb": emb, "out": out})}
+    coll.synchronize(tree, root=root, comm=comm)
+    np.testing.assert_array_equal(w, np.arange(3000.0).reshape(60, 50) + 1000 * root)
+    assert out.weight is emb.weight and bool((emb.weight == root).all())
+    host = comm._host
+    for types, spares in getattr(host, "_pipe_typesets", {}).values():
+        for t in types:
+            blocks = sorted(zip(*(t.decode()[2][k] for k in ("displacements", "blocklengths"))))
+            assert all(a + n <= b for (a, n), (b, _) in zip(blocks, blocks[1:])), "overlapping receive"

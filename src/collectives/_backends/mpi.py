@@ -112,7 +112,7 @@ class MPITransport(Transport):
         self._shm, self._shm_threshold = None, shm.settings(self.comm, self.local_size)  # agreed by all
         self._pipe_ring = None  # broadcast_many's pack buffers (root only, made at first use)
         self._pipe_plans: dict = {}  # (lengths, message size) -> messages
-        self._pipe_typesets: dict = {}  # (addresses, plan key) -> MPI datatypes, least recently used first
+        self._pipe_typesets: dict = {}  # (addresses, plan key) -> (datatypes, spares), least recently used first
 
     # ---- data ----
     def fast_call(self, op: str, dtype: np.dtype, size: int):
@@ -295,8 +295,11 @@ class MPITransport(Transport):
                     waitall(reqs)
             return
         recv, bottom = comm.Recv, MPI.BOTTOM
-        for datatype in self._pipe_types(bufs, (lengths, step), chunks):
+        types, spares = self._pipe_types(bufs, (lengths, step), chunks)
+        for datatype in types:
             recv([bottom, 1, datatype], root, tag)
+        for i, spare in spares:  # buffers that overlap an earlier one (tied weights), in order
+            bufs[i][...] = spare
 
     def _pipe_chunks(self, lengths: tuple, size: int) -> list:
         """The byte stream of buffers of ``lengths``, cut into messages: ``[(pieces, total), ...]`` with
@@ -323,25 +326,32 @@ class MPITransport(Transport):
         self._pipe_plans[key] = chunks
         return chunks
 
-    def _pipe_types(self, bufs: list, plan_key: tuple, chunks: list) -> list:
+    def _pipe_types(self, bufs: list, plan_key: tuple, chunks: list) -> tuple[list, list]:
         """One committed MPI datatype per message, addressing this rank's ``bufs`` (absolute addresses, for
-        ``MPI.BOTTOM``). Cached by the buffers' addresses: a model's parameters keep theirs."""
+        ``MPI.BOTTOM``), and the spare buffers ``[(index, array), ...]`` received into instead of a buffer
+        that overlaps an earlier one (the same tensor twice in a tree, tied weights: MPI forbids a receive
+        datatype whose entries overlap), to be copied into it afterwards. Cached by the buffers'
+        addresses: a model's parameters keep theirs."""
         get_address = self.MPI.Get_address
         addresses = tuple(get_address(b) for b in bufs)
         key = (addresses, plan_key)
-        types = self._pipe_typesets.pop(key, None)
-        if types is None:
+        hit = self._pipe_typesets.pop(key, None)
+        if hit is None:
+            spares = [(i, np.empty(bufs[i].nbytes, dtype=np.uint8)) for i in _overlapping(addresses, plan_key[0])]
+            where = list(addresses)
+            for i, spare in spares:
+                where[i] = get_address(spare)
             byte = self.MPI.BYTE
             types = []
             for pieces, _ in chunks:
-                t = byte.Create_hindexed([n for _, _, _, n in pieces],
-                                         [addresses[i] + off for i, off, _, _ in pieces])
+                t = byte.Create_hindexed([n for _, _, _, n in pieces], [where[i] + off for i, off, _, _ in pieces])
                 types.append(t.Commit())
             while len(self._pipe_typesets) >= self.MAX_TYPE_SETS:
-                for t in self._pipe_typesets.pop(next(iter(self._pipe_typesets))):
+                for t in self._pipe_typesets.pop(next(iter(self._pipe_typesets)))[0]:
                     t.Free()
-        self._pipe_typesets[key] = types  # most recently used last
-        return types
+            hit = (types, spares)
+        self._pipe_typesets[key] = hit  # most recently used last
+        return hit
 
     def allgather(self, send, recv):
         nbytes = send.nbytes
@@ -372,12 +382,24 @@ class MPITransport(Transport):
         typesets, self._pipe_typesets = getattr(self, "_pipe_typesets", {}), {}
         self._pipe_ring = None
         if not self.MPI.Is_finalized():
-            for types in typesets.values():
+            for types, _ in typesets.values():
                 for t in types:
                     t.Free()
         comm, self.comm = getattr(self, "comm", None), None
         if comm is not None and not self.MPI.Is_finalized():
             comm.Free()
+
+
+def _overlapping(addresses: tuple, lengths: tuple) -> list[int]:
+    """Indices of the byte ranges ``[address, address + length)`` that overlap a range of lower index."""
+    order = sorted((a, i) for i, a in enumerate(addresses) if lengths[i])
+    later = set()
+    for k, (a, i) in enumerate(order):
+        for b, j in order[k + 1:]:
+            if b >= a + lengths[i]:
+                break
+            later.add(max(i, j))
+    return sorted(later)
 
 
 class DeadlineMPITransport(MPITransport):
