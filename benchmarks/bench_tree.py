@@ -7,22 +7,25 @@
 Part 1, a realistic tree: 200 float32 leaves (100 weight matrices of mixed sizes and their 100 biases,
 about 57 MiB in all).
 
-==========================  ===============================================  ===========================================
-row                         ours                                             against
-==========================  ===============================================  ===========================================
-``synchronize``             ``coll.synchronize(tree)``                       one raw ``Bcast`` of a flat buffer of the
-                                                                             same bytes
-``synchronize/per-leaf``    the same                                         one raw ``Bcast`` per leaf, in place
-``allreduce_tree``          ``coll.allreduce_tree(tree, op="mean")``         one raw ``Allreduce`` (+ divide) of a flat
-                                                                             buffer
-``allreduce_tree/per-leaf`` the same                                         one raw ``Allreduce`` (+ divide) per leaf
-``per-leaf allreduce``      one ``coll.allreduce(leaf, "mean")`` per leaf    the flat ``Allreduce``
-``per-leaf broadcast``      one ``coll.broadcast(leaf)`` per leaf            the flat ``Bcast``
-``structure check``         flatten + describe + the 17-byte agreement       the flat ``Allreduce``
-                            (``allreduce_tree`` with the data step stubbed;
-                            a repeated call: the description is cached)
-``agreement alone``         the 17-byte agreement                            the flat ``Allreduce``
-==========================  ===============================================  ===========================================
+==============================  ===============================================  ===========================================
+row                             ours                                             against
+==============================  ===============================================  ===========================================
+``synchronize``                 ``coll.synchronize(tree)``                       one raw ``Bcast`` of a flat buffer of the
+                                                                                 same bytes
+``synchronize/per-leaf``        the same                                         one raw ``Bcast`` per leaf, in place
+``synchronize, bucket path``    the same, via packed buckets + ``MPI_Bcast``     one raw ``Bcast`` of a flat buffer
+                                (the path across nodes)
+``synchronize/bucket path``     ``coll.synchronize(tree)``                       the bucket path, in the same rounds
+``allreduce_tree``              ``coll.allreduce_tree(tree, op="mean")``         one raw ``Allreduce`` (+ divide) of a flat
+                                                                                 buffer
+``allreduce_tree/per-leaf``     the same                                         one raw ``Allreduce`` (+ divide) per leaf
+``per-leaf allreduce``          one ``coll.allreduce(leaf, "mean")`` per leaf    the flat ``Allreduce``
+``per-leaf broadcast``          one ``coll.broadcast(leaf)`` per leaf            the flat ``Bcast``
+``structure check``             flatten + describe + the 17-byte agreement       the flat ``Allreduce``
+                                (``allreduce_tree`` with the data step stubbed;
+                                a repeated call: the description is cached)
+``agreement alone``             the 17-byte agreement                            the flat ``Allreduce``
+==============================  ===============================================  ===========================================
 
 The flat buffer is the lower bound: what the data costs without any tree. The raw per-leaf rows are what
 the data costs moved where it lies, one collective per leaf, without any library.
@@ -144,9 +147,25 @@ def tree_part(comm, rounds: int, thresholds: bool = False) -> dict:
     def reduce_tree():
         coll.allreduce_tree(tree, op="mean", comm=comm)
 
+    host_type = type(comm._host)
+
+    def sync_buckets():  # the path synchronize takes across nodes: packed buckets through MPI_Bcast
+        saved = host_type.__dict__.get("can_broadcast_many")
+        host_type.can_broadcast_many = False
+        try:
+            coll.synchronize(tree, comm=comm)
+        finally:
+            if saved is None:
+                del host_type.can_broadcast_many
+            else:
+                host_type.can_broadcast_many = saved
+
     out = {"leaves": len(leaves), "bytes": nbytes}
     out["synchronize"] = compare(sync, lambda: RAW.Bcast(flat, 0), rounds)
     out["synchronize/per-leaf"] = compare(sync, raw_per_leaf_bcast, rounds)
+    if hasattr(host_type, "can_broadcast_many"):
+        out["synchronize, bucket path"] = compare(sync_buckets, lambda: RAW.Bcast(flat, 0), rounds)
+        out["synchronize/bucket path"] = compare(sync, sync_buckets, rounds)
     out["allreduce_tree"] = compare(reduce_tree, raw_allreduce, rounds)
     out["allreduce_tree/per-leaf"] = compare(reduce_tree, raw_per_leaf_allreduce, rounds)
     out["per-leaf allreduce"] = compare(per_leaf, raw_allreduce, rounds)
