@@ -151,7 +151,7 @@ class TorchAdapter(Adapter):
 
 
 NUMPY = _NUMPY = NumpyAdapter()
-_TORCH = TorchAdapter()
+TORCH = _TORCH = TorchAdapter()
 _GENERIC = Adapter()
 _BY_TYPE: dict[type, Adapter] = {np.ndarray: _NUMPY}
 

@@ -16,6 +16,7 @@ How a call runs:
 from __future__ import annotations
 
 import atexit
+import sys
 import threading
 
 import numpy as np
@@ -27,6 +28,7 @@ from ._errors import BackendUnavailableError, transport_failure, translating
 
 BACKENDS = ("auto", "mpi", "self")
 _ndarray = np.ndarray  # one global look-up on the hot path instead of two
+_torch_tensor = None  # torch.Tensor, once a torch tensor's call has been cached (torch is never imported here)
 _NONE: dict = {}  # read-only by convention: what the hot path looks in for an op with no cached calls
 _UNSET = object()  # "argument not part of this collective" (None is a value users may pass by mistake)
 
@@ -146,11 +148,15 @@ class Communicator:
                 if run is not None and x.flags.carray and 0 <= root < self._size:  # C order, writable
                     run(x, root)
                     return x
+            elif x.__class__ is _torch_tensor and root.__class__ is int:  # the same for torch: _fast_path
+                run = self._fast_broadcast.get(x.dtype)
+                if run is not None and x.is_cpu and x.is_contiguous() and 0 <= root < self._size:
+                    run(x.detach().numpy() if x.requires_grad else x.numpy(), root)
+                    return x
             a, transport, view, info, _, root = self._prepare("broadcast", x, root=root)
             if transport.array_level:
                 return transport.broadcast(x, a, root)
-            if a is _arrays.NUMPY and not self.check:
-                self._fast_path("broadcast", x.dtype, transport)
+            self._fast_path("broadcast", x, a, view, info, transport)
             return self._in_place(x, a, view, info, lambda buf: transport.broadcast(buf, root))
         except Exception as exc:  # costs nothing unless raised: MPI's own errors become CollectiveError
             _reraise(exc, "broadcast")
@@ -163,11 +169,15 @@ class Communicator:
                 if run is not None and x.flags.carray:  # C-contiguous, aligned and writable
                     run(x)
                     return x
+            elif x.__class__ is _torch_tensor and op.__class__ is str:  # the same for torch: _fast_path
+                run = self._fast.get(op, _NONE).get(x.dtype)
+                if run is not None and x.is_cpu and x.is_contiguous():
+                    run(x.detach().numpy() if x.requires_grad else x.numpy())
+                    return x
             a, transport, view, info, op, _ = self._prepare("allreduce", x, op=op)
             if transport.array_level:
                 return transport.allreduce(x, a, op)
-            if a is _arrays.NUMPY and not self.check:
-                self._fast_path(op, x.dtype, transport)
+            self._fast_path(op, x, a, view, info, transport)
             return self._in_place(x, a, view, info, lambda buf: self._reduce_buffer(
                 transport, buf, info, op, transport.allreduce))
         except Exception as exc:
@@ -239,23 +249,40 @@ class Communicator:
             _check.agree(transport, {"collective": "barrier"})
         transport.barrier()
 
-    def _fast_path(self, op: str, dtype, transport) -> None:
-        """Cache the transport's direct call for (op, dtype) of contiguous writable NumPy arrays.
+    def _fast_path(self, op: str, x, a, view, info, transport) -> None:
+        """Cache the transport's direct call for (op, dtype) of contiguous writable NumPy arrays, and of
+        contiguous CPU torch tensors of a real dtype (called with the tensor's NumPy view).
 
         Filled by the general path once a call with that pair has been fully validated, so the cache holds
         only legal, natively supported pairs; a later call with the same pair skips the adapter, the dtype
-        table and the op checks (two dictionary look-ups and a flag read instead). Never filled in checked
-        mode (setting ``check`` empties it). Bounded: a handful of ops times the dtypes in use. The
-        module-level :func:`allreduce` and :func:`broadcast` read it too, to save a call per collective.
+        table and the op checks (two dictionary look-ups and a flag read instead; for torch, three cheap
+        tensor attributes and ``.numpy()``). Keyed by the array's own dtype object: NumPy and torch dtypes
+        never compare equal. Only exact ``np.ndarray`` and ``torch.Tensor`` (not subclasses such as
+        ``nn.Parameter``, which keep the general path), and only dtypes whose storage view is the array's
+        own dtype (not bfloat16 or the float8s, which are widened or reinterpreted; not complex torch
+        tensors, whose lazily conjugated views NumPy cannot see). Never filled in checked mode (setting
+        ``check`` empties it). Bounded: a handful of ops times the dtypes in use. The module-level
+        :func:`allreduce` and :func:`broadcast` read it too, to save a call per collective.
         """
-        if self._check:
+        global _torch_tensor
+        if self._check or view is None:
+            return
+        if a is _arrays.NUMPY and x.__class__ is _ndarray:
+            wire = x.dtype  # the hot path hands the transport x itself
+        elif a is _arrays.TORCH and info.name == view.dtype.name and view.dtype.kind in "biuf":
+            torch = sys.modules["torch"]
+            if x.__class__ is not torch.Tensor:
+                return
+            _torch_tensor = torch.Tensor
+            wire = view.dtype  # the hot path hands the transport x.numpy()
+        else:
             return
         table = self._fast_broadcast if op == "broadcast" else self._fast.setdefault(op, {})
-        if dtype not in table:
+        if x.dtype not in table:
             fast = getattr(transport, "fast_call", None)
-            run = fast(op, dtype, self.size) if fast is not None else None
+            run = fast(op, wire, self.size) if fast is not None else None
             if run is not None:
-                table[dtype] = run
+                table[x.dtype] = run
 
     def _local_transport(self, device):
         """``_transport_for(device)``, except in checked mode for an array outside host memory: None.

@@ -365,3 +365,34 @@ def test_zero_d_bfloat16_reductions(comm):
         x = torch.tensor(float(comm.rank + 1), dtype=torch.bfloat16)
         assert coll.allreduce(x, op=op, comm=comm) is x
         assert float(x) == torch.tensor(want, dtype=torch.bfloat16).item(), (op, float(x))
+
+
+def test_torch_hot_path_cached_only_where_it_is_exact(comm, monkeypatch):
+    """CPU torch tensors of a real dtype get the cached direct call (keyed by the torch dtype) from their
+    second call on; bfloat16, complex, subclasses (nn.Parameter) and non-contiguous views keep the
+    general path, and every one of them gives the right result either way."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(comm, "_fast", {})
+    monkeypatch.setattr(comm, "_fast_broadcast", {})
+    n, root = comm.size, comm.size - 1
+    for _ in range(2):  # the first call fills the cache, the second uses it
+        t = torch.full((3,), float(comm.rank + 1))
+        assert comm.allreduce(t, op="mean") is t and torch.equal(t, torch.full((3,), (n + 1) / 2))
+        g = torch.full((4,), float(comm.rank), requires_grad=True)  # a leaf that requires grad: in place
+        assert comm.broadcast(g, root) is g and bool((g == root).all())
+        i = torch.arange(4, dtype=torch.int16) * (comm.rank + 1)
+        assert comm.allreduce(i, op="max") is i and torch.equal(i, torch.arange(4, dtype=torch.int16) * n)
+        b = torch.full((2,), float(comm.rank + 1), dtype=torch.bfloat16)
+        comm.allreduce(b, op="sum")
+        assert torch.equal(b, torch.full((2,), float(n * (n + 1) // 2), dtype=torch.bfloat16))
+        z = torch.full((2,), 1 + 1j * comm.rank, dtype=torch.complex64).conj()  # a lazily conjugated view
+        comm.allreduce(z, op="sum")
+        assert torch.allclose(z, torch.full((2,), n - 1j * sum(range(n)), dtype=torch.complex64))
+        p = torch.nn.Parameter(torch.full((2,), float(comm.rank)))
+        assert comm.broadcast(p, root) is p and bool((p == root).all())
+        base = torch.full((4, 2), float(comm.rank + 1))
+        comm.allreduce(base[:, 0], op="sum")  # a strided view: only its elements change
+        assert bool((base[:, 0] == n * (n + 1) / 2).all()) and bool((base[:, 1] == comm.rank + 1).all())
+    assert set(comm._fast["mean"]) == {torch.float32} and set(comm._fast["max"]) == {torch.int16}
+    assert torch.bfloat16 not in comm._fast.get("sum", {}) and torch.complex64 not in comm._fast.get("sum", {})
+    assert set(comm._fast_broadcast) == {torch.float32}
