@@ -3,6 +3,7 @@
     mpiexec -n 2 python benchmarks/bench_collectives.py
     mpiexec -n 2 python benchmarks/bench_collectives.py --sizes 8B..64MiB --factor 4 --json out.json
     mpiexec -n 2 python benchmarks/bench_collectives.py --sizes 8B,1MiB --iters 200
+    mpiexec -n 2 python benchmarks/bench_collectives.py --sizes 8B..4KiB --array torch
 
 What is compared, on NumPy float32 arrays:
 
@@ -61,6 +62,9 @@ def main() -> int:
     ap.add_argument("--ops", default="allreduce,broadcast,mean",
                     help="rows to run, comma-separated from allreduce, broadcast, mean")
     ap.add_argument("--json", metavar="PATH", help="also write the results (rank 0) as JSON here")
+    ap.add_argument("--array", choices=("numpy", "torch"), default="numpy",
+                    help="what ours is handed: NumPy arrays, or CPU torch tensors (raw mpi4py then gets "
+                         "the tensor's .numpy() view, made in the same call, as a user would write it)")
     args = ap.parse_args()
     if args.factor < 2:
         ap.error("--factor must be at least 2")
@@ -94,9 +98,12 @@ def main() -> int:
         "python": platform.python_version(),
         "machine": f"{platform.machine()}, {_cpu_count()} cores",
         "dtype": "float32",
+        "array": args.array,
     }
 
     def sides_for(op: str, x: np.ndarray):
+        if args.array == "torch":
+            return torch_sides_for(op, torch.from_numpy(x))
         if op == "allreduce":
             return (lambda: collectives.allreduce(x, op="sum"),
                     lambda: raw.Allreduce(MPI.IN_PLACE, x, MPI.SUM))
@@ -109,6 +116,24 @@ def main() -> int:
             np.divide(x, size, out=x)
 
         return (lambda: collectives.allreduce(x, op="mean"), raw_mean)
+
+    def torch_sides_for(op: str, t):
+        if op == "allreduce":
+            return (lambda: collectives.allreduce(t, op="sum"),
+                    lambda: raw.Allreduce(MPI.IN_PLACE, t.numpy(), MPI.SUM))
+        if op == "broadcast":
+            return (lambda: collectives.broadcast(t, root=0),
+                    lambda: raw.Bcast(t.numpy(), root=0))
+
+        def raw_mean():
+            raw.Allreduce(MPI.IN_PLACE, t.numpy(), MPI.SUM)
+            t.div_(size)
+
+        return (lambda: collectives.allreduce(t, op="mean"), raw_mean)
+
+    torch = None
+    if args.array == "torch":
+        import torch
 
     results = []
     started = time.perf_counter()
@@ -156,7 +181,7 @@ def print_table(header: dict, results: list[dict], elapsed: float) -> None:
     print(f"  {header['mpi_library']} (MPI {header['mpi_standard']}), mpi4py {header['mpi4py']}, "
           f"MPI thread level {header['thread_level']}, collectives {header['collectives']}")
     print(f"  time per call: median over rounds of the slowest rank's time; ours/raw: median of per-round "
-          f"ratios; dtype {header['dtype']}; "
+          f"ratios; {header.get('array', 'numpy')} arrays of dtype {header['dtype']}; "
           f"run took {elapsed:.1f} s")
     print(f"  targets: smallest size ours/raw <= {TARGET_SMALL}x; from {human(LARGE)} up <= {TARGET_LARGE}x")
     smallest = min(r["bytes"] for r in results)
