@@ -5,7 +5,7 @@
     mpiexec -n 2 python benchmarks/bench_collectives.py --sizes 8B,1MiB --iters 200
     mpiexec -n 2 python benchmarks/bench_collectives.py --sizes 8B..4KiB --array torch
 
-What is compared, on NumPy float32 arrays:
+What is compared, on NumPy float32 arrays (``--array torch``: CPU torch tensors, raw mpi4py on ``t.numpy()``):
 
 ==============  =============================================  ====================================================
 row             ours                                           raw mpi4py (on a duplicate of COMM_WORLD)
