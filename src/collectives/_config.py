@@ -17,6 +17,7 @@ variable                        meaning                                         
 ``COLLECTIVES_SHM``             ``0``: never reduce through node-shared memory, MPI only     ``1``
 ``COLLECTIVES_SHM_THRESHOLD``   host allreduces of this many bytes and up use shared memory  256 KiB
 ``COLLECTIVES_SHM_SLOT_BYTES``  shared-memory window bytes per rank (the piece size)         8 MiB
+``COLLECTIVES_SYNC_PIPELINE``   ``0``: synchronize through MPI_Bcast of packed buckets        ``1``
 ==============================  ===========================================================  ==========
 """
 
@@ -102,6 +103,11 @@ def bucket_bytes() -> int:
 def shm() -> bool:
     """Whether large host allreduces may go through a node-shared MPI window (agreed over ranks)."""
     return flag("COLLECTIVES_SHM", True)
+
+
+def sync_pipeline() -> bool:
+    """Whether synchronize may send host trees as a point-to-point pipeline (agreed over ranks)."""
+    return flag("COLLECTIVES_SYNC_PIPELINE", True)
 
 
 def shm_threshold() -> int:

@@ -685,3 +685,25 @@ def test_synchronize_tied_and_overlapping_leaves(comm):
         for t in types:
             blocks = sorted(zip(*(t.decode()[2][k] for k in ("displacements", "blocklengths"))))
             assert all(a + n <= b for (a, n), (b, _) in zip(blocks, blocks[1:])), "overlapping receive"
+
+
+def test_sync_pipeline_switch_is_agreed_by_every_rank(comm, monkeypatch):
+    """COLLECTIVES_SYNC_PIPELINE=0 on one rank turns the pipeline off on every rank (read when the
+    transport starts), so all ranks take the bucket path together."""
+    if comm.backend != "mpi":
+        pytest.skip("needs the MPI transport")
+    from mpi4py import MPI
+
+    if comm.rank == comm.size - 1:
+        monkeypatch.setenv("COLLECTIVES_SYNC_PIPELINE", "0")
+    mine = MPI.COMM_WORLD.Dup()
+    fresh = coll.init(comm=mine)
+    try:
+        assert fresh._host.can_broadcast_many is False
+        tree = {"w": np.full((40, 30), float(comm.rank)), "b": np.arange(5) + comm.rank}
+        coll.synchronize(tree, root=0, comm=fresh)
+        assert (tree["w"] == 0).all() and (tree["b"] == np.arange(5)).all()
+        assert not fresh._host._pipe_plans  # the pipeline was not used
+    finally:
+        fresh.close()
+        mine.Free()

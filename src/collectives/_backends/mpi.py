@@ -109,7 +109,8 @@ class MPITransport(Transport):
         self._in_place = MPI.IN_PLACE
         from . import shm  # large allreduces through a node-shared window (made at first use), issue 7
 
-        self._shm, self._shm_threshold = None, shm.settings(self.comm, self.local_size)  # agreed by all
+        self._shm = None
+        self._shm_threshold, self._pipeline = shm.settings(self.comm, self.local_size)  # agreed by all
         self._pipe_ring = None  # broadcast_many's pack buffers (root only, made at first use)
         self._pipe_plans: dict = {}  # (lengths, message size) -> messages
         self._pipe_typesets: dict = {}  # (addresses, plan key) -> (datatypes, spares), least recently used first
@@ -239,8 +240,9 @@ class MPITransport(Transport):
 
     @property
     def can_broadcast_many(self) -> bool:
-        """Whether :meth:`broadcast_many` may be used: more than one rank, all of them on this node."""
-        return 1 < self.size == self.local_size
+        """Whether :meth:`broadcast_many` may be used: more than one rank, all of them on this node, and
+        no rank set ``COLLECTIVES_SYNC_PIPELINE=0``."""
+        return self._pipeline and 1 < self.size == self.local_size
 
     def broadcast_many(self, bufs: list, root: int, ring_bytes: int) -> None:
         """Root's bytes into every rank's ``bufs`` (1-d contiguous uint8 arrays; writable except on root).

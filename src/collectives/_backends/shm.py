@@ -47,19 +47,23 @@ MIN_SLOT_BYTES = 64 * 2**10
 NEVER = 2**63  # a threshold no buffer reaches
 
 
-def settings(comm, local_size: int) -> int:
-    """The agreed shared-memory threshold in bytes (``NEVER`` when the path is off). Collective.
+def settings(comm, local_size: int) -> tuple[int, bool]:
+    """What every rank must share, agreed in one allreduce when the MPI transport is made (collective):
+    ``(shared-memory threshold in bytes, or NEVER when the path is off; whether synchronize may use the
+    point-to-point pipeline)``.
 
-    Every rank must take the same path for the same call, so the switch and the threshold are agreed
-    once, when the transport is made: off if any rank has ``COLLECTIVES_SHM=0`` or if no node holds more
-    than one rank (nothing to share), else the largest threshold any rank asked for.
+    Every rank must take the same path for the same call. The shared-memory allreduce is off if any rank
+    has ``COLLECTIVES_SHM=0`` or if no node holds more than one rank (nothing to share), else it starts at
+    the largest threshold any rank asked for; the pipeline of ``synchronize`` is off if any rank has
+    ``COLLECTIVES_SYNC_PIPELINE=0``.
     """
     from mpi4py import MPI
 
-    mine = np.array([0 if _config.shm() else 1, _config.shm_threshold(), local_size], dtype=np.int64)
+    mine = np.array([0 if _config.shm() else 1, _config.shm_threshold(), local_size,
+                     0 if _config.sync_pipeline() else 1], dtype=np.int64)
     comm.Allreduce(MPI.IN_PLACE, mine, MPI.MAX)
-    disabled, threshold, max_local = (int(v) for v in mine)
-    return NEVER if disabled or max_local < 2 else threshold
+    disabled, threshold, max_local, no_pipeline = (int(v) for v in mine)
+    return (NEVER if disabled or max_local < 2 else threshold), not no_pipeline
 
 
 class Reducer:
