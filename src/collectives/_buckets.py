@@ -10,9 +10,12 @@ packing everything into one buffer pays two extra copies of every byte (pack bef
   host buffers from the shared-memory threshold on, the reduction runs in a node-shared window, and
   ``mean`` divides only the rank's own slice, no extra pass); smaller leaves are packed, in the tree's
   canonical order, into flat buffers per (device kind, dtype), each at most ``bucket_bytes``;
-- **broadcast**: the same with ``BROADCAST_SOLO_BYTES`` (4 MiB) and buckets of at most
-  ``BROADCAST_BUCKET_BYTES`` (8 MiB): one MPI broadcast costs several rendezvous, more than copying a few
-  MiB, and with several buckets the root packs the next one while the others unpack the last;
+- **broadcast**: where the host transport offers it (``can_broadcast_many``: MPI, every rank on one node),
+  all host leaves go to its ``broadcast_many`` in one call, a pipeline that packs on the root only and
+  receives straight into the leaves (see ``_backends.mpi``); otherwise the same as allreduce with
+  ``BROADCAST_SOLO_BYTES`` (4 MiB) and buckets of at most ``BROADCAST_BUCKET_BYTES`` (8 MiB): one MPI
+  broadcast costs several rendezvous, more than copying a few MiB, and with several buckets the root packs
+  the next one while the others unpack the last;
 - leaves in device memory (CUDA) are never packed on the host: they go to their device's transport, per
   device in one call where the transport fuses (``allreduce_many``: one NCCL group), else one by one.
 
