@@ -40,6 +40,10 @@ BACKENDS = {
     "auto": ("auto", "host", {}),
     "mpi": ("mpi", "host", {}),
     "self": ("self", "host", {}),
+    # MPI with every 2 ranks of a node acting as one node, and every allreduce from 1 byte through the
+    # node-shared-memory path: the hierarchical reduction (node, node leaders, node) and synchronize's
+    # bucket path under the whole suite, on one machine
+    "mpi-nodes": ("mpi", "host", {"COLLECTIVES_SIMULATE_NODES": "2", "COLLECTIVES_SHM_THRESHOLD": "1"}),
     "nccl": ("auto", "cuda", {}),
     "host-staging": ("auto", "cuda", {"COLLECTIVES_DISABLE_NCCL": "1", "COLLECTIVES_CUDA_AWARE_MPI": "0"}),
     "cuda-aware-mpi": ("auto", "cuda", {"COLLECTIVES_DISABLE_NCCL": "1", "COLLECTIVES_CUDA_AWARE_MPI": "1"}),

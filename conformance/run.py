@@ -1,7 +1,7 @@
 """Run the conformance suite over several world sizes, backends and array libraries; write a report.
 
     python conformance/run.py                                  # sizes 1,2,3; every backend; every library
-    python conformance/run.py --sizes 1,2,3,4 --backends mpi,self,nccl,host-staging
+    python conformance/run.py --sizes 1,2,3,4 --backends mpi,mpi-nodes,self,nccl,host-staging
     python conformance/run.py --libs numpy,torch --full        # the whole matrix
     python conformance/run.py --sut myframework.collectives --report my-report.md --json my-report.json
 
@@ -55,9 +55,10 @@ def parse_args(argv=None):
     ap.add_argument("--sizes", default="1,2,3", help="world sizes (default 1,2,3)")
     ap.add_argument("--libs", default="numpy,torch,strict,jax,cupy,torch-cuda",
                     help="array libraries; each backend runs those whose memory it serves")
-    ap.add_argument("--backends", default="mpi,self,nccl,host-staging",
-                    help="mpi, self, nccl, host-staging, cuda-aware-mpi (default: the first four; a CUDA backend "
-                         "without a usable CUDA library here is probed once and reported n/a)")
+    ap.add_argument("--backends", default="mpi,mpi-nodes,self,nccl,host-staging",
+                    help="mpi, mpi-nodes, self, nccl, host-staging, cuda-aware-mpi (default: the first five; a "
+                         "CUDA backend without a usable CUDA library here is probed once and reported n/a; "
+                         "mpi-nodes: MPI with 2 ranks per simulated node, allreduce through shared memory)")
     ap.add_argument("--full", action="store_true", help="the whole matrix (COLLECTIVES_CONFORMANCE_FULL=1)")
     ap.add_argument("--seed", type=int, default=None, help="which sample of the matrix (default 0)")
     ap.add_argument("--sut", default=None, help="module under test (COLLECTIVES_CONFORMANCE_SUT)")
@@ -350,9 +351,7 @@ def main(argv=None) -> int:
             results = tmp / f"{backend}-n{size}.jsonl"
             run = run_one(args, backend, libs_b, size, results, logs / f"conformance-run-{backend}-n{size}.log")
             got = read_results(results, run)
-            label = backend
-            if run.get("session") and run["session"].get("backend") not in (None, backend):
-                label = run["session"]["backend"]
+            label = backend  # the requested name: mpi-nodes is MPI too, but a column of its own
             for r in got:
                 r["backend_label"] = label
                 r["run"] = id(run)

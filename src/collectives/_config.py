@@ -18,6 +18,7 @@ variable                        meaning                                         
 ``COLLECTIVES_SHM_THRESHOLD``   host allreduces of this many bytes and up use shared memory  256 KiB
 ``COLLECTIVES_SHM_SLOT_BYTES``  shared-memory window bytes per rank (the piece size)         8 MiB
 ``COLLECTIVES_SYNC_PIPELINE``   ``0``: synchronize through MPI_Bcast of packed buckets        ``1``
+``COLLECTIVES_SIMULATE_NODES``  N: every N consecutive ranks of a node act as one node (tests)  unset
 ==============================  ===========================================================  ==========
 """
 
@@ -103,6 +104,12 @@ def bucket_bytes() -> int:
 def shm() -> bool:
     """Whether large host allreduces may go through a node-shared MPI window (agreed over ranks)."""
     return flag("COLLECTIVES_SHM", True)
+
+
+def simulate_nodes() -> int | None:
+    """``COLLECTIVES_SIMULATE_NODES=N``: treat every N consecutive ranks of a real node as one node, to
+    exercise the multi-node paths (hierarchical allreduce, synchronize's bucket path) on one machine."""
+    return integer("COLLECTIVES_SIMULATE_NODES", 0) or None  # unset: 0; set: a positive integer
 
 
 def sync_pipeline() -> bool:

@@ -175,7 +175,8 @@ def test_supports(reducer):
 
 def make_comm(monkeypatch, **env):
     """A new communicator (collective) made with exactly these shared-memory settings."""
-    for k in ("COLLECTIVES_SHM", "COLLECTIVES_SHM_THRESHOLD", "COLLECTIVES_SHM_SLOT_BYTES", "COLLECTIVES_TIMEOUT"):
+    for k in ("COLLECTIVES_SHM", "COLLECTIVES_SHM_THRESHOLD", "COLLECTIVES_SHM_SLOT_BYTES", "COLLECTIVES_TIMEOUT",
+              "COLLECTIVES_SIMULATE_NODES", "COLLECTIVES_SYNC_PIPELINE"):
         monkeypatch.delenv(k, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, str(v))
@@ -274,3 +275,33 @@ def test_deadline_transport_does_not_use_shared_memory(monkeypatch):
         assert (x == 1).all() and c._host._shm is None
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("per_node", [1, 2])
+def test_simulated_nodes_take_the_multi_node_paths(monkeypatch, per_node):
+    """COLLECTIVES_SIMULATE_NODES=N: every N consecutive ranks act as one node. Node-local ranks follow,
+    the allreduce goes hierarchical where there is more than one node (and shared memory is used only
+    where some node has two ranks), synchronize leaves the pipeline, and every result is right."""
+    c = make_comm(monkeypatch, COLLECTIVES_SIMULATE_NODES=per_node, COLLECTIVES_SHM_THRESHOLD=4096)
+    try:
+        size, rank = c.size, c.rank
+        nodes = -(-size // per_node)
+        assert (c.local_rank, c.local_size) == (rank % per_node, min(per_node, size - rank // per_node * per_node))
+        assert c._host.can_broadcast_many is (nodes == 1 and size > 1)
+        x = np.arange(20_000, dtype=np.float64) * (rank + 1)
+        c.allreduce(x, op="mean")
+        np.testing.assert_allclose(x, np.arange(20_000) * (size + 1) / 2)
+        if c._host._shm is not None:
+            assert c._host._shm.multi_node is (nodes > 1) and c._host._shm.local_size == c.local_size
+        else:
+            assert per_node == 1 or size == 1  # no node with two ranks: nothing to share
+        tree = {"w": np.full((50, 40), float(rank)), "b": np.arange(7) + rank}
+        coll.synchronize(tree, root=size - 1, comm=c)
+        assert (tree["w"] == size - 1).all() and (tree["b"] == np.arange(7) + size - 1).all()
+    finally:
+        c.close()
+    monkeypatch.setenv("COLLECTIVES_SIMULATE_NODES", "0")
+    from collectives import _config
+
+    with pytest.raises(ValueError, match="COLLECTIVES_SIMULATE_NODES"):
+        _config.simulate_nodes()

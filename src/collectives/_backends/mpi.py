@@ -99,7 +99,13 @@ class MPITransport(Transport):
         self.comm = base.Dup()  # never talk on the user's communicator
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
+        self._node_color = None  # None: a node is what shares memory; else the simulated node's color
         node = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        per_node = _config.simulate_nodes()
+        if per_node is not None:  # COLLECTIVES_SIMULATE_NODES: smaller "nodes" inside the real ones
+            self._node_color = self.rank // per_node
+            real, node = node, node.Split(self._node_color, key=self.rank)
+            real.Free()
         self.local_rank = node.Get_rank()
         self.local_size = node.Get_size()
         node.Free()
@@ -211,7 +217,8 @@ class MPITransport(Transport):
         if self._shm is None:  # collective, and safe here: every rank is in this allreduce
             from .shm import Reducer
 
-            self._shm = Reducer(self.comm, slot_bytes=_config.shm_slot_bytes(), types=self._types)
+            self._shm = Reducer(self.comm, slot_bytes=_config.shm_slot_bytes(), types=self._types,
+                                node_color=self._node_color)
         if not self._shm.supports(buf.dtype, op):
             return False
         self._shm.allreduce(buf, op)

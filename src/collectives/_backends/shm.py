@@ -74,9 +74,9 @@ class Reducer:
         slot_bytes: window bytes per rank (the smallest value any rank passes is used); a message goes
             through in pieces of about this size.
         types: NumPy dtype -> MPI datatype, for the allreduce among node leaders.
-        node_color: ``None`` to group ranks by shared memory (``COMM_TYPE_SHARED``); an int to group them
-            by this color instead (tests use it to make one machine look like several nodes; the ranks
-            of one color must still share memory).
+        node_color: ``None`` to group ranks by shared memory (``COMM_TYPE_SHARED``); an int to split
+            each such group further by this color (``COLLECTIVES_SIMULATE_NODES`` and tests use it to make
+            one machine look like several nodes).
     """
 
     def __init__(self, comm, *, slot_bytes: int, types: dict, node_color: int | None = None):
@@ -85,10 +85,10 @@ class Reducer:
         self.MPI = MPI
         rank = comm.Get_rank()
         self.size = comm.Get_size()
-        if node_color is None:
-            self.node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-        else:
-            self.node = comm.Split(node_color, key=rank)
+        self.node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+        if node_color is not None:  # smaller groups inside the real node: they still share memory
+            real, self.node = self.node, self.node.Split(node_color, key=rank)
+            real.Free()
         self.local_rank, self.local_size = self.node.Get_rank(), self.node.Get_size()
         n = self.local_size
         slot = comm.allreduce(max(int(slot_bytes), MIN_SLOT_BYTES), op=MPI.MIN)
