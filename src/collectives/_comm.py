@@ -24,7 +24,7 @@ import numpy as np
 from . import _arrays, _check, _config, _dtypes
 from ._backends.base import Transport
 from ._backends.self import SelfTransport
-from ._errors import BackendUnavailableError, transport_failure, translating
+from ._errors import BackendUnavailableError, reraise, translating
 
 BACKENDS = ("auto", "mpi", "self")
 _ndarray = np.ndarray  # one global look-up on the hot path instead of two
@@ -159,7 +159,7 @@ class Communicator:
             self._fast_path("broadcast", x, a, view, info, transport)
             return self._in_place(x, a, view, info, lambda buf: transport.broadcast(buf, root))
         except Exception as exc:  # costs nothing unless raised: MPI's own errors become CollectiveError
-            _reraise(exc, "broadcast")
+            reraise(exc, "broadcast")
 
     def allreduce(self, x, op: str = "sum"):
         """Reduce ``x`` over all ranks, result on every rank. See :func:`collectives.allreduce`."""
@@ -181,7 +181,7 @@ class Communicator:
             return self._in_place(x, a, view, info, lambda buf: self._reduce_buffer(
                 transport, buf, info, op, transport.allreduce))
         except Exception as exc:
-            _reraise(exc, "allreduce")
+            reraise(exc, "allreduce")
 
     @translating("reduce")
     def reduce(self, x, op: str = "sum", root: int = 0):
@@ -387,14 +387,6 @@ class Communicator:
         from ._tree import allreduce_tree
 
         return allreduce_tree(tree, op, comm=self)
-
-
-def _reraise(exc: Exception, what: str):
-    """Raise ``exc``, or the CollectiveError for it when MPI reported it (see _errors.transport_failure)."""
-    err = transport_failure(exc, what)
-    if err is None:
-        raise exc
-    raise err from exc
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -606,7 +598,7 @@ def broadcast(x, root: int = 0, *, comm=None):
             try:
                 run(x, root)
             except Exception as exc:
-                _reraise(exc, "broadcast")
+                reraise(exc, "broadcast")
             return x
     return c.broadcast(x, root)
 
@@ -643,7 +635,7 @@ def allreduce(x, op: str = "sum", *, comm=None):
             try:
                 run(x)
             except Exception as exc:
-                _reraise(exc, "allreduce")
+                reraise(exc, "allreduce")
             return x
     return c.allreduce(x, op)
 

@@ -124,17 +124,23 @@ def transport_failure(exc: BaseException, what: str) -> CollectiveError | None:
         f"error the job cannot continue reliably: end it")
 
 
+def reraise(exc: Exception, what: str):
+    """Raise ``exc``, or the :class:`CollectiveError` for it when MPI reported it (the MPI error chained).
+    For ``except Exception as exc: reraise(exc, "broadcast")``; costs nothing until something is raised."""
+    err = transport_failure(exc, what)
+    if err is None:
+        raise exc
+    raise err from exc
+
+
 def translating(what: str):
-    """Decorator: an MPI error raised inside becomes a :class:`CollectiveError` (the MPI error chained)."""
+    """Decorator: an MPI error raised inside becomes a :class:`CollectiveError` (see :func:`reraise`)."""
     def wrap(fn):
         @functools.wraps(fn)
         def call(*args, **kwargs):
             try:
                 return fn(*args, **kwargs)
             except Exception as exc:
-                err = transport_failure(exc, what)
-                if err is None:
-                    raise
-                raise err from exc
+                reraise(exc, what)
         return call
     return wrap

@@ -782,27 +782,25 @@ class NCCLLibrary:
         """``ncclCommGetAsyncError``: the communicator's pending status (``0`` ok, ``7`` still in
         progress, anything else a failure). Does not raise on that status; raises only if the query
         itself fails (e.g. a NULL communicator)."""
-        res = ctypes.c_int(ncclSuccess)
-        self._call("ncclCommGetAsyncError", comm, ctypes.byref(res))
-        return res.value
+        return self._int_of("ncclCommGetAsyncError", comm)
 
     def comm_count(self, comm: int) -> int:
         """``ncclCommCount``: number of ranks."""
-        n = ctypes.c_int()
-        self._call("ncclCommCount", comm, ctypes.byref(n))
-        return n.value
+        return self._int_of("ncclCommCount", comm)
 
     def comm_cu_device(self, comm: int) -> int:
         """``ncclCommCuDevice``: the CUDA device index of the communicator."""
-        d = ctypes.c_int()
-        self._call("ncclCommCuDevice", comm, ctypes.byref(d))
-        return d.value
+        return self._int_of("ncclCommCuDevice", comm)
 
     def comm_user_rank(self, comm: int) -> int:
         """``ncclCommUserRank``: this process' rank in the communicator."""
-        r = ctypes.c_int()
-        self._call("ncclCommUserRank", comm, ctypes.byref(r))
-        return r.value
+        return self._int_of("ncclCommUserRank", comm)
+
+    def _int_of(self, name: str, comm: int) -> int:
+        """The ``int`` that the query ``name(comm, int*)`` writes."""
+        out = ctypes.c_int()
+        self._call(name, comm, ctypes.byref(out))
+        return out.value
 
     # ---- collectives (device pointers and streams as ints; they return the status) ----
     # A negative count would silently wrap to a huge size_t in ctypes: refuse it here.

@@ -572,6 +572,16 @@ class DeviceTransport:
             _check.agree(self._host, {"collective": collective, **args, "shape": xp.shape(x),
                                       "dtype": info.name, "device": "cuda"})
 
+    def _allgather_buffers(self, x):
+        """Validate (and in checked mode agree on) an allgather of ``x``: ``(xp, send, out, nbytes)`` with
+        ``send`` x's contiguous data, ``out`` a new ``(size, *x.shape)`` array on x's device and
+        ``nbytes`` the bytes of one rank's part."""
+        xp, info = self._prepare(x)
+        self._agree("allgather", xp, x, info)
+        send, _ = xp.contiguous(x)
+        out = xp.empty((self.size,) + xp.shape(x), like=x)
+        return xp, send, out, xp.numel(x) * xp.itemsize(x)
+
     def allreduce_many(self, arrays, a, op: str):
         """Reduce each array of ``arrays`` in place (NCCL fuses them into one group)."""
         for x in arrays:
@@ -702,11 +712,7 @@ class CudaAwareMPITransport(DeviceTransport):
         return self._reduce(x, op, root)
 
     def allgather(self, x, a):
-        xp, info = self._prepare(x)
-        self._agree("allgather", xp, x, info)
-        send, _ = xp.contiguous(x)
-        out = xp.empty((self.size,) + xp.shape(x), like=x)
-        nbytes = xp.numel(x) * xp.itemsize(x)
+        xp, send, out, nbytes = self._allgather_buffers(x)
         if nbytes and nbytes <= self._max:
             xp.synchronize(x)
             self._mpi.Allgather([self._mem(xp.ptr(send), nbytes), self._MPI.BYTE],

@@ -20,6 +20,7 @@ import numpy as np
 
 from .. import _config
 from .._errors import BackendUnavailableError, CollectiveError, CollectiveTimeoutError
+from . import shm  # large allreduces through a node-shared window (made at first use), issue 7
 from .base import Transport
 
 
@@ -61,6 +62,25 @@ def _tables(MPI):
     return _OPS_CACHE, _TYPES_CACHE
 
 
+def _agreed_settings(comm, local_size: int) -> tuple[int, bool]:
+    """What every rank must share, agreed in one allreduce when the MPI transport is made (collective):
+    ``(shared-memory threshold in bytes, or shm.NEVER when the path is off; whether synchronize may use the
+    point-to-point pipeline)``.
+
+    Every rank must take the same path for the same call. The shared-memory allreduce is off if any rank
+    has ``COLLECTIVES_SHM=0`` or if no node holds more than one rank (nothing to share), else it starts at
+    the largest threshold any rank asked for; the pipeline of ``synchronize`` is off if any rank has
+    ``COLLECTIVES_SYNC_PIPELINE=0``.
+    """
+    from mpi4py import MPI
+
+    mine = np.array([0 if _config.shm() else 1, _config.shm_threshold(), local_size,
+                     0 if _config.sync_pipeline() else 1], dtype=np.int64)
+    comm.Allreduce(MPI.IN_PLACE, mine, MPI.MAX)
+    disabled, threshold, max_local, no_pipeline = (int(v) for v in mine)
+    return (shm.NEVER if disabled or max_local < 2 else threshold), not no_pipeline
+
+
 def _reduces_locally(MPI, datatype) -> bool:
     """Detect (not assume) that this MPI library can reduce float16: try it locally."""
     a = np.array([1.0, 2.0], dtype=np.float16)
@@ -99,13 +119,9 @@ class MPITransport(Transport):
         self.comm = base.Dup()  # never talk on the user's communicator
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
-        self._node_color = None  # None: a node is what shares memory; else the simulated node's color
-        node = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
-        per_node = _config.simulate_nodes()
-        if per_node is not None:  # COLLECTIVES_SIMULATE_NODES: smaller "nodes" inside the real ones
-            self._node_color = self.rank // per_node
-            real, node = node, node.Split(self._node_color, key=self.rank)
-            real.Free()
+        per_node = _config.simulate_nodes()  # COLLECTIVES_SIMULATE_NODES: smaller "nodes" in the real ones
+        self._node_color = None if per_node is None else self.rank // per_node
+        node = shm.node_communicator(self.comm, self._node_color)
         self.local_rank = node.Get_rank()
         self.local_size = node.Get_size()
         node.Free()
@@ -113,10 +129,8 @@ class MPITransport(Transport):
         self._float16 = np.dtype(np.float16) in self._types
         self._max_count = _config.max_count()
         self._in_place = MPI.IN_PLACE
-        from . import shm  # large allreduces through a node-shared window (made at first use), issue 7
-
         self._shm = None
-        self._shm_threshold, self._pipeline = shm.settings(self.comm, self.local_size)  # agreed by all
+        self._shm_threshold, self._pipeline = _agreed_settings(self.comm, self.local_size)
         self._pipe_ring = None  # broadcast_many's pack buffers (root only, made at first use)
         self._pipe_plans: dict = {}  # (lengths, message size) -> messages
         self._pipe_typesets: dict = {}  # (addresses, plan key) -> (datatypes, spares), least recently used first
@@ -215,9 +229,7 @@ class MPITransport(Transport):
     def _shm_allreduce(self, buf, op) -> bool:
         """Reduce ``buf`` through node-shared memory (``op`` may also be "mean"); False if it cannot."""
         if self._shm is None:  # collective, and safe here: every rank is in this allreduce
-            from .shm import Reducer
-
-            self._shm = Reducer(self.comm, slot_bytes=_config.shm_slot_bytes(), types=self._types,
+            self._shm = shm.Reducer(self.comm, slot_bytes=_config.shm_slot_bytes(), types=self._types,
                                 node_color=self._node_color)
         if not self._shm.supports(buf.dtype, op):
             return False
@@ -388,9 +400,9 @@ class MPITransport(Transport):
         self.comm.Barrier()
 
     def close(self):
-        shm, self._shm = getattr(self, "_shm", None), None
-        if shm is not None:
-            shm.close()  # the window before the communicator it was made on
+        reducer, self._shm = getattr(self, "_shm", None), None
+        if reducer is not None:
+            reducer.close()  # the window before the communicator it was made on
         typesets, self._pipe_typesets = getattr(self, "_pipe_typesets", {}), {}
         self._pipe_ring = None
         if not self.MPI.Is_finalized():

@@ -224,11 +224,7 @@ class NCCLTransport(DeviceTransport):
         return x
 
     def allgather(self, x, a):
-        xp, info = self._prepare(x)
-        self._agree("allgather", xp, x, info)
-        send, _ = xp.contiguous(x)
-        out = xp.empty((self.size,) + xp.shape(x), like=x)
-        nbytes = xp.numel(x) * xp.itemsize(x)
+        xp, send, out, nbytes = self._allgather_buffers(x)
         if nbytes:
             self._issue("ncclAllGather", self._lib.all_gather, xp.ptr(send), xp.ptr(out), nbytes,
                         _libnccl.ncclUint8, self._handle, xp.stream(x))

@@ -38,8 +38,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import _config
-
 KERNELS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum, "mean": np.add}
 _KINDS = "biufc"  # NumPy reduces these natively on the host
 _ALIGN = 64  # bytes: regions start on cache-line boundaries (every itemsize divides it)
@@ -47,23 +45,20 @@ MIN_SLOT_BYTES = 64 * 2**10
 NEVER = 2**63  # a threshold no buffer reaches
 
 
-def settings(comm, local_size: int) -> tuple[int, bool]:
-    """What every rank must share, agreed in one allreduce when the MPI transport is made (collective):
-    ``(shared-memory threshold in bytes, or NEVER when the path is off; whether synchronize may use the
-    point-to-point pipeline)``.
-
-    Every rank must take the same path for the same call. The shared-memory allreduce is off if any rank
-    has ``COLLECTIVES_SHM=0`` or if no node holds more than one rank (nothing to share), else it starts at
-    the largest threshold any rank asked for; the pipeline of ``synchronize`` is off if any rank has
-    ``COLLECTIVES_SYNC_PIPELINE=0``.
-    """
+def node_communicator(comm, color: int | None = None):
+    """A new communicator of the ranks of ``comm`` that share memory with this one (``COMM_TYPE_SHARED``),
+    split further by ``color`` when one is given (``COLLECTIVES_SIMULATE_NODES``, tests: smaller "nodes"
+    inside a real one, whose ranks still share memory). Collective; the caller frees it."""
     from mpi4py import MPI
 
-    mine = np.array([0 if _config.shm() else 1, _config.shm_threshold(), local_size,
-                     0 if _config.sync_pipeline() else 1], dtype=np.int64)
-    comm.Allreduce(MPI.IN_PLACE, mine, MPI.MAX)
-    disabled, threshold, max_local, no_pipeline = (int(v) for v in mine)
-    return (NEVER if disabled or max_local < 2 else threshold), not no_pipeline
+    rank = comm.Get_rank()
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    if color is None:
+        return node
+    try:
+        return node.Split(color, key=rank)
+    finally:
+        node.Free()
 
 
 class Reducer:
@@ -85,10 +80,7 @@ class Reducer:
         self.MPI = MPI
         rank = comm.Get_rank()
         self.size = comm.Get_size()
-        self.node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-        if node_color is not None:  # smaller groups inside the real node: they still share memory
-            real, self.node = self.node, self.node.Split(node_color, key=rank)
-            real.Free()
+        self.node = node_communicator(comm, node_color)
         self.local_rank, self.local_size = self.node.Get_rank(), self.node.Get_size()
         n = self.local_size
         slot = comm.allreduce(max(int(slot_bytes), MIN_SLOT_BYTES), op=MPI.MIN)
