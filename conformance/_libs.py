@@ -255,38 +255,6 @@ class TorchCudaLib(TorchLib):
         return f"cuda:{self.torch.cuda.current_device()}"
 
 
-# ---------------------------------------------------------------------------------------- array-api-strict
-
-class StrictLib(Lib):
-    name = "strict"
-    module = "array_api_strict"
-    layouts = Lib.layouts + ("strided", "fortran")
-
-    @property
-    def xp(self):
-        return importlib.import_module("array_api_strict")
-
-    def dtypes(self):
-        xp = self.xp
-        return [_dtypes.STANDARD[n] for n in _dtypes.STANDARD if hasattr(xp, n)]
-
-    def from_bits(self, bits, spec):
-        xp = self.xp
-        return xp.asarray(np.array(bits, dtype=spec.storage, copy=True), dtype=getattr(xp, spec.name))
-
-    def to_bits(self, x, spec):
-        return np.array(np.from_dlpack(x), dtype=spec.storage, order="C", copy=True)
-
-    def fortran(self, bits, spec):
-        return self.xp.permute_dims(self.from_bits(np.ascontiguousarray(bits.T), spec), (1, 0))
-
-    def dtype_name(self, y):
-        return str(y.dtype)
-
-    def same_device(self, y, like):
-        return y.device == like.device
-
-
 # ------------------------------------------------------------------------------------------------- JAX
 
 class JaxLib(Lib):
@@ -405,8 +373,26 @@ class ArrayAPILib(Lib):
     def fortran(self, bits, spec):
         return self.xp.permute_dims(self.from_bits(np.ascontiguousarray(bits.T), spec), (1, 0))
 
-    def dtype_name(self, y):
-        return str(y.dtype)
+
+class StrictLib(ArrayAPILib):
+    """array-api-strict: the array-API library of the default matrix, whose arrays also say their device."""
+
+    def __init__(self):
+        super().__init__("array_api_strict")
+        self.name = "strict"
+
+    def same_device(self, y, like):
+        return y.device == like.device
+
+
+def host_copy(x) -> np.ndarray:
+    """A NumPy view or copy of any library's array, host or CUDA (for comparing results)."""
+    module = type(x).__module__
+    if module.startswith("torch"):
+        return x.detach().cpu().numpy()
+    if module.startswith("cupy"):
+        return x.get()
+    return x if isinstance(x, np.ndarray) else np.from_dlpack(x)
 
 
 LIBS = {lib.name: lib for lib in (NumpyLib(), TorchLib(), StrictLib(), JaxLib(), CupyLib(), TorchCudaLib())}

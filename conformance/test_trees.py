@@ -96,18 +96,8 @@ def _is_array(v):
     return hasattr(v, "__dlpack__") or isinstance(v, np.ndarray)
 
 
-def _host(v) -> np.ndarray:
-    """A NumPy copy of an array leaf of any library, host or CUDA."""
-    module = type(v).__module__
-    if module.startswith("torch"):
-        return v.detach().cpu().numpy()
-    if module.startswith("cupy"):
-        return v.get()
-    return v if isinstance(v, np.ndarray) else np.from_dlpack(v)
-
-
 def _bits(v):
-    a = _host(v)
+    a = _libs.host_copy(v)
     return np.ascontiguousarray(a).tobytes(), str(a.dtype)
 
 
@@ -244,7 +234,7 @@ def _float_tree(container, lib, rank, seed):
 
 
 def _to_np(v):
-    return _host(v) if _is_array(v) else v
+    return _libs.host_copy(v) if _is_array(v) else v
 
 
 @pytest.mark.parametrize("lib_name,container,op", _reduce_cases())
