@@ -16,8 +16,6 @@ examples in the same order, or the ranks would wait in different collectives:
 Each rank's data is generated from (seed, rank), so every rank can compute the reference itself.
 """
 
-import os
-
 import numpy as np
 import pytest
 
@@ -25,9 +23,9 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-import collectives as coll  # noqa: E402
 from collectives import MismatchError  # noqa: E402
-from support.arrays import to_numpy  # noqa: E402
+from support.arrays import reduce_reference, to_numpy  # noqa: E402
+from support.comms import deadline_communicator  # noqa: E402
 
 SETTINGS = settings(max_examples=50, deadline=None, derandomize=True, database=None,
                     suppress_health_check=list(HealthCheck), report_multiple_bugs=False, print_blob=False)
@@ -118,20 +116,11 @@ def build(p, logical: np.ndarray):
 
 
 def reference(p, size) -> np.ndarray:
-    stack = np.stack([values(p, r).astype(p["dtype"] if p["dtype"] != "bfloat16" else "float32")
-                      for r in range(size)])
-    op = p["op"]
-    if kind(p["dtype"]) == "b":
-        return stack.any(0) if op == "max" else stack.all(0)
-    if op == "sum":
-        return stack.sum(0, dtype=stack.dtype)
-    if op == "prod":
-        return stack.prod(0, dtype=stack.dtype)
-    if op == "min":
-        return stack.min(0)
-    if op == "max":
-        return stack.max(0)
-    return stack.astype(np.complex128 if kind(p["dtype"]) == "c" else np.float64).sum(0) / size
+    arrays = [values(p, r) for r in range(size)]
+    if p["op"] != "mean":
+        return reduce_reference(arrays, p["op"], p["dtype"])
+    stack = np.stack([a.astype(p["dtype"] if p["dtype"] != "bfloat16" else "float32") for a in arrays])
+    return stack.astype(np.complex128 if kind(p["dtype"]) == "c" else np.float64).sum(0) / size  # exact
 
 
 def same(got: np.ndarray, want: np.ndarray, p) -> bool:
@@ -208,18 +197,8 @@ def deadline_comm(comm):
     if comm.backend != "mpi":
         yield comm
         return
-    from mpi4py import MPI
-
-    user = MPI.COMM_WORLD.Dup()
-    os.environ["COLLECTIVES_TIMEOUT"] = "300"
-    try:
-        c = coll.init(comm=user)
-    finally:
-        del os.environ["COLLECTIVES_TIMEOUT"]
-    assert type(c._host).__name__ == "DeadlineMPITransport"
-    yield c
-    coll._comm._by_comm.pop(id(user))[1].close()
-    user.Free()
+    with deadline_communicator() as c:
+        yield c
 
 
 def test_collectives_match_numpy(comm, deadline_comm):

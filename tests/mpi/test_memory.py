@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import collectives as coll
+from support.comms import deadline_communicator
 
 CALLS = 10_000
 MIN_CALLS = 100
@@ -72,18 +73,8 @@ def deadline_comm(comm):
     """A second communicator whose transport has a deadline (``COLLECTIVES_TIMEOUT`` set at its init)."""
     if comm.backend != "mpi":
         pytest.skip("the deadline is a property of the MPI transport")
-    from mpi4py import MPI
-
-    user = MPI.COMM_WORLD.Dup()
-    os.environ["COLLECTIVES_TIMEOUT"] = "300"
-    try:
-        c = coll.init(comm=user)
-    finally:
-        del os.environ["COLLECTIVES_TIMEOUT"]
-    assert type(c._host).__name__ == "DeadlineMPITransport"
-    yield c
-    coll._comm._by_comm.pop(id(user))[1].close()
-    user.Free()
+    with deadline_communicator() as c:
+        yield c
 
 
 def calls_within_budget(comm, call) -> int:

@@ -78,9 +78,7 @@ def broadcast_path(request, comm, monkeypatch):
     if path == "buckets":
         monkeypatch.setattr(host, "can_broadcast_many", False, raising=False)
     elif path == "pipeline-tiny-messages" and hasattr(host, "PIPE_CHUNK"):
-        monkeypatch.setattr(host, "PIPE_CHUNK", 192)
-        comm._host._pipe_plans.clear()  # plans cut for the default message size
-        monkeypatch.setattr(comm._host, "_pipe_plans", {})
+        monkeypatch.setattr(host, "PIPE_CHUNK", 192)  # plans and datatypes are cached per message size
     return path
 
 
@@ -91,7 +89,6 @@ def test_broadcast_many_pieces_ring_and_cached_datatypes(comm, monkeypatch):
     if not getattr(host, "can_broadcast_many", False):
         pytest.skip("broadcast_many needs 2 or more ranks on one node")
     monkeypatch.setattr(type(host), "PIPE_CHUNK", 100)
-    monkeypatch.setattr(host, "_pipe_plans", {})
     lengths = [0, 7, 100, 250, 1, 0, 999, 64]
     for trial in range(2 * host.MAX_TYPE_SETS + 1):  # new buffers every time: new datatypes, evictions
         for root in range(comm.size):
