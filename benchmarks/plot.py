@@ -92,6 +92,15 @@ def _axes(plt, title: str):
     return fig, a_t, a_bw
 
 
+def _save(plt, fig, h: dict, path: Path, rect=(0, 0.1, 1, 0.95)) -> Path:
+    """Caption the figure with the machine and versions, lay it out, write it, free it."""
+    fig.text(0.01, 0.01, caption(h), fontsize=7, va="bottom", ha="left", color="0.3")
+    fig.tight_layout(rect=rect)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_peers(docs: list[dict], out: Path, prefix: str) -> list[Path]:
     """Several runs: times are the median over runs of each run's median; ratios the median over runs of
     each run's ratio, with the smallest and largest as error bars."""
@@ -136,12 +145,7 @@ def plot_peers(docs: list[dict], out: Path, prefix: str) -> list[Path]:
             if any(v > 0 for v in bw):
                 a_bw.plot(xs, bw, color=color, marker=marker, linestyle=line, label=LABEL.get(p, p), ms=4)
         a_t.legend(fontsize=8)
-        fig.text(0.01, 0.01, caption(h), fontsize=7, va="bottom", ha="left", color="0.3")
-        fig.tight_layout(rect=(0, 0.1, 1, 0.95))
-        path = out / f"{prefix}peers-{op}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save(plt, fig, h, out / f"{prefix}peers-{op}.png"))
     # ratios to raw mpi4py, measured within rounds
     fig, axes = plt.subplots(1, len(ops), figsize=(5 * len(ops), 4.6), squeeze=False)
     for ax, op in zip(axes[0], ops):
@@ -169,12 +173,7 @@ def plot_peers(docs: list[dict], out: Path, prefix: str) -> list[Path]:
         ax.legend(fontsize=7)
     if len(jobs) > 1:
         fig.suptitle(f"median over {len(jobs)} runs of each run's ratio; bars: smallest and largest", fontsize=9)
-    fig.text(0.01, 0.01, caption(h), fontsize=7, va="bottom", ha="left", color="0.3")
-    fig.tight_layout(rect=(0, 0.12, 1, 0.96))
-    path = out / f"{prefix}peers-ratio.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
+    written.append(_save(plt, fig, h, out / f"{prefix}peers-ratio.png", rect=(0, 0.12, 1, 0.96)))
     return written
 
 
@@ -193,12 +192,7 @@ def plot_bench(doc: dict, out: Path, prefix: str) -> list[Path]:
         if any(r["busbw_GBps"] > 0 for r in rows):
             a_bw.plot(xs, [r["busbw_GBps"] for r in rows], marker="o", ms=3, color=f"C{i % 10}", label=label)
     a_t.legend(fontsize=8)
-    fig.text(0.01, 0.01, caption(h), fontsize=7, va="bottom", ha="left", color="0.3")
-    fig.tight_layout(rect=(0, 0.1, 1, 0.95))
-    path = out / f"{prefix}bench.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return [_save(plt, fig, h, out / f"{prefix}bench.png")]
 
 
 def main(argv=None) -> int:
