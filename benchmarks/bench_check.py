@@ -86,9 +86,9 @@ def main() -> int:
         for op in ops:
             x = np.zeros(nbytes // 4, np.float32)  # zeros: the sum stays finite however often it runs
             if op == "allreduce":
-                sides = [lambda c=c: c.allreduce(x, op="sum") for c in comms]
+                sides = [lambda c=c, x=x: c.allreduce(x, op="sum") for c in comms]
             else:
-                sides = [lambda c=c: c.broadcast(x, root=0) for c in comms]
+                sides = [lambda c=c, x=x: c.broadcast(x, root=0) for c in comms]
             times = measure(barrier, sides, rounds, k, warmup=(5, 100))
             world.Allreduce(MPI.IN_PLACE, times, MPI.MAX)
             med = np.median(times, axis=0)

@@ -90,7 +90,7 @@ def main() -> int:
         "ranks": size,
         "nodes_local_size": ours_comm.local_size,
         "mpi_library": " ".join(MPI.Get_library_version().split("\n")[0].replace("Version:", "").split()),
-        "mpi_standard": "%d.%d" % MPI.Get_version(),
+        "mpi_standard": "{}.{}".format(*MPI.Get_version()),
         "mpi4py": mpi4py.__version__,
         "thread_level": levels.get(MPI.Query_thread(), str(MPI.Query_thread())),
         "collectives": collectives.__version__,

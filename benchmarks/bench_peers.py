@@ -424,7 +424,7 @@ def show_many(docs: list[dict]) -> None:
 def summarise_thread_levels(runs: list[dict]) -> dict:
     out = {}
     for op in ("allreduce", "broadcast"):
-        def med(job, peer):
+        def med(job, peer, op=op):
             return next(r["peers"][peer]["median_s"] for r in job["results"] if r["op"] == op)
 
         ours_s = [med(r["serialized"], "collectives") for r in runs]

@@ -25,7 +25,7 @@ class Channel:
     rank = 0
     size = 1
 
-    def for_tests(self) -> "Channel":
+    def for_tests(self) -> Channel:
         """A second channel for tests' own exchanges, which can never pair with a verdict exchange."""
         return self
 
@@ -75,7 +75,7 @@ class MPIChannel(Channel):
             time.sleep(pause)
             pause = min(pause * 2, 0.002)
 
-    def for_tests(self) -> "Channel":
+    def for_tests(self) -> Channel:
         if not hasattr(self, "_tests"):
             other = object.__new__(MPIChannel)
             other.MPI, other.comm, other.rank, other.size = self.MPI, self.comm.Dup(), self.rank, self.size

@@ -61,7 +61,7 @@ class Lib:
         """Why this library cannot be used here, or None."""
         try:
             importlib.import_module(self.module)
-        except Exception as exc:  # ImportError, or a broken install
+        except Exception as exc:  # noqa: BLE001 - ImportError, or a broken install: reported as the reason
             return f"{self.name}: cannot import {self.module} ({type(exc).__name__}: {exc})"
         return None
 
@@ -132,7 +132,7 @@ class NumpyLib(Lib):
     layouts = Lib.layouts + ("strided", "reversed", "fortran", "readonly")
 
     def dtypes(self):
-        return list(_dtypes.STANDARD[n] for n in _dtypes.STANDARD if n != "bfloat16") + list(
+        return [_dtypes.STANDARD[n] for n in _dtypes.STANDARD if n != "bfloat16"] + list(
             _dtypes.NUMPY_EXTRA.values())
 
     def from_bits(self, bits, spec):
@@ -311,7 +311,7 @@ class CupyLib(Lib):
             return why
         try:
             n = self.cp.cuda.runtime.getDeviceCount()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any CUDA runtime failure means "no device": reported
             return f"cupy: no CUDA device ({type(exc).__name__}: {exc})"
         return None if n > 0 else "cupy: no CUDA device"
 

@@ -72,7 +72,7 @@ def test_torch_requires_grad_in_place(sut, comm, lib_name, collective):
 @pytest.mark.parametrize("lib_name,collective", _torch_cases("conjugate view", ("broadcast", "allreduce", "reduce")))
 def test_torch_conjugate_view_in_place(sut, comm, lib_name, collective):
     """A lazily conjugated view (x.conj()) is updated in place: x.conj() holds the result afterwards."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     lib = _libs.get(lib_name)
     root = 0
 

@@ -131,7 +131,7 @@ NOT_ARRAYS = {
                                         for c in _matrix.COLLECTIVES])
 def test_not_an_array(sut, comm, collective):
     """Anything that is not an array (a NumPy scalar too) is a TypeError; so is an object-dtype array."""
-    for label, value in NOT_ARRAYS.items():
+    for value in NOT_ARRAYS.values():
         with pytest.raises(TypeError):
             _call(sut, collective, value)
     objects = np.array([object(), None], dtype=object)
@@ -143,8 +143,8 @@ def test_not_an_array(sut, comm, collective):
 @pytest.mark.parametrize("lib_name", _matrix.libs_param("validation order", "reduce"))
 def test_validation_order(sut, comm, lib_name):
     """The documented order: array, device, op, root, dtype, dtype/op pair."""
-    lib, spec, made = _made(lib_name, "float64", seed=13, rank=comm.rank)
-    _, ispec, imade = _made(lib_name, "int32", seed=13, rank=comm.rank)
+    _lib, _spec, made = _made(lib_name, "float64", seed=13, rank=comm.rank)
+    _, _ispec, imade = _made(lib_name, "int32", seed=13, rank=comm.rank)
     with pytest.raises(TypeError):          # not an array, before an unknown op
         sut.allreduce([1.0, 2.0], op="avg")
     with pytest.raises(TypeError):          # op not a string, before root out of range

@@ -168,14 +168,14 @@ def _sync_module(sut, comm, rec, lib, root, seed, what):
     torch = pytest.importorskip("torch")
     model = _torch_model(lib, comm.rank, seed)
     model.train()(torch.ones(4, 3, device=next(model.parameters()).device))  # BatchNorm buffers differ per rank
-    params = [p for p in model.parameters()]
+    params = list(model.parameters())
     ref = _torch_model(lib, root, seed)
     ref.train()(torch.ones(4, 3, device=next(ref.parameters()).device))
     out = sut.synchronize(model, root=root)
     assert out is model, f"{what}: a module is synchronized in place and returned"
     for (name, t), (_, w) in zip(model.state_dict().items(), ref.state_dict().items()):
         assert torch.equal(t.cpu(), w.cpu()), f"{what}: {name} is not root's"
-    assert [p for p in model.parameters()] == params and all(p.requires_grad for p in params)
+    assert list(model.parameters()) == params and all(p.requires_grad for p in params)
     rec.same_on_every_rank(f"root {root}", b"".join(t.cpu().numpy().tobytes() for t in model.state_dict().values()))
 
 
@@ -244,7 +244,7 @@ def test_allreduce_tree(sut, comm, rec, lib_name, container, op):
     seed = seed_of("allreduce_tree", lib_name, container)
     what = f"allreduce_tree({container} of {lib_name} leaves, op={op!r}) on rank {comm.rank}"
     if container == "module":
-        torch = pytest.importorskip("torch")
+        pytest.importorskip("torch")
         model = _torch_model(lib, comm.rank, seed, batchnorm=False)
         trees = [_torch_model(lib, r, seed, batchnorm=False).state_dict() for r in range(comm.size)]
         out = sut.allreduce_tree(model, op=op)

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Callable, NamedTuple
+from typing import NamedTuple
+from collections.abc import Callable
 
 import numpy as np
 

@@ -25,6 +25,6 @@ if __name__ == "__main__":
         logs = Path(os.environ.get("COLLECTIVES_TEST_LOGS", Path(__file__).resolve().parents[1] / ".test-logs"))
         logs.mkdir(parents=True, exist_ok=True)
         suite = Path(sys.argv[1]).name if len(sys.argv) > 1 else "tests"
-        log = open(logs / f"{suite}-n{size}-rank{rank}.log", "w")
+        log = open(logs / f"{suite}-n{size}-rank{rank}.log", "w")  # noqa: SIM115 - stdout of the rank until exit
         os.dup2(log.fileno(), 1)
     sys.exit(pytest.main(sys.argv[1:]))

@@ -70,7 +70,7 @@ def mpi_run(target: str, n: int, timeout: int, extra=()) -> tuple[int, int, bool
         f.unlink()
     cmd = [mpiexec(), "-n", str(n), sys.executable, "tests/mpi_pytest.py", target, "-q", "-x",
            "--timeout", "240", *extra]
-    rc, out = run(cmd, timeout)
+    rc, _out = run(cmd, timeout)
     counts = []
     for r in range(n):
         f = LOGS / f"summary-n{n}-rank{r}.json"

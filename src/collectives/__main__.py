@@ -51,12 +51,12 @@ def gather_info(start_mpi: bool = True) -> dict:
 
             MPI = import_mpi()
             mpi["library"] = MPI.Get_library_version().strip().splitlines()[0]
-            mpi["standard"] = "%d.%d" % MPI.Get_version()
+            mpi["standard"] = "{}.{}".format(*MPI.Get_version())
             level = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
                      MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
             mpi["thread_level"] = level.get(MPI.Query_thread(), str(MPI.Query_thread()))
             mpi["mpich_wheel"] = _dist_version("mpich")
-        except Exception as exc:  # report, never fail: this is for bug reports
+        except Exception as exc:  # noqa: BLE001 - report, never fail: this is for bug reports
             mpi["error"] = f"{type(exc).__name__}: {exc}"
     info["mpi"] = mpi
     try:
@@ -66,13 +66,13 @@ def gather_info(start_mpi: bool = True) -> dict:
         info["backend"] = comm.backend
         info["rank"], info["size"] = comm.rank, comm.size
         info["local_rank"], info["local_size"] = comm.local_rank, comm.local_size
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - report, never fail
         info["backend"] = f"unavailable: {type(exc).__name__}: {exc}"
     try:
         from ._backends import _libnccl
 
         info["nccl"] = _libnccl.info()
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - report, never fail
         info["nccl"] = {"error": f"{type(exc).__name__}: {exc}"}
     return info
 

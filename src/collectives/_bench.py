@@ -76,7 +76,7 @@ def sizes_from(begin: int, end: int, factor: float) -> list[int]:
         raise ValueError(f"-f must be more than 1, got {factor}")
     out, s = [], float(begin)
     while s <= end * (1 + 1e-9):
-        out.append(int(round(s)))
+        out.append(round(s))
         s *= factor
     return sorted(set(out))
 
@@ -262,9 +262,9 @@ def make_call(coll, comm, collective: str, op: str, root: int, x, leaves: int):
     tree = {f"p{i:03d}": x[bounds[i]:bounds[i + 1]] for i in range(leaves) if bounds[i + 1] > bounds[i]}
     box = [tree]
     if collective == "synchronize":
-        run = lambda: box.__setitem__(0, coll.synchronize(tree, root=root, comm=comm))  # noqa: E731
+        run = lambda: box.__setitem__(0, coll.synchronize(tree, root=root, comm=comm))
     else:
-        run = lambda: box.__setitem__(0, coll.allreduce_tree(tree, op=op, comm=comm))  # noqa: E731
+        run = lambda: box.__setitem__(0, coll.allreduce_tree(tree, op=op, comm=comm))
     return run, (lambda: [box[0][k] for k in sorted(box[0])])  # the leaves, in order
 
 

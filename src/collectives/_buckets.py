@@ -66,7 +66,7 @@ class Item:
     the leaf itself when it was updated in place, else a new array.
     """
 
-    __slots__ = ("leaf", "adapter", "view", "info", "device", "result")
+    __slots__ = ("adapter", "device", "info", "leaf", "result", "view")
 
     def __init__(self, leaf, adapter, view: np.ndarray, info: _dtypes.DType, device: tuple[int, int]):
         self.leaf = leaf
@@ -193,7 +193,7 @@ class Plan:
             dtype)`` for allreduce (in elements of the wire dtype).
     """
 
-    __slots__ = ("devices", "solos", "buckets")
+    __slots__ = ("buckets", "devices", "solos")
 
     def __init__(self, devices, solos, buckets):
         self.devices = devices

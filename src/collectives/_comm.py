@@ -158,7 +158,7 @@ class Communicator:
                 return transport.broadcast(x, a, root)
             self._fast_path("broadcast", x, a, view, info, transport)
             return self._in_place(x, a, view, info, lambda buf: transport.broadcast(buf, root))
-        except Exception as exc:  # costs nothing unless raised: MPI's own errors become CollectiveError
+        except Exception as exc:  # noqa: BLE001 - re-raised; costs nothing unless raised: MPI's own errors become CollectiveError
             reraise(exc, "broadcast")
 
     def allreduce(self, x, op: str = "sum"):
@@ -180,7 +180,7 @@ class Communicator:
             self._fast_path(op, x, a, view, info, transport)
             return self._in_place(x, a, view, info, lambda buf: self._reduce_buffer(
                 transport, buf, info, op, transport.allreduce))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - re-raised (MPI errors as CollectiveError)
             reraise(exc, "allreduce")
 
     @translating("reduce")
@@ -597,7 +597,7 @@ def broadcast(x, root: int = 0, *, comm=None):
         if run is not None and x.flags.carray and 0 <= root < c._size:
             try:
                 run(x, root)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - re-raised (MPI errors as CollectiveError)
                 reraise(exc, "broadcast")
             return x
     return c.broadcast(x, root)
@@ -634,7 +634,7 @@ def allreduce(x, op: str = "sum", *, comm=None):
         if run is not None and x.flags.carray:
             try:
                 run(x)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - re-raised (MPI errors as CollectiveError)
                 reraise(exc, "allreduce")
             return x
     return c.allreduce(x, op)

@@ -11,10 +11,10 @@ import functools
 import sys
 
 __all__ = [
-    "CollectiveError",
-    "MismatchError",
     "BackendUnavailableError",
+    "CollectiveError",
     "CollectiveTimeoutError",
+    "MismatchError",
     "NcclError",
 ]
 
@@ -140,7 +140,7 @@ def translating(what: str):
         def call(*args, **kwargs):
             try:
                 return fn(*args, **kwargs)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - re-raised (MPI errors as CollectiveError)
                 reraise(exc, what)
         return call
     return wrap

@@ -61,7 +61,7 @@ def install(transport) -> bool:
 
 def uninstall() -> None:
     """Take the hook out again (for tests). If another hook wrapped ours since, ours only stops acting."""
-    global _previous, _installed
+    global _installed
     if sys.excepthook is _abort_hook and _previous is not None:
         sys.excepthook = _previous
     _installed = False

@@ -8,13 +8,14 @@ wrappers do).
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
+from collections.abc import Callable
 
 from . import _dtypes
 from ._tree import WRAPPER_ATTRIBUTE, allreduce_tree, is_array, map_leaves
 
 
-def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_step: int = 1,  # noqa: N802
+def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_step: int = 1,
                          bucket_bytes: int | None = None, comm=None):
     """Wrap an optimizer so that every update uses gradients averaged over all ranks.
 

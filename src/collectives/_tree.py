@@ -83,7 +83,7 @@ def _kind_of_type(t: type) -> str:
         kind = _NAMEDTUPLE if hasattr(t, "_fields") else _TUPLE
     elif issubclass(t, list):
         kind = _LIST
-    elif issubclass(t, np.ndarray) or torch is not None and issubclass(t, torch.Tensor):
+    elif issubclass(t, np.ndarray) or (torch is not None and issubclass(t, torch.Tensor)):
         kind = ARRAY
     elif issubclass(t, (np.generic, type)):
         kind = OBJECT
@@ -125,7 +125,7 @@ def sorted_keys(keys) -> list:
 class _Node:
     """One container in a tree definition."""
 
-    __slots__ = ("kind", "obj", "keys", "children")
+    __slots__ = ("children", "keys", "kind", "obj")
 
     def __init__(self, kind, obj, keys, children):
         self.kind = kind  # "dict" "list" "tuple" "namedtuple" "dataclass" "module" "wrapper"
@@ -142,7 +142,7 @@ class Flat:
     ``paths`` are made on first use (messages and fingerprints need them, a repeated call does not).
     """
 
-    __slots__ = ("leaves", "kinds", "treedef", "sig", "_paths")
+    __slots__ = ("_paths", "kinds", "leaves", "sig", "treedef")
 
     def __init__(self):
         self.leaves: list = []
@@ -197,7 +197,7 @@ def _flatten(x, leaves: list, kinds: list, sig: list):
         keys = sorted_keys(x)
         sig.append((kind, tuple(keys), tuple(map(type, keys))))  # 1 and True are equal keys, not equal paths
         return _Node(kind, x, keys, _children([x[k] for k in keys], leaves, kinds, sig))
-    if kind == _LIST or kind == _TUPLE:
+    if kind in (_LIST, _TUPLE):
         sig.append((kind, len(x)))
         return _Node(kind, x, None, _children(x, leaves, kinds, sig))
     if kind == _NAMEDTUPLE:
@@ -246,7 +246,7 @@ def _paths_of(node, path: str, out: list) -> None:
     elif kind == _DICT:
         for k, child in zip(node.keys, node.children):
             _paths_of(child, f"{path}[{k!r}]", out)
-    elif kind == _LIST or kind == _TUPLE:
+    elif kind in (_LIST, _TUPLE):
         for i, child in enumerate(node.children):
             _paths_of(child, f"{path}[{i}]", out)
     else:  # namedtuple, dataclass, module
@@ -299,7 +299,7 @@ def _build(node, it):
     children = [_build(c, it) for c in node.children]
     x = node.obj
     kind = node.kind
-    if kind == _MODULE or kind == _WRAPPER:  # updated in place
+    if kind in (_MODULE, _WRAPPER):  # updated in place
         return x
     if kind == _DICT:
         old = [x[k] for k in node.keys]
@@ -560,7 +560,7 @@ class _Leaves:
     as such, so that every rank groups its device leaves the same way).
     """
 
-    __slots__ = ("items", "index", "sig", "failed", "errors", "devices")
+    __slots__ = ("devices", "errors", "failed", "index", "items", "sig")
 
     def __init__(self):
         self.items: list[_buckets.Item] = []

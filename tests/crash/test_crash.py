@@ -132,7 +132,7 @@ def test_checked_mismatch_raises_on_every_rank_and_ends_the_job(n):
     job = run("mismatch", n, COLLECTIVES_CHECK=1)
     ended_promptly(job)
     assert "MismatchError" in job.err, job
-    sides = f"rank 0 has (4,), rank 1 has (5,)" if n == 2 else f"ranks 0,1 have (4,), rank 2 has (5,)"
+    sides = "rank 0 has (4,), rank 1 has (5,)" if n == 2 else "ranks 0,1 have (4,), rank 2 has (5,)"
     assert f"ranks disagree about allreduce (checked mode): shape: {sides}" in job.err, job
 
 

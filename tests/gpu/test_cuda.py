@@ -27,9 +27,8 @@ def expected_transport(comm) -> str:
 def legal_here(op: str, dtype: str, transport: str) -> bool:
     if not legal(op, dtype):
         return False
-    if transport == "nccl" and (dtype in ("int16", "uint16") or (dtype.startswith("complex") and op == "prod")):
-        return False  # NCCL has no 16-bit integers and no complex type
-    return True
+    # NCCL has no 16-bit integers and no complex type
+    return not (transport == "nccl" and (dtype in ("int16", "uint16") or (dtype.startswith("complex") and op == "prod")))
 
 
 def assert_reduced(got, want, dtype, op):

@@ -88,7 +88,7 @@ def test_mismatch_raises_on_every_rank_naming_every_side(checked, what):
         before = arg.copy()
         call, match = (lambda: c.allreduce(arg)), rf"dtype: ranks? 0.*'float64', rank {last} has 'float32'"
     elif what == "op":
-        call = lambda: c.allreduce(x, op="max" if odd else "sum")  # noqa: E731
+        call = lambda: c.allreduce(x, op="max" if odd else "sum")
         match = rf"op: ranks? 0.*'sum', rank {last} has 'max'"
     elif what == "root":
         call, match = (lambda: c.broadcast(x, root=1 if odd else 0)), rf"root: ranks? 0.* 0, rank {last} has 1"
@@ -96,7 +96,7 @@ def test_mismatch_raises_on_every_rank_naming_every_side(checked, what):
         call = (lambda: c.broadcast(x)) if odd else (lambda: c.allreduce(x))
         match = rf"collective: ranks? 0.*'allreduce', rank {last} has 'broadcast'"
     elif what == "barrier":
-        call = (lambda: c.barrier()) if odd else (lambda: c.allgather(x))
+        call = (c.barrier) if odd else (lambda: c.allgather(x))
         match = rf"collective: ranks? 0.*'allgather', rank {last} has 'barrier'"
     else:  # reduce vs allreduce: same data, different semantics
         call = (lambda: c.reduce(x, root=0)) if odd else (lambda: c.allreduce(x))

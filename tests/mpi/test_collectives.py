@@ -101,7 +101,7 @@ def test_broadcast_opaque_numpy_dtypes_bit_for_bit(comm):
     rec = np.zeros(3, dtype=[("a", "i4"), ("b", "f8")])
     rec["a"] = comm.rank
     rec["b"] = comm.rank / 3
-    strings = np.array(["rank%d" % comm.rank, "x" * comm.rank], dtype="U8")
+    strings = np.array([f"rank{comm.rank}", "x" * comm.rank], dtype="U8")
     dates = np.array(["2026-11-29"], dtype="datetime64[D]") + comm.rank
     nan_payload = np.array([np.nan, -0.0, np.inf], dtype=np.float64)
     nan_payload.view(np.uint64)[0] |= comm.rank  # distinct NaN payloads must survive

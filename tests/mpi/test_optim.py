@@ -33,8 +33,8 @@ def test_torch_step_averages_gradients(comm):
         p.grad = torch.full_like(p, float(comm.rank + i))
     assert opt.step() is None
     for i, p in enumerate(params):
-        np.testing.assert_allclose(p.detach().numpy(), -rank_mean(comm, lambda r: r + i))
-        np.testing.assert_allclose(p.grad.numpy(), rank_mean(comm, lambda r: r + i))
+        np.testing.assert_allclose(p.detach().numpy(), -rank_mean(comm, lambda r, i=i: r + i))
+        np.testing.assert_allclose(p.grad.numpy(), rank_mean(comm, lambda r, i=i: r + i))
 
 
 def test_torch_wrapper_delegates(comm):
@@ -107,7 +107,7 @@ def test_torch_param_groups_order_and_dtypes(comm):
     for i, p in enumerate((a, b, c)):
         p.grad = torch.full_like(p, float(comm.rank + i))
     opt.step()
-    want = [rank_mean(comm, lambda r: r + i) for i in range(3)]
+    want = [rank_mean(comm, lambda r, i=i: r + i) for i in range(3)]
     np.testing.assert_allclose(a.detach().numpy(), -want[0])
     np.testing.assert_allclose(b.detach().float().numpy(), -want[1], rtol=1e-2)
     np.testing.assert_allclose(c.detach().numpy(), -2.0 * want[2])
@@ -162,8 +162,8 @@ def test_torch_accumulation_every_k_steps(comm):
         history.append(p.detach().clone())
         assert opt.accumulating == ((it + 1) % k != 0)
     # nothing changes until the k-th step; then the rank-mean of the sum of k gradients is applied
-    first = sum(rank_mean(comm, lambda r: r + it) for it in range(k))
-    second = sum(rank_mean(comm, lambda r: r + it) for it in range(k, 2 * k))
+    first = sum(rank_mean(comm, lambda r, it=it: r + it) for it in range(k))
+    second = sum(rank_mean(comm, lambda r, it=it: r + it) for it in range(k, 2 * k))
     for it in range(k - 1):
         assert history[it].tolist() == [0.0, 0.0]
     assert history[k - 1].tolist() == pytest.approx([-first] * 2)
@@ -251,7 +251,7 @@ def test_optax_like_accumulation(comm):
         if (step + 1) % k:
             assert updates["w"].tolist() == [0.0, 0.0] and state.mini_step == (step + 1) % k
         else:
-            micro = [rank_mean(comm, lambda r: r * 10.0 + s) for s in range(step + 1 - k, step + 1)]
+            micro = [rank_mean(comm, lambda r, s=s: r * 10.0 + s) for s in range(step + 1 - k, step + 1)]
             ref, ref_state = inner.update({"w": np.full(2, sum(micro) / k)}, ref_state, params)
             np.testing.assert_allclose(updates["w"], ref["w"], rtol=1e-12)
             assert state.mini_step == 0 and state.grad_acc["w"].tolist() == [0.0, 0.0]

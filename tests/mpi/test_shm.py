@@ -39,7 +39,7 @@ def inputs(dtype: np.dtype, op: str, count: int, rank: int, seed: int) -> np.nda
     if dtype.kind in "iu":
         lo, hi = (-3, 4) if op == "prod" else (-100, 100)
         if dtype.kind == "u":
-            lo, hi = 0, hi
+            lo = 0
         return rng.integers(lo, hi, count).astype(dtype)
     if op == "prod":
         x = rng.uniform(0.5, 1.5, count)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import collectives as coll
+import itertools
 
 
 class Point(typing.NamedTuple):
@@ -523,7 +524,7 @@ def test_mismatch_other_shape(comm, fn):
     call = (lambda t: coll.synchronize(t, comm=comm)) if fn == "synchronize" else (
         lambda t: coll.allreduce_tree(t, comm=comm))
     msg = _mismatch(comm, make, call,
-                    r"leaf \['w'\]: rank 0 has float32 \(3, 4\), rank %d has float32 \(3, 5\)" % last)
+                    rf"leaf \['w'\]: rank 0 has float32 \(3, 4\), rank {last} has float32 \(3, 5\)")
     assert f"ranks differing from rank 0: {last}" in msg
     # nested paths are named in full
     with pytest.raises(coll.MismatchError, match=r"leaf \['layer'\]\['w'\]: rank 0 has float32 \(3, 4\)"):
@@ -548,7 +549,7 @@ def test_mismatch_extra_and_missing_key(comm):
         return t
 
     _mismatch(comm, make, lambda t: coll.synchronize(t, comm=comm),
-              r"leaf \['extra'\]: rank 0 has no such leaf, rank %d has float64 \(2,\)" % (comm.size - 1))
+              rf"leaf \['extra'\]: rank 0 has no such leaf, rank {comm.size - 1} has float64 \(2,\)")
 
     def missing(r):
         t = {"w": np.zeros(3), "gone": np.ones(1)}
@@ -623,7 +624,7 @@ def test_mismatch_detected_after_the_structure_was_cached(comm, fn):
     def make(r):
         return {"w": np.ones((2, 4 if r == last else 3), np.float32), "b": [np.ones(4)]}
 
-    _mismatch(comm, make, call, r"leaf \['w'\]: rank 0 has float32 \(2, 3\), rank %d has float32 \(2, 4\)" % last)
+    _mismatch(comm, make, call, rf"leaf \['w'\]: rank 0 has float32 \(2, 3\), rank {last} has float32 \(2, 4\)")
     call({"w": np.ones((2, 3), np.float32), "b": [np.ones(4)]})  # the cached structure still works
 
 
@@ -678,10 +679,10 @@ def test_synchronize_tied_and_overlapping_leaves(comm):
     np.testing.assert_array_equal(w, np.arange(3000.0).reshape(60, 50) + 1000 * root)
     assert out.weight is emb.weight and bool((emb.weight == root).all())
     host = comm._host
-    for types, spares in getattr(host, "_pipe_typesets", {}).values():
+    for types, _spares in getattr(host, "_pipe_typesets", {}).values():
         for t in types:
             blocks = sorted(zip(*(t.decode()[2][k] for k in ("displacements", "blocklengths"))))
-            assert all(a + n <= b for (a, n), (b, _) in zip(blocks, blocks[1:])), "overlapping receive"
+            assert all(a + n <= b for (a, n), (b, _) in itertools.pairwise(blocks)), "overlapping receive"
 
 
 def test_sync_pipeline_switch_is_agreed_by_every_rank(comm, monkeypatch):

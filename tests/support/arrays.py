@@ -16,9 +16,7 @@ def has(lib: str, dtype: str) -> bool:
         return lib == "torch"
     if lib == "torch" and dtype in ("uint16", "uint32", "uint64"):
         return False  # torch has them only partially (no arithmetic on CPU for all ops)
-    if lib == "strict" and dtype in ("float16",):
-        return False
-    return True
+    return not (lib == "strict" and dtype in ("float16",))
 
 
 def make(lib: str, values: np.ndarray, dtype: str):

@@ -169,7 +169,7 @@ class FakeDeviceAPI:
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    monkeypatch.setattr(cuda, "device_api", lambda: FakeDeviceAPI())
+    monkeypatch.setattr(cuda, "device_api", FakeDeviceAPI)
     monkeypatch.setattr(cuda, "_warned", False)
     for name in ("COLLECTIVES_DISABLE_NCCL", "COLLECTIVES_CUDA_AWARE_MPI", "NCCL_MULTI_RANK_GPU_ENABLE"):
         monkeypatch.delenv(name, raising=False)
@@ -704,7 +704,7 @@ def test_nccl_close_never_hangs(monkeypatch):
 
 @needs_torch
 def test_nccl_checked_mode_agrees_first():
-    t, lib = nccl_transport(check=True)
+    t, _lib = nccl_transport(check=True)
     x = torch.ones(2, 3)
     t.allreduce(x, None, "mean")
     from collectives import _check

@@ -191,7 +191,7 @@ def test_uninstall_restores_and_a_wrapped_hook_stops_acting(fake_mpi, monkeypatc
     _failure.install(types.SimpleNamespace(name="mpi"))
     monkeypatch.setattr(_failure, "_previous", lambda *a: seen.append(a))
     ours = sys.excepthook
-    sys.excepthook = lambda *a: ours(*a)
+    sys.excepthook = ours
     _failure.uninstall()
     monkeypatch.setattr(sys, "stderr", io.StringIO())
     sys.excepthook(KeyError, KeyError("k"), None)

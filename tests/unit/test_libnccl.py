@@ -50,7 +50,7 @@ def _import_binding() -> types.ModuleType:
         sys.path.insert(0, SRC)
     try:
         return importlib.import_module("collectives._backends._libnccl")
-    except Exception:
+    except Exception:  # noqa: BLE001 - any import failure: retried below with a clean module table
         saved = {k: v for k, v in sys.modules.items() if k == "collectives" or k.startswith("collectives.")}
         for k in saved:
             del sys.modules[k]
@@ -444,7 +444,7 @@ def test_result_enum_matches_header():
     for name, value in header.items():
         assert getattr(m, name) == value, name
     expected = {v: k for k, v in header.items() if k != "ncclNumResults"}
-    assert m.RESULT_NAMES == expected
+    assert expected == m.RESULT_NAMES
 
 
 @needs_header
@@ -453,9 +453,9 @@ def test_redop_enum_matches_header():
     assert "ncclNumOps_dummy" not in header and "ncclMaxRedOp" not in header
     for name, value in header.items():
         assert getattr(m, name) == value, name
-    assert m.REDOP_NAMES == {v: k for k, v in header.items() if v < header["ncclNumOps"]}
-    assert m.OP_BY_NAME == {"sum": header["ncclSum"], "prod": header["ncclProd"], "max": header["ncclMax"],
-                            "min": header["ncclMin"], "mean": header["ncclAvg"]}
+    assert {v: k for k, v in header.items() if v < header["ncclNumOps"]} == m.REDOP_NAMES
+    assert {"sum": header["ncclSum"], "prod": header["ncclProd"], "max": header["ncclMax"],
+                            "min": header["ncclMin"], "mean": header["ncclAvg"]} == m.OP_BY_NAME
 
 
 @needs_header
@@ -472,7 +472,7 @@ def test_datatype_enum_matches_header():
     expected = {"int8": "ncclInt8", "uint8": "ncclUint8", "int32": "ncclInt32", "uint32": "ncclUint32",
                 "int64": "ncclInt64", "uint64": "ncclUint64", "float16": "ncclFloat16",
                 "float32": "ncclFloat32", "float64": "ncclFloat64", "bfloat16": "ncclBfloat16"}
-    assert m.DTYPE_BY_NAME == {k: header[v] for k, v in expected.items()}
+    assert {k: header[v] for k, v in expected.items()} == m.DTYPE_BY_NAME
 
 
 @needs_header

@@ -480,7 +480,7 @@ def test_synchronize_broadcasts_device_leaves_one_by_one(monkeypatch):
 
 
 def test_device_transport_failure_leaves_host_leaves_untouched(monkeypatch):
-    comm, calls = device_comm(monkeypatch)
+    comm, _calls = device_comm(monkeypatch)
     real = comm._transport_for
 
     def refuse(device):

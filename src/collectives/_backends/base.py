@@ -55,5 +55,5 @@ class Transport(abc.ABC):
     def barrier(self) -> None:
         """Return once every rank has entered."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: a transport that holds nothing keeps this no-op
         """Release what the transport holds; idempotent."""
