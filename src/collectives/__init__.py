@@ -12,11 +12,13 @@ from ._comm import (
     Communicator,
     allgather,
     allreduce,
+    allreduce_tree,
     barrier,
     broadcast,
     finalize,
     init,
     reduce,
+    synchronize,
     world,
 )
 from ._errors import (
@@ -28,7 +30,6 @@ from ._errors import (
 )
 from ._optim import DistributedOptimizer
 from ._shard import shard
-from ._tree import allreduce_tree, synchronize
 from ._version import __version__
 
 __all__ = [

@@ -39,12 +39,11 @@ Buffers are reused across calls: one per wire dtype per communicator, grown to t
 
 from __future__ import annotations
 
-import weakref
 from collections import OrderedDict
 
 import numpy as np
 
-from . import _arrays, _dtypes
+from . import _arrays, _dtypes, _reduction
 
 SOLO_BYTES = 256 << 10  # allreduce: leaves this big are reduced in their own memory (measured)
 BROADCAST_SOLO_BYTES = 4 << 20  # broadcast: leaves this big are broadcast in their own memory (measured)
@@ -105,8 +104,9 @@ def _device_kind(device) -> int:
     return _arrays.CPU if device[0] in _arrays.HOST_DEVICE_TYPES else device[0]
 
 
-class _Pool:
-    """Reusable flat buffers, one per dtype, least recently used first out."""
+class Pool:
+    """Reusable flat buffers, one per dtype, least recently used first out. A communicator owns one
+    (``Communicator._pool``) and drops it in ``close()``."""
 
     def __init__(self):
         self._buffers: OrderedDict[np.dtype, np.ndarray] = OrderedDict()
@@ -119,31 +119,6 @@ class _Pool:
         while len(self._buffers) > MAX_POOLED:
             self._buffers.popitem(last=False)
         return buf[:n]
-
-
-class _State:
-    """What a communicator keeps between fused calls: the buffer pool and the transports' direct calls."""
-
-    __slots__ = ("pool", "runners")
-
-    def __init__(self):
-        self.pool = _Pool()
-        self.runners: dict = {}  # (id(transport), op, dtype) -> (transport, callable on a contiguous buffer)
-
-
-_states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _state(comm) -> _State:
-    s = _states.get(comm)
-    if s is None:
-        s = _states[comm] = _State()
-    return s
-
-
-def pool(comm) -> _Pool:
-    """The buffer pool of a communicator (dropped with it)."""
-    return _state(comm).pool
 
 
 def plan(items: list[Item], bucket_bytes: int, key, size,
@@ -209,33 +184,6 @@ def _device_groups(items) -> list[list[int]]:
     return list(groups.values())
 
 
-def _runner(comm, state: _State, transport, op: str, dtype: np.dtype):
-    """A callable reducing (``op``) or broadcasting (``op`` "broadcast", called with ``root``) a contiguous
-    host buffer of ``dtype`` in place: the transport's direct call where it has one, else the general path.
-
-    ``dtype`` is one the transport reduces natively (a wire dtype). Kept per communicator, so nothing here
-    may refer to the communicator itself (it would never be collected).
-    """
-    key = (id(transport), op, dtype)
-    hit = state.runners.get(key)
-    if hit is not None and hit[0] is transport:
-        return hit[1]
-    fast = getattr(transport, "fast_call", None)
-    run = fast(op, dtype, comm.size) if fast is not None else None
-    if run is None:
-        if op == "broadcast":
-            run = transport.broadcast
-        else:
-            wire_op, size = ("sum" if op == "mean" else op), comm.size
-
-            def run(buf):
-                transport.allreduce(buf, wire_op)
-                if op == "mean":
-                    np.divide(buf, size, out=buf)
-    state.runners[key] = (transport, run)
-    return run
-
-
 # ---------------------------------------------------------------------------------------------------------
 # broadcast
 
@@ -284,11 +232,10 @@ def broadcast(comm, items: list[Item], root: int, bucket_bytes: int, the_plan: P
     if not the_plan.solos and not the_plan.buckets:
         return the_plan
     host = comm._transport_for(_arrays.HOST)
-    if getattr(host, "can_broadcast_many", False):
+    if host.can_broadcast_many:
         _broadcast_many(host, items, is_root, root, bucket_bytes)
         return the_plan
-    state = _state(comm)
-    bcast = _runner(comm, state, host, "broadcast", np.dtype(np.uint8))
+    bcast = host.fast_call("broadcast", np.dtype(np.uint8), comm.size) or host.broadcast
     for pos in the_plan.solos:
         item = items[pos]
         view = item.view
@@ -302,7 +249,7 @@ def broadcast(comm, items: list[Item], root: int, bucket_bytes: int, the_plan: P
             bcast(buf.reshape(-1).view(np.uint8), root)
             item.take(lambda target, buf=buf: np.copyto(target, buf))
     for _, total, entries in the_plan.buckets:
-        buf = state.pool.take(np.dtype(np.uint8), total)
+        buf = comm._pool.take(np.dtype(np.uint8), total)
         if is_root:
             for pos, off, nbytes in entries:
                 view = items[pos].view
@@ -348,15 +295,6 @@ def _broadcast_many(host, items: list[Item], is_root: bool, root: int, bucket_by
 # allreduce
 
 
-def wire_dtype(transport, info: _dtypes.DType, op: str) -> np.dtype:
-    """The dtype a host leaf travels in: float32 for bfloat16 and for float16 the transport cannot reduce."""
-    if info.name == "bfloat16":
-        return np.dtype(np.float32)
-    if info.storage == np.float16 and not transport.reduces(info.storage, "sum" if op == "mean" else op):
-        return np.dtype(np.float32)
-    return info.storage
-
-
 def allreduce_plan(comm, items: list[Item], op: str, bucket_bytes: int) -> Plan:
     """The plan of :func:`allreduce`: buckets per (device kind, dtype, wire dtype), offsets in elements."""
     host = comm._transport_for(_arrays.HOST)
@@ -365,7 +303,7 @@ def allreduce_plan(comm, items: list[Item], op: str, bucket_bytes: int) -> Plan:
     def wire(item):
         w = wires.get(item.info)
         if w is None:
-            w = wires[item.info] = wire_dtype(host, item.info, op)
+            w = wires[item.info] = _reduction.value_dtype(item.info, op, host.reduces)
         return w
 
     hosted = [item for item in items if item.view is not None]
@@ -401,17 +339,11 @@ def allreduce(comm, items: list[Item], op: str, bucket_bytes: int, the_plan: Pla
         return the_plan
     if not the_plan.solos and not the_plan.buckets:
         return the_plan
-    state = _state(comm)
     host = comm._transport_for(_arrays.HOST)
     for pos in the_plan.solos:
         item = items[pos]
-        view, info = item.view, item.info
-        if wire_dtype(host, info, op) != info.storage or info.kind == "b":  # widened, or bool as bytes
-            item.result = comm._in_place(
-                item.leaf, item.adapter, view, info,
-                lambda buf, info=info: comm._reduce_buffer(host, buf, info, op, host.allreduce))
-            continue
-        run = _runner(comm, state, host, op, view.dtype)
+        view = item.view
+        run = comm._runner(host, item.info, op)  # the Communicator's own call for this (dtype, op)
         if view.flags.c_contiguous and item.writable_in_place():
             run(view)  # in the leaf's own memory: no copy
         else:
@@ -419,7 +351,7 @@ def allreduce(comm, items: list[Item], op: str, bucket_bytes: int, the_plan: Pla
             run(buf)
             item.take(lambda target, buf=buf: np.copyto(target, buf))
     for (_, name, wire), total, entries in the_plan.buckets:
-        buf = state.pool.take(wire, total)
+        buf = comm._pool.take(wire, total)
         bf16 = name == "bfloat16"
         for pos, off, n in entries:  # pack (widening on the way)
             view = items[pos].view
@@ -429,10 +361,7 @@ def allreduce(comm, items: list[Item], op: str, bucket_bytes: int, the_plan: Pla
                 bits <<= 16
             else:
                 buf[off:off + n].reshape(view.shape)[...] = view
-        if wire.kind == "b":
-            comm._reduce_buffer(host, buf, _dtypes.from_numpy(wire), op, host.allreduce)
-        else:
-            _runner(comm, state, host, op, wire)(buf)
+        comm._runner(host, _dtypes.from_numpy(wire), op)(buf)  # the rules of _reduction, as for one array
         for pos, off, n in entries:  # unpack (rounding back on the way)
             item = items[pos]
             view = item.view
@@ -449,9 +378,8 @@ def allreduce(comm, items: list[Item], op: str, bucket_bytes: int, the_plan: Pla
 def _allreduce_device(transport, group: list[Item], op: str) -> None:
     """Reduce the device items of one device: in one fused call where the transport has one (NCCL: one
     group), else one by one. Device transports write into the caller's arrays."""
-    many = getattr(transport, "allreduce_many", None)
-    if many is not None and len(group) > 1:
-        many([item.leaf for item in group], group[0].adapter, op)
+    if transport.fuses and len(group) > 1:
+        transport.allreduce_many([item.leaf for item in group], group[0].adapter, op)
         return
     for item in group:
         item.result = transport.allreduce(item.leaf, item.adapter, op)

@@ -18,12 +18,13 @@ from __future__ import annotations
 import atexit
 import sys
 import threading
+from collections import OrderedDict
 
 import numpy as np
 
-from . import _arrays, _check, _config, _dtypes
-from ._backends.base import Transport
-from ._backends.self import SelfTransport
+from . import _agree, _arrays, _buckets, _config, _dtypes, _reduction, _tree
+from ._backends import factory
+from ._backends.base import HostTransport
 from ._errors import BackendUnavailableError, reraise, translating
 
 BACKENDS = ("auto", "mpi", "self")
@@ -31,6 +32,15 @@ _ndarray = np.ndarray  # one global look-up on the hot path instead of two
 _torch_tensor = None  # torch.Tensor, once a torch tensor's call has been cached (torch is never imported here)
 _NONE: dict = {}  # read-only by convention: what the hot path looks in for an op with no cached calls
 _UNSET = object()  # "argument not part of this collective" (None is a value users may pass by mistake)
+
+
+def _torch_plain(t) -> bool:
+    """A CPU torch tensor whose ``.numpy()`` is its own memory, in order: strided, contiguous, not lazily
+    negated (``z.conj().imag``). Only called for exact ``torch.Tensor`` of a cached real dtype."""
+    return t.is_cpu and t.layout is _strided and t.is_contiguous() and not t.is_neg()
+
+
+_strided = None  # torch.strided, set with _torch_tensor
 
 
 class Communicator:
@@ -56,11 +66,14 @@ class Communicator:
         True
     """
 
-    def __init__(self, host: Transport, *, check: bool = False):
+    def __init__(self, host: HostTransport, *, check: bool = False):
         self._host = host
         self._devices: dict = {}  # (dlpack device type, id) -> device transport
-        self._fast: dict = {}  # op -> {NumPy dtype: direct transport call} (hot path); see _fast_path
+        self._fast: dict = {}  # op -> {array dtype: the call the general path chose} (hot path); see _fast_path
         self._fast_broadcast: dict = {}  # the same for broadcast (one look-up less)
+        self._runners: dict = {}  # (op, DType) -> (transport, reduction call); see _runner
+        self._pool = _buckets.Pool()  # the fused collectives' flat buffers (_buckets)
+        self._plans: OrderedDict = OrderedDict()  # tree structure -> (description, digest, plan) (_tree)
         self._size = host.size  # a plain attribute for the hot path
         self.check = bool(check)
 
@@ -122,9 +135,7 @@ class Communicator:
         if device[0] in (_arrays.CUDA, _arrays.CUDA_MANAGED):
             hit = self._devices.get(device)
             if hit is None:
-                from ._backends import cuda
-
-                hit = self._devices[device] = cuda.make_transport(self, device)
+                hit = self._devices[device] = factory.device_transport(self, device)
             return hit
         raise BackendUnavailableError(
             f"array on {_arrays.device_name(device)}: no transport for this device; copy it to host memory"
@@ -143,43 +154,46 @@ class Communicator:
     def broadcast(self, x, root: int = 0):
         """Root's ``x`` on every rank. See :func:`collectives.broadcast`."""
         try:
-            if x.__class__ is _ndarray and root.__class__ is int:  # hot path: see _fast_path
+            cls = x.__class__
+            if cls is _ndarray:  # the hot path (see _fast_path): a cached call, no validation
                 run = self._fast_broadcast.get(x.dtype)
-                if run is not None and x.flags.carray and 0 <= root < self._size:  # C order, writable
+                if run is not None and x.flags.carray and root.__class__ is int and 0 <= root < self._size:
                     run(x, root)
                     return x
-            elif x.__class__ is _torch_tensor and root.__class__ is int:  # the same for torch: _fast_path
+            elif cls is _torch_tensor:
                 run = self._fast_broadcast.get(x.dtype)
-                if run is not None and x.is_cpu and x.is_contiguous() and 0 <= root < self._size:
+                if run is not None and root.__class__ is int and 0 <= root < self._size and _torch_plain(x):
                     run(x.detach().numpy() if x.requires_grad else x.numpy(), root)
                     return x
             a, transport, view, info, _, root = self._prepare("broadcast", x, root=root)
             if transport.array_level:
                 return transport.broadcast(x, a, root)
-            self._fast_path("broadcast", x, a, view, info, transport)
-            return self._in_place(x, a, view, info, lambda buf: transport.broadcast(buf, root))
+            run = transport.fast_call("broadcast", view.dtype, self._size) or transport.broadcast
+            self._fast_path("broadcast", x, a, view, info, run)
+            return self._in_place(x, a, view, info, lambda buf: run(buf, root))
         except Exception as exc:  # noqa: BLE001 - re-raised; costs nothing unless raised: MPI's own errors become CollectiveError
             reraise(exc, "broadcast")
 
     def allreduce(self, x, op: str = "sum"):
         """Reduce ``x`` over all ranks, result on every rank. See :func:`collectives.allreduce`."""
         try:
-            if x.__class__ is _ndarray and op.__class__ is str:  # hot path, see _fast_path
+            cls = x.__class__
+            if cls is _ndarray:  # the hot path (see _fast_path)
                 run = self._fast.get(op, _NONE).get(x.dtype)
                 if run is not None and x.flags.carray:  # C-contiguous, aligned and writable
                     run(x)
                     return x
-            elif x.__class__ is _torch_tensor and op.__class__ is str:  # the same for torch: _fast_path
+            elif cls is _torch_tensor:
                 run = self._fast.get(op, _NONE).get(x.dtype)
-                if run is not None and x.is_cpu and x.is_contiguous():
+                if run is not None and _torch_plain(x):
                     run(x.detach().numpy() if x.requires_grad else x.numpy())
                     return x
             a, transport, view, info, op, _ = self._prepare("allreduce", x, op=op)
             if transport.array_level:
                 return transport.allreduce(x, a, op)
-            self._fast_path(op, x, a, view, info, transport)
-            return self._in_place(x, a, view, info, lambda buf: self._reduce_buffer(
-                transport, buf, info, op, transport.allreduce))
+            run = self._runner(transport, info, op)
+            self._fast_path(op, x, a, view, info, run)
+            return self._in_place(x, a, view, info, run)
         except Exception as exc:  # noqa: BLE001 - re-raised (MPI errors as CollectiveError)
             reraise(exc, "allreduce")
 
@@ -189,13 +203,15 @@ class Communicator:
         a, transport, view, info, op, root = self._prepare("reduce", x, op=op, root=root)
         if transport.array_level:
             return transport.reduce(x, a, op, root)
+
+        def run(buf, receives=True):
+            _reduction.reduce_buffer(buf, info, op, self._size, lambda b, o: transport.reduce(b, o, root),
+                                     transport.reduces, receives=receives)
+
         if self.rank != root:  # non-root ranks contribute x and get it back unchanged
-            buf = view if view.flags.c_contiguous else np.array(view, order="C")
-            self._reduce_buffer(transport, buf, info, op,
-                                lambda b, o: transport.reduce(b, o, root), divide=False)
+            run(view if view.flags.c_contiguous else np.array(view, order="C"), receives=False)
             return x
-        return self._in_place(x, a, view, info, lambda buf: self._reduce_buffer(
-            transport, buf, info, op, lambda b, o: transport.reduce(b, o, root)))
+        return self._in_place(x, a, view, info, run)
 
     @translating("allgather")
     def allgather(self, x):
@@ -231,8 +247,8 @@ class Communicator:
                 if op is not _UNSET:
                     _dtypes.check_reduction(info, op)
         except Exception as exc:
-            if self.check:  # the others wait in the agreement step: tell them, then raise (see _check)
-                _check.refuse(self._host, collective, exc)
+            if self.check:  # the others wait in the agreement step: tell them, then raise (see _agree)
+                _agree.agree(self._host, collective, (), None, exc)
             raise
         if transport is None:  # checked mode, an array outside host memory
             self._agree_device(collective, x, device, **args)
@@ -246,43 +262,47 @@ class Communicator:
         """Block until every rank has called it. See :func:`collectives.barrier`."""
         transport = self._transport_for(_arrays.HOST)
         if self.check:
-            _check.agree(transport, {"collective": "barrier"})
+            _agree.agree(transport, "barrier")
         transport.barrier()
 
-    def _fast_path(self, op: str, x, a, view, info, transport) -> None:
-        """Cache the transport's direct call for (op, dtype) of contiguous writable NumPy arrays, and of
-        contiguous CPU torch tensors of a real dtype (called with the tensor's NumPy view).
+    def _runner(self, transport, info, op: str):
+        """The call that allreduces a contiguous buffer of ``info``'s dtype with ``op`` in place
+        (:func:`collectives._reduction.runner`), made once per (transport, dtype, op) and kept here."""
+        key = (op, info)
+        hit = self._runners.get(key)
+        if hit is None or hit[0] is not transport:
+            hit = self._runners[key] = (transport, _reduction.runner(transport, info, op, self._size))
+        return hit[1]
 
-        Filled by the general path once a call with that pair has been fully validated, so the cache holds
-        only legal, natively supported pairs; a later call with the same pair skips the adapter, the dtype
-        table and the op checks (two dictionary look-ups and a flag read instead; for torch, three cheap
-        tensor attributes and ``.numpy()``). Keyed by the array's own dtype object: NumPy and torch dtypes
-        never compare equal. Only exact ``np.ndarray`` and ``torch.Tensor`` (not subclasses such as
-        ``nn.Parameter``, which keep the general path), and only dtypes whose storage view is the array's
-        own dtype (not bfloat16 or the float8s, which are widened or reinterpreted; not complex torch
-        tensors, whose lazily conjugated views NumPy cannot see). Never filled in checked mode (setting
-        ``check`` empties it). Bounded: a handful of ops times the dtypes in use. The module-level
-        :func:`allreduce` and :func:`broadcast` read it too, to save a call per collective.
+    def _fast_path(self, op: str, x, a, view, info, run) -> None:
+        """Cache ``run`` (the call the general path has just chosen for a fully validated call) for later
+        calls with the same (op, dtype) on contiguous writable NumPy arrays, and on contiguous CPU torch
+        tensors of a real dtype (called with the tensor's NumPy view).
+
+        A later call with the same pair skips the adapter, the dtype table and the op checks (two
+        dictionary look-ups and a flag read instead; for torch, a few cheap tensor attributes and
+        ``.numpy()``), and gives the same bits: ``run`` is what the general path calls. Keyed by the
+        array's own dtype object: NumPy and torch dtypes never compare equal. Only exact ``np.ndarray``
+        and ``torch.Tensor`` (not subclasses such as ``nn.Parameter``, which keep the general path), and
+        only dtypes whose storage view is the array's own dtype (not bfloat16 or the float8s, which are
+        widened or reinterpreted; not complex torch tensors, whose lazily conjugated views NumPy cannot
+        see). Never filled in checked mode (setting ``check`` empties it). Bounded: a handful of ops times
+        the dtypes in use. ``close()`` empties it.
         """
-        global _torch_tensor
-        if self._check or view is None:
+        global _torch_tensor, _strided
+        if self._check:
             return
         if a is _arrays.NUMPY and x.__class__ is _ndarray:
-            wire = x.dtype  # the hot path hands the transport x itself
+            pass  # the hot path hands run x itself
         elif a is _arrays.TORCH and info.name == view.dtype.name and view.dtype.kind in "biuf":
             torch = sys.modules["torch"]
             if x.__class__ is not torch.Tensor:
                 return
-            _torch_tensor = torch.Tensor
-            wire = view.dtype  # the hot path hands the transport x.numpy()
+            _torch_tensor, _strided = torch.Tensor, torch.strided  # the hot path hands run x.numpy()
         else:
             return
         table = self._fast_broadcast if op == "broadcast" else self._fast.setdefault(op, {})
-        if x.dtype not in table:
-            fast = getattr(transport, "fast_call", None)
-            run = fast(op, wire, self.size) if fast is not None else None
-            if run is not None:
-                table[x.dtype] = run
+        table.setdefault(x.dtype, run)
 
     def _local_transport(self, device):
         """``_transport_for(device)``, except in checked mode for an array outside host memory: None.
@@ -300,15 +320,13 @@ class Communicator:
         dtype, before its transport is chosen."""
         dtype = str(getattr(x, "dtype", None)).replace("torch.", "")
         kind = _arrays.DEVICE_NAMES.get(device[0], f"dlpack-device-{device[0]}")
-        call = {"collective": collective, **args, "shape": tuple(getattr(x, "shape", ())), "dtype": dtype,
-                "device": kind}
-        _check.agree(self._transport_for(_arrays.HOST), call)
+        header = (*args.items(), ("shape", tuple(getattr(x, "shape", ()))), ("dtype", dtype), ("device", kind))
+        _agree.agree(self._transport_for(_arrays.HOST), collective, header)
 
     @staticmethod
     def _agree(transport, collective, view, info, **args):
-        call = {"collective": collective, **args, "shape": tuple(view.shape), "dtype": info.name,
-                "device": "host"}
-        _check.agree(transport, call)
+        header = (*args.items(), ("shape", tuple(view.shape)), ("dtype", info.name), ("device", "host"))
+        _agree.agree(transport, collective, header)
 
     # ---- helpers ----
     @staticmethod
@@ -325,50 +343,13 @@ class Communicator:
             return x
         return a.wrap(buf, info, x)
 
-    def _reduce_buffer(self, transport, buf, info, op, collective, divide=True):
-        """Reduce a contiguous buffer in place with ``collective(wire, op)``, widening where needed.
-
-        ``divide=False`` is for ranks that only contribute (non-root ranks of reduce): their buffer is
-        never written, so the caller's array stays bit for bit as it was (also a read-only one).
-        """
-        wire_op = "sum" if op == "mean" else op
-        if info.kind == "b":
-            collective(buf.view(np.uint8), wire_op)
-            return
-        if info.name == "bfloat16":
-            wire = _dtypes.bf16_to_f32(buf)
-        elif not transport.reduces(buf.dtype, wire_op):
-            wire = buf.astype(np.float32)
-        else:
-            wire = buf
-        if op in ("min", "max") and _dtypes.orderable(wire.dtype):  # NaN-propagating, same on all ranks
-            ints = _dtypes.float_to_ordered(wire, op)
-            collective(ints, op)
-            if not divide:
-                return
-            reduced = _dtypes.ordered_to_float(ints, wire.dtype)
-            if wire is buf:
-                buf[...] = reduced
-                return
-            wire = reduced
-        else:
-            collective(wire, wire_op)
-            if wire is buf or not divide:
-                if op == "mean" and divide:
-                    np.divide(wire, self.size, out=wire)
-                return
-            if op == "mean":
-                np.divide(wire, self.size, out=wire)
-        if info.name == "bfloat16":
-            _dtypes.f32_to_bf16(wire, out=buf)
-        else:
-            buf[...] = wire  # float32 -> float16, round to nearest
-
     def close(self) -> None:
         """Release this communicator's resources (its MPI duplicate, its shared-memory window, device
         communicators). Collective: every rank calls it (``finalize()`` and interpreter exit do). Idempotent."""
         host, self._host = self._host, None
-        self._fast, self._fast_broadcast = {}, {}
+        self._fast, self._fast_broadcast, self._runners = {}, {}, {}
+        self._pool = _buckets.Pool()
+        self._plans.clear()
         devices, self._devices = list(self._devices.values()), {}
         for d in devices:  # device transports first: NCCL communicators were set up over the host one
             d.close()
@@ -376,17 +357,13 @@ class Communicator:
             host.close()
 
     # ---- the tree collectives ----
-    def synchronize(self, tree, root: int = 0):
+    def synchronize(self, tree, root: int = 0, *, bucket_bytes: int | None = None):
         """Root's values for every leaf of ``tree``. See :func:`collectives.synchronize`."""
-        from ._tree import synchronize
+        return _tree.synchronize(self, tree, root, bucket_bytes)
 
-        return synchronize(tree, root, comm=self)
-
-    def allreduce_tree(self, tree, op: str = "mean"):
+    def allreduce_tree(self, tree, op: str = "mean", *, bucket_bytes: int | None = None):
         """Reduce every array leaf of ``tree``, fused. See :func:`collectives.allreduce_tree`."""
-        from ._tree import allreduce_tree
-
-        return allreduce_tree(tree, op, comm=self)
+        return _tree.allreduce_tree(self, tree, op, bucket_bytes)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -396,45 +373,6 @@ _lock = threading.RLock()
 _world: Communicator | None = None
 _by_comm: dict[int, tuple[object, Communicator]] = {}
 _atexit_registered = False
-
-
-def _make_transport(backend: str, comm) -> Transport:
-    if backend == "self":
-        if comm is not None:
-            raise ValueError("backend='self' is a single process and takes no comm=; use backend='mpi'")
-        return SelfTransport()
-    if backend == "mpi":
-        from ._backends.mpi import MPITransport
-
-        return MPITransport(comm)
-    # auto
-    try:
-        from ._backends.mpi import MPITransport
-
-        transport = MPITransport(comm)
-    except BackendUnavailableError as exc:
-        if comm is not None:
-            raise
-        launched = _config.launcher_size()
-        if launched is not None:
-            name, n = launched
-            raise BackendUnavailableError(
-                f"this process was started by a launcher for {n} processes ({name}={n}), but MPI cannot be "
-                f"used ({exc}); refusing to run {n} independent single-process copies. Install mpi4py "
-                f"for the launcher's MPI (pip install 'collectives[mpi]', or build mpi4py against your "
-                f"cluster's MPI), or set COLLECTIVES_BACKEND=self to really run alone"
-            ) from exc
-        return SelfTransport()
-    launched = _config.launcher_size()
-    if comm is None and transport.size == 1 and launched is not None:
-        name, n = launched
-        transport.close()
-        raise BackendUnavailableError(
-            f"this process was started by a launcher for {n} processes ({name}={n}), but MPI's world has "
-            f"1 process: mpi4py's MPI library is not the launcher's. Launch with the mpiexec that belongs to "
-            f"mpi4py's MPI (python -m collectives info shows it), or rebuild mpi4py against the launcher's"
-        )
-    return transport
 
 
 def init(backend: str = "auto", *, comm=None, check: bool | None = None) -> Communicator:
@@ -496,7 +434,7 @@ def init(backend: str = "auto", *, comm=None, check: bool | None = None) -> Comm
             if check is not None:
                 existing.check = bool(check)
             return existing
-        transport = _make_transport(backend, comm)
+        transport = factory.host_transport(backend, comm)
         from . import _failure
 
         _failure.install(transport)  # an uncaught exception on one rank aborts the job (see _failure)
@@ -589,17 +527,7 @@ def broadcast(x, root: int = 0, *, comm=None):
         >>> coll.broadcast(x, root=0).tolist()
         [0, 1, 2, 3]
     """
-    c = _world if comm is None else _resolve(comm)
-    if c is None:
-        c = init()
-    if x.__class__ is _ndarray and root.__class__ is int:  # Communicator.broadcast's hot path, inlined
-        run = c._fast_broadcast.get(x.dtype)
-        if run is not None and x.flags.carray and 0 <= root < c._size:
-            try:
-                run(x, root)
-            except Exception as exc:  # noqa: BLE001 - re-raised (MPI errors as CollectiveError)
-                reraise(exc, "broadcast")
-            return x
+    c = (_world or init()) if comm is None else _resolve(comm)
     return c.broadcast(x, root)
 
 
@@ -626,17 +554,7 @@ def allreduce(x, op: str = "sum", *, comm=None):
         >>> coll.allreduce(x, op="mean").tolist() == [(comm.size + 1) / 2, comm.size + 1.0]
         True
     """
-    c = _world if comm is None else _resolve(comm)
-    if c is None:
-        c = init()
-    if x.__class__ is _ndarray and op.__class__ is str:  # Communicator.allreduce's hot path, inlined
-        run = c._fast.get(op, _NONE).get(x.dtype)
-        if run is not None and x.flags.carray:
-            try:
-                run(x)
-            except Exception as exc:  # noqa: BLE001 - re-raised (MPI errors as CollectiveError)
-                reraise(exc, "allreduce")
-            return x
+    c = (_world or init()) if comm is None else _resolve(comm)
     return c.allreduce(x, op)
 
 
@@ -687,3 +605,103 @@ def barrier(*, comm=None) -> None:
         >>> coll.barrier()
     """
     _resolve(comm).barrier()
+
+
+def synchronize(tree, root: int = 0, *, comm=None, bucket_bytes: int | None = None):
+    """Make every leaf of ``tree`` equal to root's: parameters, buffers, optimizer state, settings.
+
+    Every rank of ``comm`` must call it with the same ``root`` and a tree of the same structure. Before
+    any data moves the ranks compare a 16-byte fingerprint of their trees (paths, array shapes, dtypes and
+    device kinds; the paths of non-array leaves, not their values); if they differ, every rank raises
+    :class:`MismatchError` naming the first differing leaf, and nothing changes anywhere.
+
+    What moves:
+
+    - array leaves (NumPy, torch incl. parameters that require grad, anything with ``__dlpack__``): root's
+      values, bit for bit. Host leaves, when every rank is on one node: one pipeline of 1 MiB messages,
+      the root packing into at most ``bucket_bytes`` of reused buffers and the others receiving straight
+      into their leaves; across nodes (or with ``COLLECTIVES_TIMEOUT``): fused buckets, leaves of 4 MiB
+      or more in their own memory. CUDA leaves one by one on their device's transport. In place where the
+      library allows (writable NumPy arrays, torch tensors), else a new array in the returned tree
+      (read-only NumPy, array-api-strict, JAX);
+    - non-array leaves (``None``, Python and NumPy scalars, strings, any picklable object): root's, in
+      one pickled broadcast for all of them;
+    - a torch ``nn.Module``: its parameters and buffers, in place;
+    - a torch ``Optimizer`` (or a :func:`DistributedOptimizer` wrapping one): root's whole ``state_dict``
+      (state tensors, step counts and hyper-parameters such as ``lr``), loaded into every other rank's
+      optimizer; ranks may hold different, even empty, state before. The parameters themselves are not
+      part of an optimizer's state: synchronize the model too. Every rank's optimizer must be of the same
+      class, with the same groups of parameters of the same shapes.
+
+    Args:
+        tree: a tree (see above) of arrays and other values.
+        root: the rank whose values everybody gets.
+        comm: a :class:`Communicator` or an mpi4py communicator (default: :func:`world`).
+        bucket_bytes: the size bound of one fused buffer, and of the root's pack buffers (default
+            ``COLLECTIVES_BUCKET_BYTES``, 25 MiB).
+
+    Returns:
+        The tree with root's values. On root: ``tree`` itself. Elsewhere: ``tree`` itself when every leaf
+        was updated in place (NumPy, torch, modules, optimizers) and no leaf is a non-array value;
+        otherwise a tree of the same structure whose containers are new where a leaf inside changed.
+
+    Raises:
+        MismatchError: the ranks' trees or roots differ (on every rank, nothing changed).
+        ValueError: ``root`` out of range.
+
+    Example:
+        >>> import numpy as np, collectives as coll
+        >>> comm = coll.world()
+        >>> state = {"w": np.full(3, float(comm.rank)), "step": comm.rank, "name": f"rank{comm.rank}"}
+        >>> state = coll.synchronize(state, root=0)
+        >>> state["w"].tolist(), state["step"], state["name"]
+        ([0.0, 0.0, 0.0], 0, 'rank0')
+    """
+    return _tree.synchronize(_resolve(comm), tree, root, bucket_bytes)
+
+
+def allreduce_tree(tree, op: str = "mean", *, comm=None, bucket_bytes: int | None = None):
+    """Reduce every array leaf of ``tree`` over all ranks, fused into few collectives.
+
+    Every rank must call it with the same ``op`` and a tree of the same structure (checked first, with
+    one 17-byte Allgather; on a difference every rank raises :class:`MismatchError` and nothing changes).
+
+    Small host leaves are packed into flat buffers per dtype of at most ``bucket_bytes`` each, one
+    collective per buffer; a leaf of 256 KiB or more (or a quarter of ``bucket_bytes``) is reduced on its
+    own, in its own memory when it is contiguous and writable, so large gradients are never copied.
+    Leaves in CUDA memory are reduced on their device by its transport, per device in one call where it
+    fuses (NCCL: one group). Results are written back into the caller's arrays where they are writable
+    (NumPy, torch), else new arrays are returned in the result tree. Leaves may be of mixed dtypes and
+    libraries; leaves that are the same object are reduced once (distinct leaves must not overlap in
+    memory, e.g. ``x`` and ``x[:2]``: the overlap would be reduced twice).
+
+    Leaves that are not arrays: Python and NumPy scalars are reduced too (and returned as the same type);
+    ``None`` is kept (all ranks must have ``None`` there, e.g. a parameter without gradient); anything
+    else is a TypeError.
+
+    Args:
+        tree: a tree of arrays (containers as in :func:`synchronize`, also an ``nn.Module``).
+        op: ``"mean"`` (default), ``"sum"``, ``"prod"``, ``"min"`` or ``"max"``, with the dtype rules of
+            :func:`allreduce` (``"mean"`` on an integer leaf is a TypeError naming the leaf).
+        comm: a :class:`Communicator` or an mpi4py communicator (default: :func:`world`).
+        bucket_bytes: the size bound of one fused buffer (default ``COLLECTIVES_BUCKET_BYTES``, 25 MiB);
+            must be the same on every rank.
+
+    Returns:
+        The tree with the reduced values: ``tree`` itself when every leaf was reduced in place.
+
+    Raises:
+        TypeError: an illegal op/dtype pair, or a leaf that cannot be reduced (raised on every rank,
+            before any data moved).
+        MismatchError: the ranks' trees or ops differ.
+
+    Example:
+        >>> import numpy as np, collectives as coll
+        >>> comm = coll.world()
+        >>> grads = {"w": np.full((2, 2), float(comm.rank)), "b": np.ones(2), "loss": float(comm.rank)}
+        >>> out = coll.allreduce_tree(grads, op="mean")
+        >>> mean = (comm.size - 1) / 2
+        >>> bool((out["w"] == mean).all()) and out["b"].tolist() == [1.0, 1.0] and out["loss"] == mean
+        True
+    """
+    return _tree.allreduce_tree(_resolve(comm), tree, op, bucket_bytes)

@@ -113,33 +113,29 @@ def f32_to_bf16(values: np.ndarray, out: np.ndarray) -> None:
     out[...] = rounded.reshape(out.shape)
 
 
-# ---- min/max on floating values: NaN-propagating and identical on every rank ----
-# MPI's MAX/MIN on floats are C comparisons: a NaN wins or loses depending on which rank holds it and on
-# the algorithm. We map floats to signed integers with the same order instead (negative values get their
-# magnitude bits flipped), send NaN to the top for max and to the bottom for min, reduce the integers,
-# and map back: exact, the same on every rank, NaN in -> NaN out (a canonical quiet NaN), -0.0 < +0.0.
+# ---- mean's division, whatever the caller's NumPy error state ----
+# A caller's np.seterr(all="raise") (or "warn" under python -W error) would turn the underflow of a tiny
+# mean into an exception on some ranks only, or print warnings from library code. np.errstate costs about
+# a microsecond, as much as a whole small allreduce, so it is entered only when the caller's error state
+# is not the one last seen quiet (NumPy keeps it in a context variable: reading it costs ~40 ns).
 
-_ORDERED_INT = {2: np.dtype(np.int16), 4: np.dtype(np.int32), 8: np.dtype(np.int64)}
-
-
-def orderable(dtype: np.dtype) -> bool:
-    """True for floating dtypes whose min/max go through the integer mapping."""
-    return dtype.kind == "f" and dtype.itemsize in _ORDERED_INT
-
-
-def float_to_ordered(values: np.ndarray, op: str) -> np.ndarray:
-    """A new contiguous signed-integer array ordered like ``values``; NaN is the extreme ``op`` picks."""
-    itype = _ORDERED_INT[values.dtype.itemsize]
-    info = np.iinfo(itype)
-    ints = np.array(values, order="C").view(itype)
-    np.bitwise_xor(ints, info.max, out=ints, where=ints < 0)
-    nan = np.isnan(values)
-    if nan.any():
-        ints[nan.reshape(ints.shape)] = info.max if op == "max" else info.min
-    return ints
+try:  # NumPy >= 2
+    from numpy._core._ufunc_config import _extobj_contextvar as _errstate_var
+except ImportError:  # pragma: no cover - NumPy 1.x: always enter errstate
+    _errstate_var = None
+_quiet_state: list = [None]  # the last error state object found to ignore underflow
 
 
-def ordered_to_float(ints: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """Invert :func:`float_to_ordered` in place; returns the float view of ``ints``."""
-    np.bitwise_xor(ints, np.iinfo(ints.dtype).max, out=ints, where=ints < 0)
-    return ints.view(dtype)
+def divide(buf: np.ndarray, n) -> None:
+    """``buf /= n`` in place, in buf's dtype, never raising nor warning (mean's division)."""
+    if _errstate_var is not None:
+        state = _errstate_var.get()
+        if state is _quiet_state[0]:
+            np.divide(buf, n, out=buf)
+            return
+        if np.geterr()["under"] == "ignore":
+            _quiet_state[0] = state
+            np.divide(buf, n, out=buf)  # n >= 1: an underflow is the only error a division can raise
+            return
+    with np.errstate(all="ignore"):
+        np.divide(buf, n, out=buf)

@@ -12,7 +12,8 @@ from typing import Any, NamedTuple
 from collections.abc import Callable
 
 from . import _dtypes
-from ._tree import WRAPPER_ATTRIBUTE, allreduce_tree, is_array, map_leaves
+from ._comm import _resolve, allreduce_tree
+from ._tree import WRAPPER_ATTRIBUTE, is_array, map_leaves
 
 
 def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_step: int = 1,
@@ -76,8 +77,6 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
         >>> bool(np.allclose(updates["w"], -0.1 * (coll.world().size - 1) / 2))
         True
     """
-    from ._comm import _resolve
-
     if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int):
         raise TypeError(f"backward_passes_per_step must be a positive integer, got "
                         f"{type(backward_passes_per_step).__name__}")
@@ -128,8 +127,6 @@ class TorchDistributedOptimizer:
 
     def __init__(self, optimizer, *, op: str = "mean", backward_passes_per_step: int = 1,
                  bucket_bytes: int | None = None, comm=None):
-        from ._comm import _resolve
-
         self.inner = optimizer
         self.comm = _resolve(comm)
         self.op = op

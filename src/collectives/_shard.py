@@ -18,6 +18,7 @@ import numpy as np
 
 from . import _arrays
 from ._errors import MismatchError
+from ._comm import _resolve
 from ._tree import is_array
 
 
@@ -151,8 +152,6 @@ def shard(data, *, drop_remainder: bool = False, comm=None):
         ...     comm.rank * (10 // comm.size):(comm.rank + 1) * (10 // comm.size)]
         True
     """
-    from ._comm import _resolve
-
     c = _resolve(comm)
     if is_array(data):
         shape = getattr(data, "shape", None)

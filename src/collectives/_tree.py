@@ -32,17 +32,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
 import pickle
 import sys
-import weakref
-from collections import OrderedDict
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _arrays, _buckets, _config, _dtypes
-from ._errors import CollectiveError, MismatchError, translating
+from . import _agree, _arrays, _buckets, _config, _dtypes
+from ._agree import render_path
+from ._errors import translating
 
 # ---------------------------------------------------------------------------------------------------------
 # flatten / unflatten
@@ -54,11 +52,6 @@ ARRAY, OBJECT, OPTIMIZER = "array", "object", "optimizer"  # leaf kinds
 
 # A marker class attribute by which wrappers (DistributedOptimizer) say "flatten my inner optimizer".
 WRAPPER_ATTRIBUTE = "_collectives_inner_optimizer"
-
-
-def render_path(path: str) -> str:
-    """A path for messages (the empty path is the tree itself)."""
-    return path or "<the tree itself>"
 
 
 def _torch():
@@ -366,86 +359,13 @@ def array_desc(name: str, shape: tuple, kind: str) -> str:
     return f"{name} {shape}" if kind == "cpu" else f"{name} {shape} on {kind}"
 
 
-_DIGESTS: OrderedDict = OrderedDict()  # id(entries) -> (entries, header, digest), for tuples (immutable)
-_MAX_DIGESTS = 32
-
-
-def digest(header: tuple, entries) -> bytes:
-    """16 bytes identifying a description: blake2b of its text (stable across processes and runs).
-
-    The digest of a *tuple* of entries is remembered (the tree collectives keep the description of a
-    tree structure they have seen as a tuple, so a repeated call does not hash it again).
-    """
-    memo = type(entries) is tuple
-    if memo:
-        hit = _DIGESTS.get(id(entries))
-        if hit is not None and hit[0] is entries and hit[1] == header:
-            return hit[2]
-    text = repr(header) + "\n" + "\n".join(map("\t".join, entries))
-    value = hashlib.blake2b(text.encode(), digest_size=16).digest()
-    if memo:
-        _DIGESTS[id(entries)] = (entries, header, value)
-        while len(_DIGESTS) > _MAX_DIGESTS:
-            _DIGESTS.popitem(last=False)
-    return value
-
-
-def agree(comm, what: str, header: tuple, entries, error: BaseException | None) -> None:
-    """Make every rank agree on (header, entries) before any data moves; raise the same way everywhere.
-
-    ``header`` is a tuple of ``(name, value)`` pairs (the call's arguments that must match); ``entries`` a
-    list (or tuple) of ``(path, description)`` strings, or ``None`` when this rank could not describe its
-    tree (then ``error`` is set). One Allgather of 17 bytes per rank when everything agrees.
-    """
+def agree(comm, what: str, header: tuple, entries, error: BaseException | None, digest=None) -> None:
+    """Agree on a tree call's description across ranks (:func:`collectives._agree.agree`)."""
     if comm.size == 1:
         if error is not None:
             raise error
         return
-    transport = comm._transport_for(_arrays.HOST)
-    mine = np.zeros(17, dtype=np.uint8)
-    if entries is not None:
-        mine[:16] = np.frombuffer(digest(header, entries), dtype=np.uint8)
-    mine[16] = error is not None
-    table = np.empty((comm.size, 17), dtype=np.uint8)
-    transport.allgather(mine, table)
-    same = bool((table[:, :16] == table[0, :16]).all()) and entries is not None
-    failed = bool(table[:, 16].any())
-    if same and not failed:
-        return
-    if (table[:, :16] == 0).all(axis=1).any():
-        same = False  # somebody could not describe its tree: report the error, not a mismatch
-    note = None if error is None else f"{type(error).__name__}: {error}"
-    mine_desc = None if same else (header, None if entries is None else list(entries))
-    gathered = transport.allgather_object((mine_desc, note))
-    descriptions = [d for d, _ in gathered]
-    if not same and all(d is not None and d[1] is not None for d in descriptions):
-        raise MismatchError(mismatch_message(what, descriptions))
-    if error is not None:
-        raise error
-    rank, text = next((r, n) for r, (_, n) in enumerate(gathered) if n is not None)
-    raise CollectiveError(f"{what}: rank {rank} rejected the call ({text}); nothing was sent or changed on "
-                          f"any rank")
-
-
-def mismatch_message(what: str, descriptions: list) -> str:
-    """Name the first difference between rank 0's description and the first rank that differs from it."""
-    base = descriptions[0]
-    differing = [r for r, d in enumerate(descriptions) if d != base]
-    other = differing[0]
-    (h0, e0), (h1, e1) = base, descriptions[other]
-    ranks = ", ".join(map(str, differing))
-    tail = (f" (ranks differing from rank 0: {ranks}). Every rank must pass the same arguments and a tree of "
-            f"the same structure (keys, shapes, dtypes, device kinds); nothing was sent or changed on any rank")
-    for (name, a), (_, b) in zip(h0, h1):
-        if a != b:
-            return f"{what}: {name}: rank 0 has {a!r}, rank {other} has {b!r}{tail}"
-    m0, m1 = dict(e0), dict(e1)
-    diffs = [(p, d, m1.get(p)) for p, d in e0 if m1.get(p) != d]
-    diffs += [(p, None, d) for p, d in e1 if p not in m0]
-    shown = "; ".join(f"leaf {render_path(p)}: rank 0 has {a or 'no such leaf'}, rank {other} has "
-                      f"{b or 'no such leaf'}" for p, a, b in diffs[:3])
-    more = f"; and {len(diffs) - 3} more" if len(diffs) > 3 else ""
-    return f"{what}: {shown}{more}{tail}"
+    _agree.agree(comm._transport_for(_arrays.HOST), what, header, entries, error, digest=digest, checked=False)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -459,25 +379,20 @@ def mismatch_message(what: str, descriptions: list) -> str:
 # every call (with the cached 16-byte digest), so a mismatch is still detected on every rank.
 
 PLAN_CACHE = 8  # structures remembered per communicator (least recently used dropped first)
-_plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _cached(comm, key):
-    """``(entries, plan)`` for ``key`` on ``comm``, or None."""
-    cache = _plans.get(comm)
-    if cache is None:
-        return None
+    """``(entries, digest, plan)`` for ``key`` in ``comm``'s plan cache, or None."""
+    cache = comm._plans
     hit = cache.get(key)
     if hit is not None:
         cache.move_to_end(key)
     return hit
 
 
-def _remember(comm, key, entries: tuple, plan) -> None:
-    cache = _plans.get(comm)
-    if cache is None:
-        cache = _plans[comm] = OrderedDict()
-    cache[key] = (entries, plan)
+def _remember(comm, key, what: str, header: tuple, entries: tuple, plan) -> None:
+    cache = comm._plans
+    cache[key] = (entries, _agree.fingerprint(what, header, entries), plan)
     while len(cache) > PLAN_CACHE:
         cache.popitem(last=False)
 
@@ -683,65 +598,14 @@ def _optimizer_entries(opt, path) -> list:
 
 
 @translating("synchronize")
-def synchronize(tree, root: int = 0, *, comm=None, bucket_bytes: int | None = None):
-    """Make every leaf of ``tree`` equal to root's: parameters, buffers, optimizer state, settings.
-
-    Every rank of ``comm`` must call it with the same ``root`` and a tree of the same structure. Before
-    any data moves the ranks compare a 16-byte fingerprint of their trees (paths, array shapes, dtypes and
-    device kinds; the paths of non-array leaves, not their values); if they differ, every rank raises
-    :class:`MismatchError` naming the first differing leaf, and nothing changes anywhere.
-
-    What moves:
-
-    - array leaves (NumPy, torch incl. parameters that require grad, anything with ``__dlpack__``): root's
-      values, bit for bit. Host leaves, when every rank is on one node: one pipeline of 1 MiB messages,
-      the root packing into at most ``bucket_bytes`` of reused buffers and the others receiving straight
-      into their leaves; across nodes (or with ``COLLECTIVES_TIMEOUT``): fused buckets, leaves of 4 MiB
-      or more in their own memory. CUDA leaves one by one on their device's transport. In place where the
-      library allows (writable NumPy arrays, torch tensors), else a new array in the returned tree
-      (read-only NumPy, array-api-strict, JAX);
-    - non-array leaves (``None``, Python and NumPy scalars, strings, any picklable object): root's, in
-      one pickled broadcast for all of them;
-    - a torch ``nn.Module``: its parameters and buffers, in place;
-    - a torch ``Optimizer`` (or a :func:`DistributedOptimizer` wrapping one): root's whole ``state_dict``
-      (state tensors, step counts and hyper-parameters such as ``lr``), loaded into every other rank's
-      optimizer; ranks may hold different, even empty, state before. The parameters themselves are not
-      part of an optimizer's state: synchronize the model too. Every rank's optimizer must be of the same
-      class, with the same groups of parameters of the same shapes.
-
-    Args:
-        tree: a tree (see above) of arrays and other values.
-        root: the rank whose values everybody gets.
-        comm: a :class:`Communicator` or an mpi4py communicator (default: :func:`world`).
-        bucket_bytes: the size bound of one fused buffer, and of the root's pack buffers (default
-            ``COLLECTIVES_BUCKET_BYTES``, 25 MiB).
-
-    Returns:
-        The tree with root's values. On root: ``tree`` itself. Elsewhere: ``tree`` itself when every leaf
-        was updated in place (NumPy, torch, modules, optimizers) and no leaf is a non-array value;
-        otherwise a tree of the same structure whose containers are new where a leaf inside changed.
-
-    Raises:
-        MismatchError: the ranks' trees or roots differ (on every rank, nothing changed).
-        ValueError: ``root`` out of range.
-
-    Example:
-        >>> import numpy as np, collectives as coll
-        >>> comm = coll.world()
-        >>> state = {"w": np.full(3, float(comm.rank)), "step": comm.rank, "name": f"rank{comm.rank}"}
-        >>> state = coll.synchronize(state, root=0)
-        >>> state["w"].tolist(), state["step"], state["name"]
-        ([0.0, 0.0, 0.0], 0, 'rank0')
-    """
-    from ._comm import _resolve
-
-    c = _resolve(comm)
+def synchronize(c, tree, root, bucket_bytes):
+    """:func:`collectives.synchronize` on the communicator ``c``."""
     what = "synchronize"
     header = (("root", root), ("bucket_bytes", bucket_bytes))
     entries, error, flat = None, None, None
     prepared = _Leaves()
     payload = None
-    key = cached = None
+    key = cached = digest = None
     has_objects = has_optimizer = False
     try:
         root = c._check_root(root)
@@ -760,7 +624,7 @@ def synchronize(tree, root: int = 0, *, comm=None, bucket_bytes: int | None = No
             key = (what, header, flat.sig, tuple(sig))
             cached = _cached(c, key)
         if cached is not None:
-            entries = cached[0]
+            entries, digest = cached[0], cached[1]
         else:
             entries, error = _sync_entries(flat, prepared)
         if c.size > 1 and c.rank == root and error is None and (has_objects or has_optimizer):
@@ -773,10 +637,10 @@ def synchronize(tree, root: int = 0, *, comm=None, bucket_bytes: int | None = No
             payload = (pickle.dumps((objects, skeletons), protocol=pickle.HIGHEST_PROTOCOL), tensors)
     except Exception as exc:  # noqa: BLE001 - held, raised on every rank by agree()
         error = exc
-    agree(c, what, header, entries, error)
+    agree(c, what, header, entries, error, digest)
     if c.size == 1:
         if key is not None and cached is None:
-            _remember(c, key, entries, None)  # one rank moves nothing: no plan
+            _remember(c, key, what, header, entries, None)  # one rank moves nothing: no plan
         return tree
     nbytes = header[1][1]
     is_root = c.rank == root
@@ -811,10 +675,10 @@ def synchronize(tree, root: int = 0, *, comm=None, bucket_bytes: int | None = No
         except Exception as exc:  # noqa: BLE001 - e.g. a class root pickled that this rank cannot import
             err = exc
         agree(c, what, (), [], err)  # all ranks unpickled root's values, or all raise
-    plan = None if cached is None else cached[1]
+    plan = None if cached is None else cached[2]
     plan = _buckets.broadcast(c, items + opt_items if opt_items else items, root, nbytes, plan)
     if key is not None and cached is None:
-        _remember(c, key, entries, plan)
+        _remember(c, key, what, header, entries, plan)
     if is_root:
         return tree
     for i, item in zip(prepared.index, items):
@@ -856,60 +720,15 @@ _SCALARS = (bool, int, float, complex, np.generic)
 
 
 @translating("allreduce_tree")
-def allreduce_tree(tree, op: str = "mean", *, comm=None, bucket_bytes: int | None = None):
-    """Reduce every array leaf of ``tree`` over all ranks, fused into few collectives.
-
-    Every rank must call it with the same ``op`` and a tree of the same structure (checked first, with
-    one 17-byte Allgather; on a difference every rank raises :class:`MismatchError` and nothing changes).
-
-    Small host leaves are packed into flat buffers per dtype of at most ``bucket_bytes`` each, one
-    collective per buffer; a leaf of 256 KiB or more (or a quarter of ``bucket_bytes``) is reduced on its
-    own, in its own memory when it is contiguous and writable, so large gradients are never copied.
-    Leaves in CUDA memory are reduced on their device by its transport, per device in one call where it
-    fuses (NCCL: one group). Results are written back into the caller's arrays where they are writable
-    (NumPy, torch), else new arrays are returned in the result tree. Leaves may be of mixed dtypes and
-    libraries; leaves that are the same object are reduced once (distinct leaves must not overlap in
-    memory, e.g. ``x`` and ``x[:2]``: the overlap would be reduced twice).
-
-    Leaves that are not arrays: Python and NumPy scalars are reduced too (and returned as the same type);
-    ``None`` is kept (all ranks must have ``None`` there, e.g. a parameter without gradient); anything
-    else is a TypeError.
-
-    Args:
-        tree: a tree of arrays (containers as in :func:`synchronize`, also an ``nn.Module``).
-        op: ``"mean"`` (default), ``"sum"``, ``"prod"``, ``"min"`` or ``"max"``, with the dtype rules of
-            :func:`allreduce` (``"mean"`` on an integer leaf is a TypeError naming the leaf).
-        comm: a :class:`Communicator` or an mpi4py communicator (default: :func:`world`).
-        bucket_bytes: the size bound of one fused buffer (default ``COLLECTIVES_BUCKET_BYTES``, 25 MiB);
-            must be the same on every rank.
-
-    Returns:
-        The tree with the reduced values: ``tree`` itself when every leaf was reduced in place.
-
-    Raises:
-        TypeError: an illegal op/dtype pair, or a leaf that cannot be reduced (raised on every rank,
-            before any data moved).
-        MismatchError: the ranks' trees or ops differ.
-
-    Example:
-        >>> import numpy as np, collectives as coll
-        >>> comm = coll.world()
-        >>> grads = {"w": np.full((2, 2), float(comm.rank)), "b": np.ones(2), "loss": float(comm.rank)}
-        >>> out = coll.allreduce_tree(grads, op="mean")
-        >>> mean = (comm.size - 1) / 2
-        >>> bool((out["w"] == mean).all()) and out["b"].tolist() == [1.0, 1.0] and out["loss"] == mean
-        True
-    """
-    from ._comm import _resolve
-
-    c = _resolve(comm)
+def allreduce_tree(c, tree, op, bucket_bytes):
+    """:func:`collectives.allreduce_tree` on the communicator ``c``."""
     what = "allreduce_tree"
     header = (("op", op), ("bucket_bytes", bucket_bytes))
     entries, error, flat = None, None, None
     prepared = _Leaves()
     scalars: list[tuple[int, type]] = []  # (position in prepared.items, the scalar's type)
     aliases: list[tuple[int, int]] = []  # (leaf index, index of the first leaf that is the same object)
-    key = cached = None
+    key = cached = digest = None
     try:
         header = (("op", op), ("bucket_bytes", _bucket_bytes(bucket_bytes)))
         op = _dtypes.check_op(op)
@@ -939,17 +758,17 @@ def allreduce_tree(tree, op: str = "mean", *, comm=None, bucket_bytes: int | Non
             key = (what, header, flat.sig, tuple(sig))
             cached = _cached(c, key)
         if cached is not None:
-            entries = cached[0]
+            entries, digest = cached[0], cached[1]
         else:
             entries, error = _reduce_entries(flat, prepared, op)
     except Exception as exc:  # noqa: BLE001 - held, raised on every rank by agree()
         error = exc
-    agree(c, what, header, entries, error)
+    agree(c, what, header, entries, error, digest)
     items = prepared.items
-    plan = None if cached is None else cached[1]
+    plan = None if cached is None else cached[2]
     plan = _buckets.allreduce(c, items, op, header[1][1], plan)
     if key is not None and cached is None:
-        _remember(c, key, entries, plan)
+        _remember(c, key, what, header, entries, plan)
     leaves = flat.leaves
     results = None
     for pos, scalar_type in scalars:

@@ -215,7 +215,7 @@ def test_two_ranks_on_one_gpu_refused_without_opt_in(comm, dev, monkeypatch):
         pytest.skip("every rank has its own GPU")
     monkeypatch.setenv("NCCL_MULTI_RANK_GPU_ENABLE", "0")
     with pytest.raises(coll.BackendUnavailableError, match="would share one GPU") as info:
-        cuda.make_transport(comm, (CUDA, dev.index))
+        factory.device_transport(comm, (CUDA, dev.index))
     assert "rank  host" in str(info.value) and "<- shared" in str(info.value)
 
 

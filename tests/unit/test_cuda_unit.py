@@ -26,7 +26,7 @@ import pytest
 
 import collectives as coll
 from collectives import _config, _dtypes
-from collectives._backends import _libnccl, cuda
+from collectives._backends import _libnccl, cuda, device, factory
 from collectives._backends.self import SelfTransport
 
 try:
@@ -200,8 +200,8 @@ def test_disable_nccl_selects_staging_and_warns_once(fake_gpu, monkeypatch, mpi_
     monkeypatch.setenv("COLLECTIVES_DISABLE_NCCL", "1")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        first = cuda.make_transport(mpi_comm, (2, 0))
-        second = cuda.make_transport(mpi_comm, (2, 1))
+        first = factory.device_transport(mpi_comm, (2, 0))
+        second = factory.device_transport(mpi_comm, (2, 1))
     assert first.name == second.name == "host-staging" and first.array_level
     assert len(caught) == 1, [str(w.message) for w in caught]
     w = caught[0]
@@ -217,16 +217,16 @@ def test_cuda_aware_opt_in_and_silence(fake_gpu, monkeypatch, mpi_comm):
     monkeypatch.setenv("COLLECTIVES_CUDA_AWARE_MPI", "1")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert cuda.make_transport(mpi_comm, (2, 0)).name == "cuda-aware-mpi"
+        assert factory.device_transport(mpi_comm, (2, 0)).name == "cuda-aware-mpi"
         monkeypatch.setenv("COLLECTIVES_CUDA_AWARE_MPI", "0")
-        assert cuda.make_transport(mpi_comm, (2, 0)).name == "host-staging"  # and no warning
+        assert factory.device_transport(mpi_comm, (2, 0)).name == "host-staging"  # and no warning
 
 
 def test_self_backend_stages_without_warning(fake_gpu, monkeypatch):
     monkeypatch.setenv("COLLECTIVES_DISABLE_NCCL", "1")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        t = cuda.make_transport(coll.Communicator(SelfTransport()), (2, 0))
+        t = factory.device_transport(coll.Communicator(SelfTransport()), (2, 0))
     assert t.name == "host-staging"
 
 
@@ -279,14 +279,14 @@ def test_unsupported_cuda_library_is_refused():
         pass
 
     with pytest.raises(coll.BackendUnavailableError, match="torch tensors and CuPy arrays only"):
-        cuda.library_of(Other())
-    assert cuda.library_of(torch.zeros(1)).name == "torch"
+        device.library_of(Other())
+    assert device.library_of(torch.zeros(1)).name == "torch"
 
 
 # ---------------------------------------------------------------------------------------------------------
 # torch CPU tensors standing in for CUDA tensors
 
-class FakeTorch(cuda._TorchCUDA):
+class FakeTorch(device._TorchCUDA):
     """The real torch helper, with the CUDA-only calls replaced."""
 
     def __init__(self):
@@ -707,11 +707,11 @@ def test_nccl_checked_mode_agrees_first():
     t, _lib = nccl_transport(check=True)
     x = torch.ones(2, 3)
     t.allreduce(x, None, "mean")
-    from collectives import _check
+    from collectives import _agree
 
     kind, sent = t._host.objects[-1]
-    want = {"collective": "allreduce", "op": "mean", "shape": (2, 3), "dtype": "float32", "device": "cuda"}
-    assert kind == "allgather" and bytes(sent[:16]) == _check.fingerprint(want)
+    want = (("op", "mean"), ("shape", (2, 3)), ("dtype", "float32"), ("device", "cuda"))
+    assert kind == "allgather" and bytes(sent[:16]) == _agree.fingerprint("allreduce", want)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -802,7 +802,7 @@ def test_make_transport_builds_nccl_with_the_exchanged_settings(fake_gpu, monkey
     monkeypatch.setenv("COLLECTIVES_TIMEOUT", "7")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # NCCL: no staging warning
-        t = cuda.make_transport(coll.Communicator(SelfTransport()), (2, 1))
+        t = factory.device_transport(coll.Communicator(SelfTransport()), (2, 1))
     assert t.name == "nccl" and t.device_index == 1 and t._timeout == 7.0
     assert lib.calls[0] == ("init", 1, 128, 0) and lib.config.blocking == 0
     t.close()

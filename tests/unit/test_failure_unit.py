@@ -13,12 +13,14 @@ import types
 import numpy as np
 import pytest
 
-from collectives import CollectiveError, CollectiveTimeoutError, MismatchError, _check, _failure
+from collectives import CollectiveError, CollectiveTimeoutError, MismatchError, _agree, _failure
 
 
 class RecordingTransport:
-    """A stand-in host transport; the other ranks make the scripted calls ``others`` (dicts; one with an
-    ``"error"`` key is a refusal). Records what this rank sent in each round."""
+    """A stand-in host transport; the other ranks make the scripted calls ``others``, each
+    ``(what, header, entries)`` or ``(what, error text)`` for a rank that refused. Records what this rank
+    sent in each round. (The agreement protocol is private: a unit test is the only place that can script
+    what the other ranks say.)"""
 
     name = "fake"
 
@@ -32,76 +34,87 @@ class RecordingTransport:
         self.rounds.append("fingerprints")
         for r, other in enumerate(self.others):
             row = recv[r if r < self.rank else r + 1]
-            row[:16] = np.frombuffer(_check.fingerprint(other), dtype=np.uint8)
-            row[16] = _check.ERROR in other
+            refused = len(other) == 2
+            row[:16] = 0 if refused else np.frombuffer(_agree.fingerprint(*other), dtype=np.uint8)
+            row[16] = refused
         recv[self.rank] = send
 
-    def allgather_object(self, obj):  # round two: the calls themselves
+    def allgather_object(self, obj):  # round two: the descriptions themselves
         self.rounds.append("calls")
         self.sent.append(obj)
-        calls = list(self.others)
+        calls = [(o[0], None, o[1]) if len(o) == 2 else (o[0], o, None) for o in self.others]
         calls.insert(self.rank, obj)
         return calls
+
+
+def header(**kw):
+    return tuple(kw.items())
 
 
 # ---- the agreement step ----
 
 def test_agree_passes_when_every_rank_agrees():
-    call = {"collective": "allreduce", "op": "sum", "shape": (3,), "dtype": "float64", "device": "host"}
-    t = RecordingTransport(0, [dict(call), dict(call)])
-    _check.agree(t, call)
+    h = header(op="sum", shape=(3,), dtype="float64", device="host")
+    t = RecordingTransport(0, [("allreduce", h, ()), ("allreduce", h, ())])
+    _agree.agree(t, "allreduce", h)
     assert t.rounds == ["fingerprints"]  # one fixed-size allgather when all agree
 
 
 def test_fingerprint_depends_on_every_value():
-    call = {"collective": "reduce", "op": "sum", "root": 0, "shape": (3,), "dtype": "float64"}
-    prints = {_check.fingerprint(dict(call, **change)) for change in
-              ({}, {"op": "max"}, {"root": 1}, {"shape": (3, 1)}, {"dtype": "float32"}, {"collective": "x"})}
-    assert len(prints) == 6 and len(_check.fingerprint(call)) == 16
+    h = dict(op="sum", root=0, shape=(3,), dtype="float64")
+    prints = {_agree.fingerprint("reduce", header(**dict(h, **change))) for change in
+              ({}, {"op": "max"}, {"root": 1}, {"shape": (3, 1)}, {"dtype": "float32"})}
+    prints.add(_agree.fingerprint("x", header(**h)))
+    prints.add(_agree.fingerprint("reduce", header(**h), (("['w']", "float32 (3,)"),)))
+    assert len(prints) == 7 and len(_agree.fingerprint("reduce", header(**h))) == 16
 
 
 def test_mismatch_message_names_every_side():
-    base = {"collective": "allreduce", "op": "sum", "shape": (3,), "dtype": "float64"}
-    calls = [base, dict(base, shape=(4,)), dict(base, shape=(4,), dtype="float32")]
-    msg = _check.describe_mismatch(calls)
-    assert "shape: rank 0 has (3,), ranks 1,2 have (4,)" in msg
+    base = dict(op="sum", shape=(3,), dtype="float64")
+    calls = [("allreduce", header(**base), ()), ("allreduce", header(**dict(base, shape=(4,))), ()),
+             ("allreduce", header(**dict(base, shape=(4,), dtype="float32")), ())]
+    msg = _agree.mismatch_message(calls, " (checked mode)")
+    assert "ranks disagree about allreduce (checked mode): shape: rank 0 has (3,), ranks 1,2 have (4,)" in msg
     assert "dtype: ranks 0,1 have 'float64', rank 2 has 'float32'" in msg
-    assert "op:" not in msg and "collective:" not in msg  # agreeing keys are not listed
+    assert "op:" not in msg  # agreeing keys are not listed
     with pytest.raises(MismatchError, match="ranks disagree about allreduce"):
-        _check.agree(RecordingTransport(1, calls[:1] + calls[2:]), calls[1])
+        _agree.agree(RecordingTransport(1, calls[:1] + calls[2:]), *calls[1])
 
 
-def test_mismatch_message_names_a_refusing_rank_and_its_error():
-    ok = {"collective": "reduce", "op": "sum", "root": 0, "shape": (2,), "dtype": "float64"}
-    bad = {"collective": "reduce", "error": "ValueError: root=5 is out of range"}
-    msg = _check.describe_mismatch([ok, bad, ok])
-    assert msg.startswith("reduce refused by rank 1 (checked mode): rank 1 raised ValueError: root=5")
-    assert "Nothing was sent or changed on any rank" in msg
-    msg = _check.describe_mismatch([bad, dict(bad, error="TypeError: x"), ok])
-    assert "refused by ranks 0,1" in msg and "rank 1 raised TypeError: x" in msg
-    other = {"collective": "broadcast", "root": 0, "shape": (2,), "dtype": "float64"}
-    assert "(other ranks called broadcast)" in _check.describe_mismatch([bad, other])
+def test_mismatch_message_names_different_collectives_and_leaves():
+    a = ("allreduce_tree", header(op="mean"), (("['w']", "float32 (3,)"), ("['b']", "float32 (2,)")))
+    b = ("allreduce_tree", header(op="mean"), (("['w']", "float32 (4,)"), ("['b']", "float32 (2,)")))
+    msg = _agree.mismatch_message([a, a, b])
+    assert "leaf ['w']: ranks 0,1 have float32 (3,), rank 2 has float32 (4,)" in msg
+    assert "['b']" not in msg and "(ranks differing from rank 0: 2)" in msg
+    msg = _agree.mismatch_message([("barrier", (), ()), a])
+    assert msg.startswith("ranks called different collectives: rank 0 called barrier, rank 1 called allreduce_tree")
 
 
-def test_refuse_contributes_the_error_and_notes_it():
-    ok = {"collective": "allreduce", "op": "mean", "shape": (3,), "dtype": "float64", "device": "host"}
-    t = RecordingTransport(1, [ok])
+def test_a_refusing_rank_raises_its_error_and_the_others_name_it():
+    h = header(op="mean", shape=(3,), dtype="float64", device="host")
+    t = RecordingTransport(1, [("allreduce", h, ())])
     err = TypeError("op='mean' on integer dtype int64 would truncate")
-    _check.refuse(t, "allreduce", err)
-    assert t.sent == [{"collective": "allreduce", "error": "TypeError: " + str(err)}]
-    assert t.rounds == ["fingerprints", "calls"]
+    with pytest.raises(TypeError) as caught:
+        _agree.agree(t, "allreduce", (), None, err)
+    assert caught.value is err and t.rounds == ["fingerprints", "calls"]
+    assert t.sent == [("allreduce", None, "TypeError: " + str(err))]
     if sys.version_info >= (3, 11):
         assert "rank 1 refused this allreduce call" in err.__notes__[0]
-    # the other rank, in agree(), hears about it
-    with pytest.raises(MismatchError, match=r"allreduce refused by rank 1 .*TypeError: op='mean'"):
-        _check.agree(RecordingTransport(0, t.sent), ok)
+    # the other rank hears about it
+    with pytest.raises(MismatchError, match=r"allreduce refused by rank 1 \(checked mode\): rank 1 raised "
+                                            r"TypeError: op='mean'.*Nothing was sent or changed on any rank"):
+        _agree.agree(RecordingTransport(0, [("allreduce", t.sent[0][2])]), "allreduce", h)
+    msg = _agree.refusal_message([("reduce", None, "ValueError: x"), ("reduce", None, "TypeError: y"),
+                                  ("broadcast", ("broadcast", (), ()), None)])
+    assert "refused by ranks 0,1" in msg and "rank 1 raised TypeError: y" in msg
+    assert "(other ranks called broadcast)" in msg
 
 
-def test_refuse_is_silent_alone_or_closed():
-    _check.refuse(None, "allreduce", ValueError("x"))
-    t = RecordingTransport(0, [])
-    _check.refuse(t, "allreduce", ValueError("x"))
-    assert t.sent == []
+def test_a_refusal_alone_or_closed_raises_at_once():
+    for transport in (None, RecordingTransport(0, [])):
+        with pytest.raises(ValueError, match="x"):
+            _agree.agree(transport, "allreduce", (), None, ValueError("x"))
 
 
 # ---- the abort hook ----

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import collectives as coll
-from collectives import _buckets, _shard, _tree
-from collectives._backends.base import Transport
+from collectives import _agree, _buckets, _shard, _tree
+from collectives._backends.base import HostTransport
 from collectives._comm import Communicator
 
 
@@ -101,9 +101,9 @@ def capture(monkeypatch):
     seen = []
     real = _tree.agree
 
-    def spy(comm, what, header, entries, error):
-        seen.append((header, entries))
-        return real(comm, what, header, entries, error)
+    def spy(comm, what, header, entries, error, digest=None):
+        seen.append((what, header, entries))
+        return real(comm, what, header, entries, error, digest)
 
     monkeypatch.setattr(_tree, "agree", spy)
     return seen
@@ -113,11 +113,11 @@ def test_fingerprint_independent_of_insertion_order_and_values(monkeypatch):
     seen = capture(monkeypatch)
     coll.synchronize({"w": np.zeros((2, 3), np.float32), "b": np.zeros(3), "lr": 0.1})
     coll.synchronize({"lr": 0.5, "b": np.ones(3), "w": np.ones((2, 3), np.float32)})
-    assert _tree.digest(*seen[0]) == _tree.digest(*seen[1])
+    assert _agree.fingerprint(*seen[0]) == _agree.fingerprint(*seen[1])
     coll.synchronize({"lr": 0.5, "b": np.ones(3), "w": np.ones((2, 4), np.float32)})
-    assert _tree.digest(*seen[0]) != _tree.digest(*seen[2])
+    assert _agree.fingerprint(*seen[0]) != _agree.fingerprint(*seen[2])
     coll.synchronize({"w": np.zeros((2, 3), np.float32), "b": np.zeros(3), "lr": 0.1}, bucket_bytes=1000)
-    assert _tree.digest(*seen[0]) != _tree.digest(*seen[3]), "the call's arguments are part of it"
+    assert _agree.fingerprint(*seen[0]) != _agree.fingerprint(*seen[3]), "the call's arguments are part of it"
 
 
 def test_fingerprint_distinguishes_dtype_device_kind_and_scalars(monkeypatch):
@@ -128,19 +128,19 @@ def test_fingerprint_distinguishes_dtype_device_kind_and_scalars(monkeypatch):
     coll.allreduce_tree({"w": torch.zeros(3, dtype=torch.float32)})
     coll.allreduce_tree({"w": np.zeros(3, np.float64)})
     coll.allreduce_tree({"w": np.zeros(3, np.float32), "g": None})
-    d = [_tree.digest(*s) for s in seen]
+    d = [_agree.fingerprint(*s) for s in seen]
     assert d[0] == d[1], "the library does not matter, dtype/shape/device kind do"
     assert len({d[0], d[2], d[3]}) == 3
 
 
 _SCRIPT = """
 import numpy as np, collectives as coll
-from collectives import _tree
+from collectives import _agree, _tree
 seen = []
-_tree.agree = lambda comm, what, header, entries, error: seen.append((header, entries))
+_tree.agree = lambda comm, what, header, entries, error, digest=None: seen.append((what, header, entries))
 coll.synchronize({"layer": {"w": np.zeros((3, 4), np.float32), 2: np.zeros(1)}, "opt": [1, "x", None],
                   frozenset({"a"}): np.zeros(2)})
-print(_tree.digest(*seen[0]).hex())
+print(_agree.fingerprint(*seen[0]).hex())
 """
 
 
@@ -155,21 +155,21 @@ def test_fingerprint_stable_across_processes():
 
 
 def test_mismatch_message_names_first_difference():
-    a = ((("op", "mean"),), [("['layer']['w']", "float32 (3, 4)")])
-    b = ((("op", "mean"),), [("['layer']['w']", "float32 (3, 5)"), ("['x']", "None")])
-    msg = _tree.mismatch_message("allreduce_tree", [a, a, b])
-    assert "leaf ['layer']['w']: rank 0 has float32 (3, 4), rank 2 has float32 (3, 5)" in msg
-    assert "leaf ['x']: rank 0 has no such leaf, rank 2 has None" in msg
+    a = ("allreduce_tree", (("op", "mean"),), (("['layer']['w']", "float32 (3, 4)"),))
+    b = ("allreduce_tree", (("op", "mean"),), (("['layer']['w']", "float32 (3, 5)"), ("['x']", "None")))
+    msg = _agree.mismatch_message([a, a, b])
+    assert "leaf ['layer']['w']: ranks 0,1 have float32 (3, 4), rank 2 has float32 (3, 5)" in msg
+    assert "leaf ['x']: ranks 0,1 have no such leaf, rank 2 has None" in msg
     assert "ranks differing from rank 0: 2" in msg
-    c = ((("op", "sum"),), a[1])
-    assert "op: rank 0 has 'mean', rank 1 has 'sum'" in _tree.mismatch_message("allreduce_tree", [a, c])
+    c = ("allreduce_tree", (("op", "sum"),), a[2])
+    assert "op: rank 0 has 'mean', rank 1 has 'sum'" in _agree.mismatch_message([a, c])
 
 
 # ---------------------------------------------------------------------------------------------------------
 # buckets, with simulated ranks
 
 
-class Recorder(Transport):
+class Recorder(HostTransport):
     """A fake transport for a job of ``size`` identical ranks: it records every buffer it is given; a
     replaying instance fills broadcast buffers from a recording; allreduce is the sum of size copies."""
 
@@ -287,7 +287,7 @@ def test_bucket_plan_bounds_and_solos():
 
 
 def test_pool_reuses_and_is_bounded():
-    pool = _buckets._Pool()
+    pool = _buckets.Pool()
     a = pool.take(np.dtype(np.float32), 100)
     b = pool.take(np.dtype(np.float32), 50)
     assert np.shares_memory(a, b)
@@ -321,7 +321,7 @@ def test_repeated_calls_reuse_the_description_and_plan(monkeypatch):
         out = coll.allreduce_tree(tree, op="sum", comm=comm, bucket_bytes=64)
         assert out["w"] is tree["w"] and (tree["w"] == 2 * (1.0 + step)).all() and out["b"][1] == 4.0
     assert len(described) == 1, "described once, then taken from the cache"
-    assert len({_tree.digest(*s) for s in seen}) == 1, "the cached digest is the one a fresh call makes"
+    assert len({_agree.fingerprint(*s) for s in seen}) == 1, "the cached digest is the one a fresh call makes"
     coll.allreduce_tree({"w": np.ones((4, 4)), "b": [np.ones(2, np.float32), 2.0]}, op="sum", comm=comm)
     assert len(described) == 2, "another shape is another structure"
     coll.allreduce_tree({"w": np.ones((4, 3)), "b": [np.ones(2, np.float32), 2.0]}, op="max", comm=comm)
@@ -333,7 +333,7 @@ def test_cache_key_tells_equal_keys_of_other_types_apart(monkeypatch):
     comm = Communicator(Recorder(rank=0, size=2))
     coll.allreduce_tree({1: np.ones(2)}, op="sum", comm=comm)
     coll.allreduce_tree({True: np.ones(2)}, op="sum", comm=comm)  # 1 == True, but the paths differ
-    assert seen[0][1] == (("[1]", "float64 (2,)"),) and seen[1][1] == (("[True]", "float64 (2,)"),)
+    assert seen[0][2] == (("[1]", "float64 (2,)"),) and seen[1][2] == (("[True]", "float64 (2,)"),)
 
 
 def test_cached_calls_still_return_new_arrays_for_immutable_leaves():
@@ -362,7 +362,7 @@ def test_plan_cache_is_bounded():
     comm = Communicator(Recorder(rank=0, size=2))
     for n in range(1, _tree.PLAN_CACHE + 5):
         coll.allreduce_tree({"w": np.ones(n)}, op="sum", comm=comm)
-    assert len(_tree._plans[comm]) == _tree.PLAN_CACHE
+    assert len(comm._plans) == _tree.PLAN_CACHE
 
 
 def test_flatten_paths_are_lazy_and_cycles_are_named():
@@ -403,6 +403,7 @@ class FakeDeviceTransport:
 
     def __init__(self, index, calls, grouped):
         self.index, self.calls = index, calls
+        self.fuses = grouped
         if grouped:
             self.allreduce_many = self._many
 
@@ -460,7 +461,7 @@ def test_allreduce_tree_routes_device_leaves_per_device(monkeypatch, grouped):
         assert got == [("allreduce_many", 0, "sum", [id(a0), id(b0), id(d0)]), ("allreduce", 1, "sum", [id(c1)])]
     else:
         assert [(c[0], c[1]) for c in moved] == [("allreduce", 0)] * 3 + [("allreduce", 1)]
-    entries = dict(seen[0][1])
+    entries = dict(seen[0][2])
     assert entries["['a']"] == "float64 (2,) on cuda" and entries["['b']"] == "float32 (2, 2) on cuda"
     assert entries["['c']"] == "float64 (1,) on cuda (the tree's 2nd device)"
     # again: the cached plan routes the same way

@@ -1,9 +1,21 @@
-"""The contract every transport fulfils.
+"""The contract every host transport fulfils.
 
-A transport moves *contiguous NumPy buffers* (host memory) or device pointers (GPU transports); it knows
-nothing about array libraries, dtype legality or the ``mean`` op: the Communicator has already validated
-the call, converted the data to a dtype the transport reduces natively (:meth:`Transport.reduces`), and
-will divide for ``mean``. ``op`` is one of ``"sum" "prod" "min" "max"``.
+A host transport moves *contiguous NumPy buffers* in host memory; it knows nothing about array libraries,
+dtype legality or the reduction rules: the Communicator has validated the call and the reduction rules
+(``_reduction``) have converted the values to a dtype the transport reduces natively
+(:meth:`HostTransport.reduces`). ``op`` is one of ``"sum" "prod" "min" "max"``, and ``"mean"`` only
+where a transport says it divides itself (:meth:`HostTransport.fast_call`). Floats never reach a
+transport with ``min``/``max``: the rules map them to ordered integers first.
+
+Optional capabilities, declared here with their defaults (a transport overrides what it offers):
+
+- :meth:`fast_call`: a direct call for the hot path (default: none, the general path runs);
+- :attr:`can_broadcast_many` and :meth:`broadcast_many`: many buffers broadcast in one pipelined call
+  (default: not offered; :meth:`broadcast_many` then broadcasts one buffer after another);
+- :meth:`reduces`: which (dtype, op) pairs it reduces correctly itself (default: all but float16 where
+  ``_float16`` is False).
+
+Every rank must call every operation, in the same order (they are collective).
 """
 
 from __future__ import annotations
@@ -12,20 +24,30 @@ import abc
 
 import numpy as np
 
+_F16 = np.dtype(np.float16)
 
-class Transport(abc.ABC):
+
+class HostTransport(abc.ABC):
     name: str = "abstract"
-    array_level = False  # host transports take NumPy buffers; device transports take arrays
+    array_level = False  # host transports take NumPy buffers; device transports (device.py) take arrays
     rank: int = 0
     size: int = 1
     local_rank: int = 0
     local_size: int = 1
+    can_broadcast_many = False
+    _float16 = True
 
     def reduces(self, dtype: np.dtype, op: str) -> bool:
-        """True if this transport reduces ``dtype`` with ``op`` natively (else the caller widens it)."""
-        return dtype != np.float16 or self._float16
+        """True if this transport reduces ``dtype`` with ``op`` correctly itself (else the reduction rules
+        widen it: float16 to float32, small integers to 64 bits)."""
+        return dtype != _F16 or self._float16
 
-    _float16 = True
+    def fast_call(self, op: str, dtype: np.dtype, size: int):
+        """A direct callable for contiguous writable buffers of ``dtype``: ``run(buf)`` reducing with
+        ``op`` in place (``"mean"`` included, divided by ``size``), or ``run(buf, root)`` for
+        ``op="broadcast"``; or None to use the general operations below. Only asked for pairs that
+        :meth:`reduces` accepts and that need no conversion."""
+        return None
 
     @abc.abstractmethod
     def allreduce(self, buf: np.ndarray, op: str) -> None:
@@ -38,6 +60,12 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def broadcast(self, buf: np.ndarray, root: int) -> None:
         """Copy root's ``buf`` into every rank's ``buf``."""
+
+    def broadcast_many(self, bufs: list, root: int, ring_bytes: int) -> None:
+        """Root's bytes into every rank's ``bufs`` (1-d contiguous uint8 arrays, the same lengths in the
+        same order on every rank); ``ring_bytes`` bounds the memory a pipelined implementation adds."""
+        for buf in bufs:
+            self.broadcast(buf, root)
 
     @abc.abstractmethod
     def allgather(self, send: np.ndarray, recv: np.ndarray) -> None:

@@ -31,13 +31,10 @@ import warnings
 
 import numpy as np
 
-from .. import _check, _config, _dtypes
+from .. import _config, _dtypes
 from .._errors import BackendUnavailableError, MismatchError
+from .device import CUDA_AWARE_MPI, HOST_STAGING, NCCL, DeviceTransport, device_api
 
-NCCL = "nccl"
-CUDA_AWARE_MPI = "cuda-aware-mpi"
-HOST_STAGING = "host-staging"
-TRANSPORT_NAMES = (NCCL, CUDA_AWARE_MPI, HOST_STAGING)
 
 MIN_NCCL = (2, 14, 0)  # non-blocking communicators (ncclCommInitRankConfig, ncclCommFinalize)
 MULTI_RANK_NCCL = (2, 30, 0)  # first NCCL that runs several ranks on one GPU (NCCL_MULTI_RANK_GPU_ENABLE=1)
@@ -152,244 +149,7 @@ def check_gpu_sharing(facts: list[dict]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# the array libraries, seen from the device transports
-
-class _TorchCUDA:
-    """torch: devices, current streams, and the few tensor operations the device transports need."""
-
-    name = "torch"
-
-    def __init__(self, torch):
-        self.torch = torch
-        self._dtypes: dict = {}
-
-    # -- devices --
-    def unusable(self) -> str | None:
-        torch = self.torch
-        if torch.cuda.is_available():
-            return None
-        build = "" if torch.version.cuda else f" (torch {torch.__version__} is a CPU-only build)"
-        return f"torch is imported but torch.cuda.is_available() is False{build}"
-
-    def device_count(self) -> int:
-        return self.torch.cuda.device_count()
-
-    def pci_bus_id(self, index: int) -> str | None:
-        p = self.torch.cuda.get_device_properties(index)
-        try:
-            return f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
-        except (AttributeError, TypeError, ValueError):
-            uuid = getattr(p, "uuid", None)
-            return f"uuid:{uuid}" if uuid else None
-
-    def using(self, index: int):
-        return self.torch.cuda.device(index)
-
-    # -- arrays --
-    def owns(self, x) -> bool:
-        return isinstance(x, self.torch.Tensor)
-
-    def dtype(self, x) -> _dtypes.DType:
-        hit = self._dtypes.get(x.dtype)
-        if hit is None:
-            name = str(x.dtype).replace("torch.", "")
-            if name == "bfloat16":
-                hit = _dtypes.bfloat16()
-            else:
-                try:
-                    hit = _dtypes.from_numpy(np.dtype(name))
-                except TypeError:  # float8 variants, complex32, quantized: only moved bit for bit
-                    hit = _dtypes.opaque(name, np.dtype(f"u{x.element_size()}"))
-            self._dtypes[x.dtype] = hit
-        return hit
-
-    def numel(self, x) -> int:
-        return x.numel()
-
-    def itemsize(self, x) -> int:
-        return x.element_size()
-
-    def shape(self, x) -> tuple:
-        return tuple(x.shape)
-
-    def index(self, x) -> int:
-        return x.device.index
-
-    def stream(self, x) -> int:
-        return self.torch.cuda.current_stream(x.device).cuda_stream
-
-    def synchronize(self, x) -> None:
-        self.torch.cuda.current_stream(x.device).synchronize()
-
-    def contiguous(self, x, copy: bool = True):
-        """``(buf, in_place)``: x's own memory when it is plain and contiguous, else a contiguous
-        temporary on x's device (holding x's values when ``copy``)."""
-        t = x.detach()
-        if t.is_contiguous() and not t.is_conj() and not t.is_neg():
-            return t, True
-        if not copy:
-            return self.torch.empty(t.shape, dtype=t.dtype, device=t.device), False
-        return t.resolve_conj().resolve_neg().contiguous(), False
-
-    def ptr(self, buf) -> int:
-        return buf.data_ptr()
-
-    def copy_back(self, x, buf) -> None:
-        x.detach().copy_(buf)  # honours x's strides and lazy conj/neg bits; no autograd record
-
-    def empty(self, shape, like):
-        return self.torch.empty(tuple(shape), dtype=like.dtype, device=like.device)
-
-    def to_host(self, x):
-        return x.detach().cpu()  # waits for the producer stream
-
-    def from_host(self, x, host) -> None:
-        x.detach().copy_(host)
-
-    def to_device(self, host, like):
-        return host.to(like.device)
-
-    def widen(self, buf):
-        return buf.to(self.torch.float32)
-
-    def divide_(self, buf, n: int) -> None:
-        buf.div_(n)
-
-
-class _CupyCUDA:
-    """CuPy: the same operations as :class:`_TorchCUDA`. CuPy arrays are always writable."""
-
-    name = "cupy"
-
-    def __init__(self, cupy):
-        self.cupy = cupy
-
-    # -- devices --
-    def unusable(self) -> str | None:
-        try:
-            n = self.cupy.cuda.runtime.getDeviceCount()
-        except Exception as exc:  # noqa: BLE001 - reported, not raised
-            return f"CuPy is imported but cannot reach a GPU ({type(exc).__name__}: {exc})"
-        return None if n > 0 else "CuPy is imported but sees no GPU"
-
-    def device_count(self) -> int:
-        return self.cupy.cuda.runtime.getDeviceCount()
-
-    def pci_bus_id(self, index: int) -> str | None:
-        return str(self.cupy.cuda.Device(index).pci_bus_id).lower()
-
-    def using(self, index: int):
-        return self.cupy.cuda.Device(index)
-
-    # -- arrays --
-    def owns(self, x) -> bool:
-        return isinstance(x, self.cupy.ndarray)
-
-    def dtype(self, x) -> _dtypes.DType:
-        return _dtypes.from_numpy(x.dtype)
-
-    def numel(self, x) -> int:
-        return x.size
-
-    def itemsize(self, x) -> int:
-        return x.itemsize
-
-    def shape(self, x) -> tuple:
-        return tuple(x.shape)
-
-    def index(self, x) -> int:
-        return x.device.id
-
-    def stream(self, x) -> int:
-        with x.device:
-            return self.cupy.cuda.get_current_stream().ptr
-
-    def synchronize(self, x) -> None:
-        with x.device:
-            self.cupy.cuda.get_current_stream().synchronize()
-
-    def contiguous(self, x, copy: bool = True):
-        if x.flags.c_contiguous:
-            return x, True
-        with x.device:
-            return (self.cupy.ascontiguousarray(x) if copy else self.cupy.empty(x.shape, x.dtype)), False
-
-    def ptr(self, buf) -> int:
-        return buf.data.ptr
-
-    def copy_back(self, x, buf) -> None:
-        with x.device:
-            self.cupy.copyto(x, buf, casting="unsafe")
-
-    def empty(self, shape, like):
-        with like.device:
-            return self.cupy.empty(tuple(shape), dtype=like.dtype)
-
-    def to_host(self, x):
-        with x.device:
-            return self.cupy.asnumpy(x)  # blocking: waits for the current stream
-
-    def from_host(self, x, host) -> None:
-        with x.device:
-            if x.flags.c_contiguous:
-                x.set(np.ascontiguousarray(host))
-            else:
-                x[...] = self.cupy.asarray(host)
-
-    def to_device(self, host, like):
-        with like.device:
-            return self.cupy.asarray(host)
-
-    def widen(self, buf):
-        return buf.astype(self.cupy.float32)
-
-    def divide_(self, buf, n: int) -> None:
-        buf /= n
-
-
-_APIS: dict = {}
-
-
-def _api(module_name: str):
-    """The cached helper for an imported library (torch or cupy), else None."""
-    module = sys.modules.get(module_name)
-    if module is None:
-        return None
-    hit = _APIS.get(module_name)
-    if hit is None or (hit.torch if module_name == "torch" else hit.cupy) is not module:
-        hit = _APIS[module_name] = (_TorchCUDA if module_name == "torch" else _CupyCUDA)(module)
-    return hit
-
-
-def library_of(x):
-    """The helper for x's library: torch tensors and CuPy arrays; any other CUDA array is refused."""
-    for name in ("torch", "cupy"):
-        api = _api(name)
-        if api is not None and api.owns(x):
-            return api
-    kind = f"{type(x).__module__}.{type(x).__qualname__}"
-    raise BackendUnavailableError(
-        f"CUDA array of type {kind}: collectives moves CUDA memory of torch tensors and CuPy arrays only; "
-        f"convert it to one of those (e.g. torch.from_dlpack(x)) or copy it to host memory first")
-
-
-def device_api():
-    """A helper that can talk to the GPU (torch preferred, then CuPy), or BackendUnavailableError."""
-    reasons = []
-    for name in ("torch", "cupy"):
-        api = _api(name)
-        if api is None:
-            reasons.append(f"{'torch' if name == 'torch' else 'CuPy'} is not imported")
-            continue
-        why = api.unusable()
-        if why is None:
-            return api
-        reasons.append(why)
-    raise BackendUnavailableError(
-        "no usable CUDA array library in this process: " + "; ".join(reasons)
-        + ". collectives handles CUDA arrays of torch (CUDA build) and CuPy; on a machine without a GPU, "
-        "copy the array to host memory first")
-
+# using the device
 
 def local_device(comm) -> int:
     """The CUDA device index this rank should use: node-local rank modulo the visible devices.
@@ -411,7 +171,7 @@ def device_transports(comm) -> dict:
 _warned = False
 
 
-def _warn_staging(why: str) -> None:
+def warn_staging(why: str) -> None:
     """Say once per process that CUDA arrays are staged, and how to enable or silence it."""
     global _warned
     if _warned:
@@ -480,30 +240,6 @@ def decide(facts: list[dict], *, mpi: bool, device: str = "cuda") -> str:
     return name
 
 
-def make_transport(comm, device):
-    """The device transport for CUDA ``device`` on ``comm`` (collective: every rank calls it, once)."""
-    index = int(device[1])
-    facts, failure = local_facts(comm, index)
-    everyone = comm._host.allgather_object(facts)
-    try:
-        name = decide(everyone, mpi=comm._host.name == "mpi", device=f"cuda:{index}")
-    except BackendUnavailableError as exc:
-        if failure is not None:
-            raise exc from failure
-        raise
-    if name == NCCL:
-        from . import _libnccl
-        from .nccl import NCCLTransport
-
-        return NCCLTransport(comm, index, _libnccl.get(), device_api(), timeout=everyone[comm.rank]["timeout"])
-    if staging_warning_due(False, everyone[comm.rank].get("cuda_aware"), mpi=comm._host.name == "mpi"):
-        why = next((f["nccl_why"] for f in everyone if f["nccl_why"]), "not loadable")
-        _warn_staging(why.splitlines()[0])
-    if name == CUDA_AWARE_MPI:
-        return CudaAwareMPITransport(comm, index)
-    return HostStagingTransport(comm, index)
-
-
 def initialize_eagerly(comm) -> None:
     """``COLLECTIVES_NCCL_EAGER=1``: set up this rank's CUDA transport now, at ``init()`` (collective).
 
@@ -546,52 +282,6 @@ def _ranks(ranks: list[int]) -> str:
 # ---------------------------------------------------------------------------------------------------------
 # the transports without NCCL
 
-class DeviceTransport:
-    """What the three CUDA transports share: the contract, validation, the library lookup."""
-
-    name = "device"
-    array_level = True
-
-    def __init__(self, comm, index: int):
-        self._comm = comm
-        self._host = comm._host
-        self.rank, self.size = comm.rank, comm.size
-        self.local_rank, self.local_size = comm.local_rank, comm.local_size
-        self.device_index = int(index)
-        self._library_of = library_of  # tests swap in a stand-in library
-
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.name!r} cuda:{self.device_index}>"
-
-    def _prepare(self, x):
-        xp = self._library_of(x)
-        return xp, xp.dtype(x)
-
-    def _agree(self, collective: str, xp, x, info, **args) -> None:
-        if self._comm.check:
-            _check.agree(self._host, {"collective": collective, **args, "shape": xp.shape(x),
-                                      "dtype": info.name, "device": "cuda"})
-
-    def _allgather_buffers(self, x):
-        """Validate (and in checked mode agree on) an allgather of ``x``: ``(xp, send, out, nbytes)`` with
-        ``send`` x's contiguous data, ``out`` a new ``(size, *x.shape)`` array on x's device and
-        ``nbytes`` the bytes of one rank's part."""
-        xp, info = self._prepare(x)
-        self._agree("allgather", xp, x, info)
-        send, _ = xp.contiguous(x)
-        out = xp.empty((self.size,) + xp.shape(x), like=x)
-        return xp, send, out, xp.numel(x) * xp.itemsize(x)
-
-    def allreduce_many(self, arrays, a, op: str):
-        """Reduce each array of ``arrays`` in place (NCCL fuses them into one group)."""
-        for x in arrays:
-            self.allreduce(x, a, op)
-        return arrays
-
-    def close(self) -> None:
-        """Nothing to release (the host transport belongs to the communicator)."""
-
-
 class HostStagingTransport(DeviceTransport):
     """Copy to host memory (waiting for the producer stream), run the host collective, copy back in place.
 
@@ -609,18 +299,14 @@ class HostStagingTransport(DeviceTransport):
         return x
 
     def allreduce(self, x, a, op):
-        xp, info = self._prepare(x)
+        _, info = self._prepare(x)
         _dtypes.check_reduction(info, op)
-        xp.from_host(x, self._comm.allreduce(xp.to_host(x), op))
-        return x
+        return self._staged(x, op)
 
     def reduce(self, x, a, op, root):
-        xp, info = self._prepare(x)
+        _, info = self._prepare(x)
         _dtypes.check_reduction(info, op)
-        host = self._comm.reduce(xp.to_host(x), op, root)
-        if self.rank == root:
-            xp.from_host(x, host)
-        return x
+        return self._staged(x, op, root)
 
     def allgather(self, x, a):
         xp, _ = self._prepare(x)
@@ -679,6 +365,8 @@ class CudaAwareMPITransport(DeviceTransport):
     def _reduce(self, x, op, root):
         xp, info = self._prepare(x)
         _dtypes.check_reduction(info, op)
+        if self._host_rules(info, op):
+            return self._staged(x, op, root)
         self._agree("allreduce" if root is None else "reduce", xp, x, info, op=op,
                     **({} if root is None else {"root": root}))
         receives = root is None or self.rank == root

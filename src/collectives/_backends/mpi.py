@@ -19,9 +19,10 @@ import time
 import numpy as np
 
 from .. import _config
+from .._dtypes import divide
 from .._errors import BackendUnavailableError, CollectiveError, CollectiveTimeoutError
 from . import shm  # large allreduces through a node-shared window (made at first use), issue 7
-from .base import Transport
+from .base import HostTransport
 
 
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
@@ -94,7 +95,7 @@ def _reduces_locally(MPI, datatype) -> bool:
     return True
 
 
-class MPITransport(Transport):
+class MPITransport(HostTransport):
     name = "mpi"
     timeout: float | None = None  # seconds; set only on a DeadlineMPITransport
 
@@ -178,7 +179,7 @@ class MPITransport(Transport):
                     self.allreduce(x, "sum")
                 else:
                     allreduce(in_place, [x, datatype], mop)
-                np.divide(x, n, out=x)
+                divide(x, n)
 
             return run_mean
         if op in ("min", "max") and dtype.kind == "f":

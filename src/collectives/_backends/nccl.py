@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import time
 
-from .. import _check, _dtypes
+from .. import _agree, _dtypes
 from .._errors import BackendUnavailableError, CollectiveTimeoutError, NcclError
 from . import _libnccl
-from .cuda import NCCL, DeviceTransport
+from .device import NCCL, DeviceTransport
 
 CLOSE_TIMEOUT = 30.0  # seconds close() waits for ncclCommFinalize before aborting (never hangs at exit)
 _SPINS = 200  # polls without sleeping before backing off (a call in progress usually ends within µs)
@@ -46,6 +46,7 @@ class NCCLTransport(DeviceTransport):
     """
 
     name = NCCL
+    fuses = True  # allreduce_many: one NCCL group
 
     def __init__(self, comm, index: int, lib, api, *, timeout: float):
         super().__init__(comm, index)
@@ -184,6 +185,8 @@ class NCCLTransport(DeviceTransport):
     def allreduce(self, x, a, op):
         xp, info = self._prepare(x)
         dtype, nop, mult = self._reduction(info, op)
+        if self._host_rules(info, op):
+            return self._staged(x, op)
         self._agree("allreduce", xp, x, info, op=op)
         buf, in_place = xp.contiguous(x)
         count = xp.numel(x) * mult
@@ -198,6 +201,8 @@ class NCCLTransport(DeviceTransport):
     def reduce(self, x, a, op, root):
         xp, info = self._prepare(x)
         dtype, nop, mult = self._reduction(info, op)
+        if self._host_rules(info, op):
+            return self._staged(x, op, root)
         self._agree("reduce", xp, x, info, op=op, root=root)
         buf, in_place = xp.contiguous(x)
         count = xp.numel(x) * mult
@@ -237,6 +242,8 @@ class NCCLTransport(DeviceTransport):
         non-contiguous views. Every rank must pass the same number of arrays, shapes and dtypes, in order.
         Everything is validated before anything is enqueued.
         """
+        if op in ("min", "max"):  # floats follow the host rules (_staged), one array at a time
+            return DeviceTransport.allreduce_many(self, arrays, a, op)
         plans = []
         for i, x in enumerate(arrays):
             xp, info = self._prepare(x)
@@ -246,9 +253,9 @@ class NCCLTransport(DeviceTransport):
             dtype, nop, mult = self._reduction(info, op)
             plans.append((x, xp, dtype, nop, xp.numel(x) * mult))
         if self._comm.check:
-            _check.agree(self._host, {"collective": "allreduce_many", "op": op, "device": "cuda",
-                                      "shapes": [xp.shape(x) for x, xp, *_ in plans],
-                                      "dtypes": [xp.dtype(x).name for x, xp, *_ in plans]})
+            _agree.agree(self._host, "allreduce_many", (
+                ("op", op), ("device", "cuda"), ("shapes", tuple(tuple(xp.shape(x)) for x, xp, *_ in plans)),
+                ("dtypes", tuple(xp.dtype(x).name for x, xp, *_ in plans))))
         bufs = [xp.contiguous(x) for x, xp, *_ in plans]
         if not any(count for *_, count in plans):
             return arrays

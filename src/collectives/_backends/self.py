@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from .base import Transport
+from .base import HostTransport
 
 
-class SelfTransport(Transport):
+class SelfTransport(HostTransport):
     name = "self"
 
     def allreduce(self, buf, op):

@@ -28,7 +28,8 @@ Only for dtypes NumPy reduces natively (bool, int*, uint*, float*, complex*); ``
 ``min``, ``max`` or ``mean`` (a sum, divided by the number of ranks as each rank writes the result slices
 into its own buffer, so the division costs no pass of its own; every rank divides the same sums, so the
 results stay bit-identical).
-``min``/``max`` propagate NaN (``np.minimum``/``np.maximum``).
+``min``/``max`` only ever see integers here: floats reach every transport as ordered integers
+(``collectives._reduction``).
 
 Made lazily, collectively, by :class:`~collectives._backends.mpi.MPITransport` on the first allreduce
 at or above ``COLLECTIVES_SHM_THRESHOLD`` (every rank calls that allreduce, so every rank gets here).
@@ -134,8 +135,14 @@ class Reducer:
     def allreduce(self, buf: np.ndarray, op: str) -> None:
         """Reduce the contiguous ``buf`` in place over every rank of ``comm``; ``op`` as in :meth:`supports`.
 
-        Every rank must call it with the same op, dtype and size.
+        Every rank must call it with the same op, dtype and size. NumPy's floating-point errors are
+        ignored here whatever the caller's error state: a rank reducing a slice with ``inf - inf`` must not
+        raise where the others do not (they would wait in the next barrier forever).
         """
+        with np.errstate(all="ignore"):
+            self._allreduce(buf, op)
+
+    def _allreduce(self, buf: np.ndarray, op: str) -> None:
         flat = buf.reshape(-1)
         total = flat.shape[0]
         step = self.chunk_bytes // flat.dtype.itemsize

@@ -1,0 +1,174 @@
+"""The host reduction rules, in one place: every path that reduces host memory calls this module.
+
+A reduction of a contiguous host buffer (the Communicator's hot and general paths, ``reduce``, the solo
+leaves and the flat buckets of ``allreduce_tree``, the host-staging CUDA transport, which runs the host
+path) goes through :func:`runner` or :func:`reduce_buffer`. They decide, per (dtype, op), how the values
+travel, and the transport only ever sees a buffer of a dtype it reduces natively with ``sum``, ``prod``,
+``min`` or ``max``:
+
+- **value dtype** (:func:`value_dtype`): bfloat16 is accumulated in float32; float16 in float32 where the
+  transport cannot reduce it; 8- to 32-bit integers in 64-bit integers where the transport's own op is not
+  trusted for them (``HostTransport.reduces`` said no: a sum or product modulo 2**n is the same in a wider
+  integer, cut back); bool as bytes (``max`` = any, ``min`` = all);
+- **float min/max** (:func:`to_ordered`): a total order, the same on every rank and every path: values are
+  mapped, in place, to signed integers of the same width with the same order (negative values get their
+  magnitude bits flipped, so -0.0 < +0.0), NaN to the extreme the op picks (a NaN anywhere is a NaN in the
+  result, as a canonical quiet NaN), the integers reduced, and mapped back. No path reduces floats with
+  the MPI library's own MAX/MIN, whose NaN and signed-zero answers depend on the rank order. Floats wider
+  than 64 bits (``longdouble``) keep their dtype and carry two byte flags per element beside them (a NaN
+  anywhere; a zero of the op's preferred sign anywhere), reduced with ``max`` in a second call;
+- **mean** is a sum divided by the number of ranks in the value dtype, then rounded back once
+  (:func:`collectives._dtypes.divide`, which ignores the caller's NumPy error state);
+- **writing back**: the value dtype is rounded (floats: to nearest) or cut (integers: modulo 2**n) back
+  into the caller's storage dtype.
+
+Everything here runs with NumPy's floating-point errors ignored: a caller's ``np.seterr(all="raise")`` or
+``python -W error`` must not make one rank raise where the others do not (issue 12).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _dtypes
+
+MINMAX = ("min", "max")
+_ORDERED_INT = {2: np.dtype(np.int16), 4: np.dtype(np.int32), 8: np.dtype(np.int64)}
+_F32 = np.dtype(np.float32)
+_U8 = np.dtype(np.uint8)
+_WIDE_INT = {"i": np.dtype(np.int64), "u": np.dtype(np.uint64)}
+
+
+def wire_op(op: str) -> str:
+    """The op the transport runs for ``op`` (``mean`` is a sum, divided afterwards)."""
+    return "sum" if op == "mean" else op
+
+
+def value_dtype(info: _dtypes.DType, op: str, native) -> np.dtype:
+    """The dtype ``info``'s values are reduced in with ``op``; ``native(dtype, op)`` says what the
+    transport reduces itself (``HostTransport.reduces``). Float min/max then go through :func:`to_ordered`."""
+    if info.kind == "b":
+        return _U8 if native(_U8, op) else _WIDE_INT["u"]
+    if info.name == "bfloat16":
+        return _F32
+    storage = info.storage
+    if info.kind == "f" and op in MINMAX:  # the ordered integers carry it, whatever MPI does with floats
+        if not ordered(storage) or native(_ORDERED_INT[storage.itemsize], op):
+            return storage
+        return _F32  # float16 whose 16-bit integers the transport cannot order: exact in float32
+    if native(storage, wire_op(op)):
+        return storage
+    if info.kind == "f":
+        return _F32  # float16 on a transport without a float16 type
+    if info.kind in _WIDE_INT and native(_WIDE_INT[info.kind], wire_op(op)):
+        return _WIDE_INT[info.kind]
+    raise TypeError(f"op={op!r} on {info.name}: the transport reduces neither {info.name} nor a wider type "
+                    f"correctly; use another dtype")
+
+
+def ordered(dtype: np.dtype) -> bool:
+    """Whether float min/max of ``dtype`` go through the integer mapping (16-, 32- and 64-bit floats)."""
+    return dtype.kind == "f" and dtype.itemsize in _ORDERED_INT
+
+
+def to_ordered(values: np.ndarray, op: str) -> np.ndarray:
+    """Map contiguous floats, in place, to signed integers of the same order; returns the integer view.
+
+    NaN becomes the extreme ``op`` picks (the largest integer for max, the smallest for min)."""
+    itype = _ORDERED_INT[values.dtype.itemsize]
+    info = np.iinfo(itype)
+    nan = np.isnan(values)
+    ints = values.view(itype)
+    np.bitwise_xor(ints, info.max, out=ints, where=ints < 0)
+    if nan.any():
+        ints[nan] = info.max if op == "max" else info.min
+    return ints
+
+
+def from_ordered(ints: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Invert :func:`to_ordered` in place; returns the float view. Only NaN bit patterns map to the
+    extreme integers, so a NaN result comes back as a NaN (its payload is free)."""
+    np.bitwise_xor(ints, np.iinfo(ints.dtype).max, out=ints, where=ints < 0)
+    return ints.view(dtype)
+
+
+def _minmax_flagged(values: np.ndarray, op: str, collective) -> None:
+    """min/max of floats without an integer of their width (longdouble), exactly as :func:`to_ordered`
+    would: NaN and the sign of zero travel as byte flags reduced with max beside the values, which are
+    reduced with NaN replaced by the identity of ``op``."""
+    n = values.size
+    flags = np.empty(2 * n, dtype=np.uint8)
+    nan = np.isnan(values)
+    flags[:n] = nan
+    preferred = values == 0
+    preferred &= np.signbit(values) == (op == "min")  # max prefers +0.0, min prefers -0.0
+    flags[n:] = preferred
+    values[nan] = -np.inf if op == "max" else np.inf
+    collective(values, op)
+    collective(flags, "max")
+    zero = values == 0
+    values[zero] = np.copysign(0.0, -1.0 if op == "min" else 1.0)
+    values[zero & ~flags[n:].astype(bool)] *= -1
+    values[flags[:n].astype(bool)] = np.nan
+
+
+def reduce_buffer(buf: np.ndarray, info: _dtypes.DType, op: str, size: int, collective, native, *,
+                  receives: bool = True) -> None:
+    """Reduce the contiguous ``buf`` (``info``'s storage dtype) over the ranks with ``op``.
+
+    ``collective(wire, op)`` reduces a buffer of a native dtype in place (an allreduce, or a reduce to a
+    root); ``native`` is the transport's ``reduces``. A rank with ``receives=False`` (not the root of a
+    reduce) only contributes: ``buf`` is left bit for bit as it was (it may be read-only).
+    """
+    with np.errstate(all="ignore"):
+        _reduce(buf, info, op, size, collective, native, receives)
+
+
+def _reduce(buf, info, op, size, collective, native, receives) -> None:
+    value = value_dtype(info, op, native)
+    bf16 = info.name == "bfloat16"
+    if bf16:
+        v = _dtypes.bf16_to_f32(buf)  # a new array
+    elif value != buf.dtype or info.kind == "b":
+        v = buf.view(_U8) if value == _U8 else buf.astype(value)
+    else:
+        v = buf
+    float_minmax = op in MINMAX and v.dtype.kind == "f"
+    if v is buf and not receives and float_minmax:
+        v = buf.copy()  # the mapping works in place: not in a buffer that must stay as it was
+    if float_minmax and ordered(v.dtype):
+        ints = to_ordered(v, op)
+        collective(ints, op)
+        if receives:
+            from_ordered(ints, v.dtype)
+    elif float_minmax:
+        _minmax_flagged(v, op, collective)
+    else:
+        collective(v, wire_op(op))
+        if not receives:
+            return
+        if op == "mean":
+            _dtypes.divide(v, size)
+    if not receives or v is buf or (info.kind == "b" and value == _U8):
+        return
+    if bf16:
+        _dtypes.f32_to_bf16(v, out=buf)
+    else:
+        np.copyto(buf, v, casting="unsafe")  # round to nearest (floats), modulo 2**n (integers)
+
+
+def runner(transport, info: _dtypes.DType, op: str, size: int):
+    """A callable ``run(buf)`` that allreduces a contiguous, writable buffer of ``info``'s storage dtype
+    in place with ``op``: the transport's direct call (:meth:`HostTransport.fast_call`) where the values
+    travel as they are, else :func:`reduce_buffer`. Build once per (transport, dtype, op) and keep it."""
+    native = transport.reduces
+    value = value_dtype(info, op, native)
+    direct = value == info.storage and info.kind != "b" and not (op in MINMAX and info.kind == "f")
+    if direct:
+        run = transport.fast_call(op, info.storage, size)
+        if run is not None:
+            return run
+        if op != "mean":
+            return lambda buf: transport.allreduce(buf, op)
+    allreduce = transport.allreduce
+    return lambda buf: reduce_buffer(buf, info, op, size, allreduce, native)
