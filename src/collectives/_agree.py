@@ -71,7 +71,7 @@ def agree(transport, what: str, header: tuple = (), entries=(), error: BaseExcep
         described = None if entries is None else (what, header, tuple(entries))
         gathered = transport.allgather_object((what, described, note))
     except CollectiveTimeoutError as exc:
-        step = "checked mode's agreement step" if checked else "the agreement step"
+        step = "the agreement step of checked mode" if checked else "the agreement step"
         raise CollectiveTimeoutError(f"in {step} before {what}: {exc}") from exc
     descriptions = [d for _, d, _ in gathered]
     tag = " (checked mode)" if checked else ""

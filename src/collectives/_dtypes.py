@@ -126,16 +126,28 @@ except ImportError:  # pragma: no cover - NumPy 1.x: always enter errstate
 _quiet_state: list = [None]  # the last error state object found to ignore underflow
 
 
-def divide(buf: np.ndarray, n) -> None:
-    """``buf /= n`` in place, in buf's dtype, never raising nor warning (mean's division)."""
+def divide(buf: np.ndarray, n, out: np.ndarray | None = None) -> None:
+    """``out = buf / n`` (``out`` defaults to ``buf``) in buf's dtype, never raising nor warning: mean's
+    division. Complex values are divided part by part (NumPy's complex division by ``n + 0j`` would turn
+    the imaginary part of a NaN into a NaN)."""
+    if out is None:
+        out = buf
+    if buf.dtype.kind == "c":
+        buf, out = _real_pairs(buf), _real_pairs(out)
     if _errstate_var is not None:
         state = _errstate_var.get()
         if state is _quiet_state[0]:
-            np.divide(buf, n, out=buf)
+            np.divide(buf, n, out=out)
             return
         if np.geterr()["under"] == "ignore":
             _quiet_state[0] = state
-            np.divide(buf, n, out=buf)  # n >= 1: an underflow is the only error a division can raise
+            np.divide(buf, n, out=out)  # n >= 1: an underflow is the only error a division can raise
             return
     with np.errstate(all="ignore"):
-        np.divide(buf, n, out=buf)
+        np.divide(buf, n, out=out)
+
+
+def _real_pairs(z: np.ndarray) -> np.ndarray:
+    """A complex array as a real one of twice the last dimension (a view)."""
+    real = np.dtype(f"f{z.dtype.itemsize // 2}") if z.dtype.itemsize <= 16 else np.dtype(np.longdouble)
+    return z.view(real) if z.ndim else z.reshape(1).view(real)

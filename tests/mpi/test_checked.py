@@ -94,13 +94,13 @@ def test_mismatch_raises_on_every_rank_naming_every_side(checked, what):
         call, match = (lambda: c.broadcast(x, root=1 if odd else 0)), rf"root: ranks? 0.* 0, rank {last} has 1"
     elif what == "collective":
         call = (lambda: c.broadcast(x)) if odd else (lambda: c.allreduce(x))
-        match = rf"collective: ranks? 0.*'allreduce', rank {last} has 'broadcast'"
+        match = rf"different collectives \(checked mode\): ranks? 0.* called allreduce, rank {last} called broadcast"
     elif what == "barrier":
         call = (c.barrier) if odd else (lambda: c.allgather(x))
-        match = rf"collective: ranks? 0.*'allgather', rank {last} has 'barrier'"
+        match = rf"different collectives \(checked mode\): ranks? 0.* called allgather, rank {last} called barrier"
     else:  # reduce vs allreduce: same data, different semantics
         call = (lambda: c.reduce(x, root=0)) if odd else (lambda: c.allreduce(x))
-        match = rf"collective: ranks? 0.*'allreduce', rank {last} has 'reduce'"
+        match = rf"different collectives \(checked mode\): ranks? 0.* called allreduce, rank {last} called reduce"
     err = every_rank_raises(c, call, match=match)
     assert "checked mode" in str(err)
     np.testing.assert_array_equal(x, np.arange(4.0) + c.rank)  # inputs untouched

@@ -217,7 +217,8 @@ class _TorchCUDA:
         return buf.to(self.torch.float32)
 
     def divide_(self, buf, n: int) -> None:
-        buf.div_(n)
+        """mean's division, complex values part by part (as ``_dtypes.divide`` on the host)."""
+        (self.torch.view_as_real(buf) if buf.is_complex() else buf).div_(n)
 
 
 class _CupyCUDA:
@@ -308,6 +309,9 @@ class _CupyCUDA:
         return buf.astype(self.cupy.float32)
 
     def divide_(self, buf, n: int) -> None:
+        """mean's division, complex values part by part (as ``_dtypes.divide`` on the host)."""
+        if buf.dtype.kind == "c":
+            buf = buf.view(buf.real.dtype)
         buf /= n
 
 

@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._dtypes import divide
+
 KERNELS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum, "mean": np.add}
 _KINDS = "biufc"  # NumPy reduces these natively on the host
 _ALIGN = 64  # bytes: regions start on cache-line boundaries (every itemsize divides it)
@@ -165,9 +167,9 @@ class Reducer:
                         if divisor is None:
                             out[...] = part
                         else:
-                            np.divide(part, divisor, out=out)
+                            divide(part, divisor, out=out)
             elif divisor is not None:
-                np.divide(chunk, divisor, out=chunk)
+                divide(chunk, divisor)
 
     def _node_reduce(self, chunk, bounds, regions, ufunc, divisor) -> None:
         n, p = self.local_size, self.local_rank
@@ -187,7 +189,7 @@ class Reducer:
         if divisor is None:
             mine[...] = res
         else:  # the region keeps the sum; each rank divides while copying it out (one pass less)
-            np.divide(res, divisor, out=mine)
+            divide(res, divisor, out=mine)
         self._sync()  # 4
 
     def _across_nodes(self, chunk, bounds, regions, op, divisor) -> None:
@@ -197,7 +199,7 @@ class Reducer:
                 chunk[bounds[q]:bounds[q + 1]] = regions[q][q][:bounds[q + 1] - bounds[q]]
             self.leaders.Allreduce(self.MPI.IN_PLACE, [chunk, self._types[chunk.dtype]], self._mpi_ops[op])
             if divisor is not None:
-                np.divide(chunk, divisor, out=chunk)
+                divide(chunk, divisor)
             if n > 1:
                 for q in range(n):
                     regions[q][q][:bounds[q + 1] - bounds[q]] = chunk[bounds[q]:bounds[q + 1]]

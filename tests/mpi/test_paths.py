@@ -1,0 +1,295 @@
+"""One semantics, whatever the path: the same seeded data through every path that reduces host memory must
+give the same bits (a NaN must be a NaN everywhere; its payload is free; -0.0 and +0.0 are different).
+
+The paths: the cached hot path (a second call), the general path (a strided view, a read-only array), the
+small-leaf buckets and the solo leaves of ``allreduce_tree``, the shared-memory allreduce forced on (a tiny
+threshold) and off, the deadline transport, ``reduce``, torch tensors (hot and general path), and the two
+CUDA transports that do not need a GPU for their logic (host staging, CUDA-aware MPI), with CPU tensors
+standing in for device tensors. Every result is compared with a reference computed on every rank from all
+ranks' inputs (every rank can make every rank's inputs: they are seeded), under the documented rules:
+integers wrap (modulo 2**n), float min/max is a total order in which NaN wins and -0.0 < +0.0, mean is the
+sum divided once by the number of ranks. Values are small integers, zeros of both signs, infinities and
+NaN, so every sum and product is exact in any order (a different summation order cannot excuse a
+difference).
+
+    timeout 600 mpiexec -n 3 python tests/mpi_pytest.py tests/mpi/test_paths.py -q -x
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import numpy as np
+import pytest
+
+import collectives as coll
+
+COUNT = 67  # elements per array: odd, so buckets, slices and chunks do not line up
+OPS = ("sum", "prod", "min", "max", "mean")
+DTYPES = ("bool", "int8", "uint8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64",
+          "longdouble", "complex64")
+LEGAL = {"sum": "iufc", "prod": "iufc", "min": "biuf", "max": "biuf", "mean": "fc"}
+
+
+def kind(dtype: str) -> str:
+    return "f" if dtype == "bfloat16" else np.dtype(dtype).kind
+
+
+def pairs():
+    return [(d, op) for d in DTYPES for op in OPS if kind(d) in LEGAL[op]]
+
+
+def inputs(dtype: str, op: str, rank: int) -> np.ndarray:
+    """Rank ``rank``'s input, the same on every rank that makes it (NumPy dtype; bfloat16 as float32)."""
+    rng = np.random.default_rng([DTYPES.index(dtype), OPS.index(op), rank])
+    k = kind(dtype)
+    if k == "b":
+        return rng.random(COUNT) < (0.8 if op == "min" else 0.2)
+    if k in "iu":
+        info = np.iinfo(dtype)
+        lo, hi = (max(info.min, -3), min(info.max, 4)) if op == "prod" else (max(info.min, -100), 101)
+        return rng.integers(lo, hi, COUNT).astype(dtype)  # sums of int8 past 127 wrap
+    small = [-2.0, -1.0, -0.5, 0.0, 0.5, 1.0, 2.0, 3.0] if op == "prod" else [-3.0, -1.0, 1.0, 2.0, 4.0]
+    values = rng.choice(small, COUNT)
+    special = rng.integers(0, 12, COUNT)
+    values[special == 0] = 0.0
+    values[special == 1] = -0.0
+    values[special == 2] = np.inf
+    values[special == 3] = -np.inf
+    values[(special == 4) & (rng.random(COUNT) < 0.5)] = np.nan  # on some ranks only
+    values[:3] = (-0.0, 0.0, -0.0) if rank % 2 == 0 else (0.0, -0.0, -0.0)  # every mix of signed zeros
+    values[3] = np.nan if rank == 0 else 1.0  # a NaN held by rank 0 only
+    np_dtype = np.dtype(np.float32 if dtype == "bfloat16" else dtype)
+    if np_dtype.kind == "c":  # finite: C's and NumPy's complex products of infinities differ (docs/semantics.md)
+        values[np.isinf(values)] = 2.0
+        imag = rng.choice([-1.0, 0.0, 1.0], COUNT)
+        return (values + 1j * imag).astype(np_dtype)
+    return values.astype(np_dtype)
+
+
+def reference(dtype: str, op: str, size: int) -> np.ndarray:
+    """The documented result, computed here from every rank's inputs."""
+    xs = np.stack([inputs(dtype, op, r) for r in range(size)])
+    k = kind(dtype)
+    target = xs.dtype
+    with np.errstate(all="ignore"):
+        if k == "b":
+            return xs.any(axis=0) if op == "max" else xs.all(axis=0)
+        if k in "iu":
+            wide = xs.astype(np.int64)
+            out = wide.sum(axis=0) if op == "sum" else wide.prod(axis=0) if op == "prod" else (
+                wide.max(axis=0) if op == "max" else wide.min(axis=0))
+            return out.astype(target)  # modulo 2**n
+        if op in ("min", "max"):
+            nan = np.isnan(xs).any(axis=0)
+            clean = np.where(np.isnan(xs), 0.0, xs)
+            out = clean.max(axis=0) if op == "max" else clean.min(axis=0)
+            zero = out == 0
+            pick = ~np.signbit(clean) if op == "max" else np.signbit(clean)  # max: +0.0 wins, min: -0.0
+            signed = np.where((clean == 0) & pick, 1, 0).any(axis=0)
+            want_negative = ~signed if op == "max" else signed
+            out = np.where(zero, np.where(want_negative, -0.0, 0.0), out).astype(target)
+            out[nan] = np.nan
+            return out
+        acc = xs[0].copy()
+        for x in xs[1:]:
+            acc = acc * x if op == "prod" else acc + x
+        if op == "mean":  # complex: each part divided by the (real) number of ranks
+            acc = (acc.real / size + 1j * (acc.imag / size)) if k == "c" else acc / target.type(size)
+        return acc.astype(target)
+
+
+def same_bits(got: np.ndarray, want: np.ndarray) -> str | None:
+    """None if equal bit for bit (any NaN equals any NaN), else a description of the first difference."""
+    got, want = np.asarray(got), np.asarray(want)
+    if got.dtype != want.dtype or got.shape != want.shape:
+        return f"dtype/shape {got.dtype} {got.shape} != {want.dtype} {want.shape}"
+    if got.dtype.kind in "fc":
+        parts = [(got.real, want.real), (got.imag, want.imag)] if got.dtype.kind == "c" else [(got, want)]
+        for g, w in parts:
+            gn, wn = np.isnan(g), np.isnan(w)
+            if g.dtype.itemsize > 8:  # longdouble: compare values and signs, not padding bytes
+                bad = (gn != wn) | (~gn & ~wn & ((g != w) | (np.signbit(g) != np.signbit(w))))
+            else:
+                bad = (gn != wn) | (~gn & ~wn & (g.view(f"u{g.itemsize}") != w.view(f"u{w.itemsize}")))
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                return f"element {i}: got {g[i]!r}, want {w[i]!r}"
+        return None
+    bad = got != want
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        return f"element {i}: got {got[i]!r}, want {want[i]!r}"
+    return None
+
+
+# ---- communicators for the paths (collective to make and to close) ----
+
+@contextlib.contextmanager
+def communicator(**env):
+    """A new communicator of every rank, made with exactly these settings (an mpi4py duplicate under
+    ``init(comm=...)``, the public way a framework brings its own communicator)."""
+    from mpi4py import MPI
+
+    names = ("COLLECTIVES_SHM", "COLLECTIVES_SHM_THRESHOLD", "COLLECTIVES_SHM_SLOT_BYTES",
+             "COLLECTIVES_TIMEOUT", "COLLECTIVES_SIMULATE_NODES")
+    saved = {k: os.environ.pop(k, None) for k in names}
+    os.environ.update({k: str(v) for k, v in env.items()})
+    user = MPI.COMM_WORLD.Dup()
+    try:
+        c = coll.init(comm=user)
+    finally:
+        for k in names:
+            os.environ.pop(k, None)
+            if saved[k] is not None:
+                os.environ[k] = saved[k]
+    try:
+        yield c
+    finally:
+        c.close()
+        coll._comm._by_comm.pop(id(user), None)  # the registry of init(comm=...) has no public release
+        user.Free()
+
+
+@pytest.fixture(scope="module")
+def comms():
+    if coll.world().backend != "mpi":
+        pytest.skip("needs the MPI backend")
+    with communicator(COLLECTIVES_SHM_THRESHOLD=64, COLLECTIVES_SHM_SLOT_BYTES=65536) as shm_on, \
+            communicator(COLLECTIVES_SHM="0") as shm_off, \
+            communicator(COLLECTIVES_TIMEOUT=300) as deadline, \
+            communicator(COLLECTIVES_SHM_THRESHOLD=64, COLLECTIVES_SIMULATE_NODES=2) as nodes:
+        yield {"shm-on": shm_on, "shm-off": shm_off, "deadline": deadline, "nodes": nodes}
+
+
+# ---- the paths: each returns its result as NumPy ----
+
+def as_lib(x: np.ndarray, dtype: str, lib: str):
+    if lib == "numpy":
+        return x.copy()
+    import torch
+
+    if dtype == "bfloat16":
+        return torch.from_numpy(x.copy()).to(torch.bfloat16)
+    return torch.from_numpy(x.copy())
+
+
+def to_numpy(y, dtype: str) -> np.ndarray:
+    if isinstance(y, np.ndarray):
+        return y
+    import torch
+
+    if y.dtype == torch.bfloat16:
+        return y.float().numpy()
+    return y.numpy()
+
+
+def numpy_paths(x, op, comm, comms):
+    """name -> result, for a NumPy input."""
+    out = {}
+    a = x.copy()
+    comm.allreduce(a, op)  # fills the hot path's cache ...
+    b = x.copy()
+    out["hot"] = coll.allreduce(b, op, comm=comm)  # ... which this call takes
+    base = np.zeros((2, x.size), x.dtype)
+    base[:, :] = x
+    view = base.T[:, 0]  # strided: the general path, on a copy, written back
+    coll.allreduce(view, op, comm=comm)
+    out["general"] = view.copy()
+    ro = x.copy()
+    ro.flags.writeable = False
+    out["read-only"] = coll.allreduce(ro, op, comm=comm)
+    small = {"a": x.copy(), "pad": np.ones(3, x.dtype)}
+    out["tree small leaves"] = coll.allreduce_tree(small, op, comm=comm)["a"]
+    out["tree solo leaf"] = coll.allreduce_tree({"a": x.copy()}, op, comm=comm, bucket_bytes=64)["a"]
+    for name, c in comms.items():
+        out[name] = c.allreduce(x.copy(), op)
+        out[f"{name} tree solo leaf"] = c.allreduce_tree({"a": x.copy()}, op, bucket_bytes=64)["a"]
+        out[f"{name} tree small leaves"] = c.allreduce_tree({"a": x.copy(), "b": np.ones(2, x.dtype)}, op)["a"]
+    for root in range(comm.size):
+        r = x.copy()
+        got = coll.reduce(r, op, root, comm=comm)
+        if comm.rank == root:
+            out[f"reduce to {root}"] = got
+        else:
+            assert same_bits(got, x) is None, "a non-root rank's array changed"
+    return out
+
+
+def torch_paths(x, dtype, op, comm):
+    out = {}
+    t = as_lib(x, dtype, "torch")
+    comm.allreduce(t, op)
+    t = as_lib(x, dtype, "torch")
+    out["torch hot"] = to_numpy(coll.allreduce(t, op, comm=comm), dtype)
+    t = as_lib(x, dtype, "torch").requires_grad_(False)
+    wide = as_lib(np.repeat(x, 2), dtype, "torch")
+    view = wide[::2]
+    coll.allreduce(view, op, comm=comm)
+    out["torch general"] = to_numpy(view.contiguous(), dtype)
+    out["torch tree"] = to_numpy(coll.allreduce_tree({"a": as_lib(x, dtype, "torch")}, op, comm=comm)["a"], dtype)
+    for transport in device_stand_ins(comm):
+        t = as_lib(x, dtype, "torch")
+        transport.allreduce(t, None, op)
+        out[f"{transport.name} (CPU tensors standing in)"] = to_numpy(t, dtype)
+    return out
+
+
+def device_stand_ins(comm):
+    """The host-staging and CUDA-aware MPI transports, with a torch helper whose CUDA-only calls are
+    replaced, so CPU tensors stand in for device tensors (the transports' logic is what is tested; there
+    is no public way to hand a CPU tensor to a device transport, hence the private classes)."""
+    import contextlib as cl
+
+    import torch
+
+    from collectives._backends import cuda, device
+
+    class StandIn(device._TorchCUDA):
+        def __init__(self):
+            super().__init__(torch)
+
+        def stream(self, x):
+            return 0
+
+        def synchronize(self, x):
+            pass
+
+        def using(self, index):
+            return cl.nullcontext()
+
+        def index(self, x):
+            return 0
+
+        def to_host(self, x):
+            return x.detach().clone()
+
+        def to_device(self, host, like):
+            return host.clone()
+
+    fake = StandIn()
+    made = []
+    for cls in (cuda.HostStagingTransport, cuda.CudaAwareMPITransport):
+        t = cls(comm, 0)
+        t._library_of = lambda x: fake
+        made.append(t)
+    return made
+
+
+@pytest.mark.parametrize(("dtype", "op"), pairs(), ids=[f"{d}-{o}" for d, o in pairs()])
+def test_every_path_gives_the_documented_bits(comm, comms, dtype, op):
+    x = inputs(dtype, op, comm.rank)
+    want = reference(dtype, op, comm.size)
+    results = {}
+    if dtype != "bfloat16":
+        results.update(numpy_paths(x, op, comm, comms))
+    if dtype not in ("longdouble", "uint16"):
+        results.update(torch_paths(x, dtype, op, comm))
+    if dtype == "bfloat16":  # the reference is float32; bfloat16 rounds it (small integers: exactly)
+        import torch
+
+        want = torch.from_numpy(want).to(torch.bfloat16).float().numpy()
+    wrong = {name: why for name, got in results.items() if (why := same_bits(to_numpy(got, dtype), want))}
+    assert not wrong, f"{dtype} {op} at {comm.size} ranks: " + "; ".join(f"{k}: {v}" for k, v in wrong.items())
+    assert len(results) >= 5

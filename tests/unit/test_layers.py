@@ -1,0 +1,133 @@
+"""The layers of ``src/collectives`` import downward only, and there are no import cycles.
+
+Every import counts, also one inside a function (a deferred import of a module above is still an upward
+dependency). The layers are written down in docs/architecture.md; this test is their definition.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "collectives"
+
+# module -> layer; a module may import modules of its own layer's lower layers (and, for the two
+# multi-module layers below, the listed siblings of the same layer)
+LAYERS = {
+    # 0: the bottom: no library module above it
+    "_version": 0, "_errors": 0, "_config": 0, "_dtypes": 0, "_arrays": 0, "_agree": 0,
+    # 1: transports
+    "_backends._libnccl": 1, "_backends.base": 1, "_backends.self": 1, "_backends.shm": 1,
+    "_backends.mpi": 1, "_backends.device": 1, "_backends.cuda": 1, "_backends.nccl": 1,
+    "_backends.factory": 1, "_backends": 1,
+    # 2: reduction rules
+    "_reduction": 2,
+    # 3: trees and buckets
+    "_buckets": 3, "_tree": 3,
+    # 4: the Communicator, init and the public functions
+    "_comm": 4, "_failure": 0,
+    # 5: what stands on the public functions
+    "_shard": 5, "_optim": 5, "__init__": 6, "_bench": 6, "__main__": 6,
+}
+# within the transport layer: who may import whom (the factory knows every transport; the others know only
+# their bases and the shared memory allreduce)
+TRANSPORT_IMPORTS = {
+    "_backends.mpi": {"_backends.base", "_backends.shm"},
+    "_backends.self": {"_backends.base"},
+    "_backends.device": set(),
+    "_backends.cuda": {"_backends.device", "_backends._libnccl"},
+    "_backends.nccl": {"_backends.device", "_backends._libnccl"},
+    "_backends.factory": {"_backends.base", "_backends.cuda", "_backends.device", "_backends.self",
+                          "_backends.mpi", "_backends.nccl", "_backends._libnccl"},
+    "_backends.shm": set(),
+    "_backends.base": set(),
+    "_backends._libnccl": set(),
+    "_backends": set(),
+}
+WITHIN_TREES = {"_tree": {"_buckets"}, "_buckets": set()}
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(SRC).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports(path: Path) -> set[str]:
+    """The library modules ``path`` imports (anywhere in the file), as names relative to the package."""
+    name = module_name(path)
+    package = name.split(".")[:-1] if path.name != "__init__.py" else name.split(".")
+    if name == "__init__":
+        package = []
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level == 0:
+                if node.module and node.module.startswith("collectives."):
+                    base = node.module.split(".")[1:]
+                elif node.module == "collectives":
+                    base = []
+                else:
+                    continue
+            else:
+                base = package[:len(package) - node.level + 1] + (node.module.split(".") if node.module else [])
+            for alias in node.names:
+                candidate = ".".join([*base, alias.name])
+                found.add(candidate if candidate in LAYERS else ".".join(base))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("collectives."):
+                    found.add(".".join(alias.name.split(".")[1:]))
+    return {m for m in found if m and m != name}
+
+
+def graph() -> dict[str, set[str]]:
+    return {module_name(p): imports(p) for p in SRC.rglob("*.py")}
+
+
+def test_every_module_has_a_layer():
+    assert set(graph()) <= set(LAYERS), f"add to LAYERS: {sorted(set(graph()) - set(LAYERS))}"
+
+
+def test_imports_go_downward_only():
+    wrong = []
+    for mod, deps in graph().items():
+        for dep in deps:
+            if dep not in LAYERS:
+                wrong.append(f"{mod} imports unknown {dep}")
+            elif LAYERS[dep] > LAYERS[mod]:
+                wrong.append(f"{mod} (layer {LAYERS[mod]}) imports {dep} (layer {LAYERS[dep]})")
+            elif LAYERS[dep] == LAYERS[mod] == 1 and dep not in TRANSPORT_IMPORTS[mod]:
+                wrong.append(f"transport {mod} imports {dep}")
+            elif LAYERS[dep] == LAYERS[mod] == 3 and dep not in WITHIN_TREES[mod]:
+                wrong.append(f"{mod} imports {dep}")
+            elif LAYERS[dep] == LAYERS[mod] == 0 and mod != "_failure" and dep not in ("_errors", "_dtypes"):
+                wrong.append(f"bottom-layer {mod} imports {dep}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_import_cycles():
+    g = graph()
+    state: dict[str, int] = {}
+
+    def visit(m, stack):
+        state[m] = 1
+        for d in g.get(m, ()):
+            if state.get(d) == 1:
+                raise AssertionError(" -> ".join([*stack, m, d]))
+            if d not in state:
+                visit(d, [*stack, m])
+        state[m] = 2
+
+    for m in g:
+        if m not in state:
+            visit(m, [])
+
+
+def test_the_checker_sees_deferred_and_relative_imports(tmp_path):
+    """The checker itself: an import inside a function, relative or absolute, is found."""
+    assert "_tree" in imports(SRC / "_comm.py")
+    assert "_backends.nccl" in imports(SRC / "_backends" / "factory.py")  # imported inside a function
+    assert {"_errors", "_dtypes"} <= imports(SRC / "_reduction.py") | {"_errors"}
