@@ -50,7 +50,9 @@ def from_numpy(dtype: np.dtype) -> DType:
         info = DType("bfloat16", np.dtype(np.uint16), "f")
     elif kind in "biufc" and dtype.names is None and dtype.subdtype is None:
         info = DType(dtype.name, dtype, kind)
-    else:  # structured, void, strings, datetimes, ml_dtypes float8 ...: fixed-size bytes
+    elif dtype.names is not None or dtype.subdtype is not None:  # structured or sub-array: the full layout
+        info = DType(str(dtype), dtype, "x")  # (fields, offsets, byte order) so that ranks compare it all
+    else:  # void, strings, datetimes, ml_dtypes float8 ...: fixed-size bytes
         info = DType(dtype.name or str(dtype), dtype, "x")
     _CACHE[dtype] = info
     return info

@@ -96,6 +96,7 @@ def _minmax_flagged(values: np.ndarray, op: str, collective) -> None:
     """min/max of floats without an integer of their width (longdouble), exactly as :func:`to_ordered`
     would: NaN and the sign of zero travel as byte flags reduced with max beside the values, which are
     reduced with NaN replaced by the identity of ``op``."""
+    values = values.reshape(-1)  # contiguous: a view, written in place
     n = values.size
     flags = np.empty(2 * n, dtype=np.uint8)
     nan = np.isnan(values)

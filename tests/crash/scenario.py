@@ -93,6 +93,27 @@ def main(name: str) -> None:
         comm.allreduce(y)
         assert (y == sum(range(comm.size))).all(), y
 
+    elif name == "clean-fp-errors":  # one rank makes NumPy's floating-point errors exceptions (issue 12)
+        import warnings
+
+        big = 1 << 16  # elements: past the shared-memory threshold, every rank reduces a slice
+        if comm.rank == last:
+            np.seterr(all="raise")
+            warnings.simplefilter("error")  # as python -W error, or pytest's filterwarnings = error
+        cases = [
+            (np.full(big, np.inf if comm.rank % 2 == 0 else -np.inf), "sum"),  # inf - inf on some slices
+            (np.full(big, 60000.0, np.float16), "sum"),  # float16 overflow
+            (np.array([5e-324, 3.0]), "mean"),  # underflow in mean's division
+            (np.full(big, 1e300), "prod"),  # overflow
+        ]
+        for data, op in cases:
+            try:
+                comm.allreduce(data, op=op)
+                coll.allreduce_tree({"a": data.copy(), "b": data[:3].copy()}, op=op)
+            except Exception as e:  # noqa: BLE001 - what a test runner would do: catch, report, go on
+                say(f"rank {comm.rank} caught {type(e).__name__} in {op}: {e}")
+        comm.allreduce(x)
+
     elif name == "deadline":  # one rank never arrives; the others' deadline ends the job
         if comm.rank == last:
             time.sleep(120)

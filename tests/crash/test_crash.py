@@ -198,3 +198,13 @@ def test_exit_without_finalize_is_clean(n, env):
 def test_finalize_and_init_again_is_clean(n):
     job = run("clean-finalize", n, COLLECTIVES_TIMEOUT=30)
     assert job.rc == 0 and job.err == "", job
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_numpy_error_state_of_one_rank_changes_nothing(n):
+    """np.seterr(all="raise") and warnings as errors on one rank: every collective still completes on every
+    rank (no rank raises where the others wait), and nothing is printed."""
+    job = run("clean-fp-errors", n)
+    assert job.rc == 0 and "caught" not in job.out, job
+    assert job.err == "", job
+    assert sorted(re.findall(r"^DONE (\d+)$", job.out, re.M)) == [str(r) for r in range(n)], job

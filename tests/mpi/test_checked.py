@@ -400,3 +400,68 @@ def test_nccl_eager_must_be_set_alike_on_every_rank(comm, monkeypatch):
     x = np.full(3, float(comm.rank))
     comm.allreduce(x, op="max")
     assert (x == comm.size - 1).all()
+
+
+@pytest.mark.parametrize("where", ["array", "tree leaf"])
+def test_structured_dtypes_of_the_same_size_are_told_apart(checked, where):
+    """Two structured dtypes of 8 bytes each (issue 12): the description is the whole layout (fields,
+    offsets, byte order), not "void64", so a broadcast cannot reinterpret one as the other."""
+    c = checked
+    if c.size == 1:
+        pytest.skip("one rank always agrees with itself")
+    odd = c.rank == c.size - 1
+    dtype = np.dtype([("x", "<f8")]) if odd else np.dtype([("a", "<i4"), ("b", "<f4")])
+    x = np.zeros(3, dtype)
+    before = x.copy()
+    if where == "array":
+        call = lambda: c.broadcast(x, root=0)  # the call every rank makes
+    else:
+        call = lambda: coll.synchronize({"s": x}, root=0, comm=c)
+    every_rank_raises(c, call, match=r"\('a', '<i4'\), \('b', '<f4'\).*\('x', '<f8'\)")
+    assert x.tobytes() == before.tobytes()
+
+
+@pytest.mark.parametrize("mine", ["barrier", "allreduce", "synchronize"])
+def test_a_tree_collective_against_another_collective(checked, mine):
+    """One rank calls allreduce_tree while the others call something else (issue 12): the tree check and
+    checked mode are one protocol, so every rank raises a MismatchError naming both calls."""
+    c = checked
+    if c.size == 1:
+        pytest.skip("one rank always agrees with itself")
+    x = np.ones(3)
+    if c.rank == c.size - 1:
+        call = lambda: coll.allreduce_tree({"w": x}, comm=c)
+    elif mine == "barrier":
+        call = c.barrier
+    elif mine == "allreduce":
+        call = lambda: c.allreduce(x)
+    else:
+        call = lambda: coll.synchronize({"w": x}, comm=c)
+    err = every_rank_raises(c, call, match=rf"ranks called different collectives.* called {mine}, "
+                                           rf"rank {c.size - 1} called allreduce_tree")
+    assert isinstance(err, coll.MismatchError) and (x == 1).all()
+    c.allreduce(x)  # still usable
+    assert (x == c.size).all()
+
+
+def test_lazily_negated_and_sparse_tensors_behave_the_same_warm_and_cold(comm):
+    """A lazily negated tensor (z.conj().imag) and a sparse one take the general path even once the torch
+    hot path has a cached call for their dtype (issue 12): same result, or same error, warm and cold."""
+    torch = pytest.importorskip("torch")
+    for warm in (False, True):
+        if warm:
+            comm.allreduce(torch.ones(2))  # fills the hot path for float32
+            comm.broadcast(torch.ones(2), root=0)
+        z = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64) * (comm.rank + 1)
+        neg = z.conj().imag
+        assert neg.is_neg()
+        got = comm.allreduce(neg)
+        want = -torch.tensor([2.0, -1.0]) * sum(range(1, comm.size + 1))
+        assert torch.equal(got, want), (warm, got)
+        z = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64) * (comm.rank + 1)
+        b = z.conj().imag  # a view of z: the broadcast writes root's values into z's imaginary parts
+        assert torch.equal(comm.broadcast(b, root=0), torch.tensor([-2.0, 1.0])), warm
+        assert torch.equal(z.imag, torch.tensor([2.0, -1.0])), warm
+        sparse = torch.ones(2, 2).to_sparse_csr()
+        with pytest.raises(TypeError):
+            comm.allreduce(sparse)
