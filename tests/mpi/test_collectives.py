@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import collectives as coll
+from support.comms import communicator
 from support.arrays import DTYPES, LIBS, has, legal, make, rank_values, reduce_reference, to_numpy
 
 OPS = ["sum", "prod", "min", "max", "mean"]
@@ -199,7 +200,8 @@ def test_float16_widened_path_matches_native(comm, monkeypatch):
     x = np.full(8, 0.1 * (comm.rank + 1), dtype=np.float16)
     native = coll.allreduce(x.copy(), op="mean", comm=comm)
     monkeypatch.setattr(comm._host, "_float16", False)  # as on an MPI without MPI_FLOAT16
-    monkeypatch.setattr(comm, "_fast", {})
+    monkeypatch.setattr(comm, "_fast", {})  # the calls cached for the transport as it was (internal: no
+    monkeypatch.setattr(comm, "_runners", {})  # public way to change a live transport's capabilities)
     monkeypatch.setattr(comm, "_fast_broadcast", {})
     widened = coll.allreduce(x.copy(), op="mean", comm=comm)
     want = (sum(np.float32(np.float16(0.1 * (r + 1))) for r in range(comm.size)) / comm.size)
@@ -246,11 +248,17 @@ def test_broadcast_hot_path_kinds(comm, monkeypatch):
     np.testing.assert_array_equal(x, np.arange(5, dtype=np.float32) + comm.size - 1)
 
 
-def test_chunked_counts(comm, monkeypatch):
+@pytest.fixture
+def small_counts(comm):
+    if comm.backend != "mpi":
+        pytest.skip("needs the MPI backend")
+    with communicator(COLLECTIVES_MAX_COUNT=7) as c:
+        yield c
+
+
+def test_chunked_counts(small_counts):
     """Messages past the per-call count limit are split; checked with a small limit."""
-    monkeypatch.setattr(comm._host, "_max_count", 7)
-    monkeypatch.setattr(comm, "_fast", {})
-    monkeypatch.setattr(comm, "_fast_broadcast", {})
+    comm = small_counts
     x = np.arange(50, dtype=np.int64) * (comm.rank + 1)
     coll.allreduce(x, comm=comm)
     np.testing.assert_array_equal(x, np.arange(50) * comm.size * (comm.size + 1) // 2)
@@ -346,7 +354,8 @@ def test_reduce_non_root_widened_dtypes_leave_input_bit_for_bit(comm, monkeypatc
     if comm.rank != 0:
         assert y is x and torch.equal(x.view(torch.int16), bits)
     monkeypatch.setattr(comm._host, "_float16", False)
-    monkeypatch.setattr(comm, "_fast", {})
+    monkeypatch.setattr(comm, "_fast", {})  # the calls cached for the transport as it was (internal: no
+    monkeypatch.setattr(comm, "_runners", {})  # public way to change a live transport's capabilities)
     monkeypatch.setattr(comm, "_fast_broadcast", {})
     h = np.array([1.5, -2.0], dtype=np.float16)
     h.flags.writeable = False
@@ -372,7 +381,8 @@ def test_torch_hot_path_cached_only_where_it_is_exact(comm, monkeypatch):
     second call on; bfloat16, complex, subclasses (nn.Parameter) and non-contiguous views keep the
     general path, and every one of them gives the right result either way."""
     torch = pytest.importorskip("torch")
-    monkeypatch.setattr(comm, "_fast", {})
+    monkeypatch.setattr(comm, "_fast", {})  # the calls cached for the transport as it was (internal: no
+    monkeypatch.setattr(comm, "_runners", {})  # public way to change a live transport's capabilities)
     monkeypatch.setattr(comm, "_fast_broadcast", {})
     n, root = comm.size, comm.size - 1
     for _ in range(2):  # the first call fills the cache, the second uses it

@@ -17,13 +17,11 @@ difference).
 
 from __future__ import annotations
 
-import contextlib
-import os
-
 import numpy as np
 import pytest
 
 import collectives as coll
+from support.comms import communicator
 
 COUNT = 67  # elements per array: odd, so buckets, slices and chunks do not line up
 OPS = ("sum", "prod", "min", "max", "mean")
@@ -125,32 +123,6 @@ def same_bits(got: np.ndarray, want: np.ndarray) -> str | None:
 
 
 # ---- communicators for the paths (collective to make and to close) ----
-
-@contextlib.contextmanager
-def communicator(**env):
-    """A new communicator of every rank, made with exactly these settings (an mpi4py duplicate under
-    ``init(comm=...)``, the public way a framework brings its own communicator)."""
-    from mpi4py import MPI
-
-    names = ("COLLECTIVES_SHM", "COLLECTIVES_SHM_THRESHOLD", "COLLECTIVES_SHM_SLOT_BYTES",
-             "COLLECTIVES_TIMEOUT", "COLLECTIVES_SIMULATE_NODES")
-    saved = {k: os.environ.pop(k, None) for k in names}
-    os.environ.update({k: str(v) for k, v in env.items()})
-    user = MPI.COMM_WORLD.Dup()
-    try:
-        c = coll.init(comm=user)
-    finally:
-        for k in names:
-            os.environ.pop(k, None)
-            if saved[k] is not None:
-                os.environ[k] = saved[k]
-    try:
-        yield c
-    finally:
-        c.close()
-        coll._comm._by_comm.pop(id(user), None)  # the registry of init(comm=...) has no public release
-        user.Free()
-
 
 @pytest.fixture(scope="module")
 def comms():

@@ -4,10 +4,11 @@ import numpy as np
 import pytest
 
 import collectives as coll
+from support.comms import gather_objects
 
 
 def gather(comm, obj):
-    return comm._host.allgather_object(obj)
+    return gather_objects(obj)
 
 
 def check_partition(comm, n, part_items, drop_remainder):

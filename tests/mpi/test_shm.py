@@ -184,6 +184,11 @@ def make_comm(monkeypatch, **env):
     return coll.Communicator(transport)
 
 
+# The routing tests below read the transport's agreed threshold and its reducer (``c._host._shm...``): which
+# path a call took leaves no trace a public name can see, and the results are the same either way (that is
+# checked by tests/mpi/test_paths.py).
+
+
 def test_library_routes_large_allreduces_through_shared_memory(monkeypatch, mpi_comm):
     off = make_comm(monkeypatch, COLLECTIVES_SHM="0")
     # the slot is read at the first shared-memory allreduce: these settings stay for the whole test

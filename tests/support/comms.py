@@ -12,17 +12,42 @@ import collectives as coll
 def deadline_communicator():
     """A second communicator of every rank whose transport has a deadline (``COLLECTIVES_TIMEOUT`` set
     at its init), closed at the end. Collective; needs the MPI backend."""
+    with communicator(COLLECTIVES_TIMEOUT=300) as c:
+        yield c
+
+
+def gather_objects(obj) -> list:
+    """Every rank's ``obj``, in rank order, over MPI's world (the tests' own channel for comparing what the
+    ranks got, so that checking the library does not depend on the library); ``[obj]`` without MPI."""
+    if coll.world().backend != "mpi":
+        return [obj]
     from mpi4py import MPI
 
+    return MPI.COMM_WORLD.allgather(obj)
+
+
+@contextlib.contextmanager
+def communicator(**env):
+    """A new communicator of every rank, made with exactly these settings (an mpi4py duplicate under
+    ``init(comm=...)``, the public way a framework brings its own communicator)."""
+    from mpi4py import MPI
+
+    names = ("COLLECTIVES_SHM", "COLLECTIVES_SHM_THRESHOLD", "COLLECTIVES_SHM_SLOT_BYTES",
+             "COLLECTIVES_TIMEOUT", "COLLECTIVES_SIMULATE_NODES", "COLLECTIVES_MAX_COUNT",
+             "COLLECTIVES_SYNC_PIPELINE")
+    saved = {k: os.environ.pop(k, None) for k in names}
+    os.environ.update({k: str(v) for k, v in env.items()})
     user = MPI.COMM_WORLD.Dup()
-    os.environ["COLLECTIVES_TIMEOUT"] = "300"
     try:
         c = coll.init(comm=user)
     finally:
-        del os.environ["COLLECTIVES_TIMEOUT"]
-    assert type(c._host).__name__ == "DeadlineMPITransport"
+        for k in names:
+            os.environ.pop(k, None)
+            if saved[k] is not None:
+                os.environ[k] = saved[k]
     try:
         yield c
     finally:
-        coll._comm._by_comm.pop(id(user))[1].close()
+        c.close()
+        coll._comm._by_comm.pop(id(user), None)  # the registry of init(comm=...) has no public release
         user.Free()
