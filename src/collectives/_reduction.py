@@ -71,24 +71,35 @@ def ordered(dtype: np.dtype) -> bool:
     return dtype.kind == "f" and dtype.itemsize in _ORDERED_INT
 
 
+_STEP = 8192  # elements per piece of the in-place mappings: their temporaries stay under 64 KiB
+
+
 def to_ordered(values: np.ndarray, op: str) -> np.ndarray:
     """Map contiguous floats, in place, to signed integers of the same order; returns the integer view.
 
-    NaN becomes the extreme ``op`` picks (the largest integer for max, the smallest for min)."""
+    NaN becomes the extreme ``op`` picks (the largest integer for max, the smallest for min). Done in
+    pieces, so the temporaries stay small whatever the size (the fused collectives' memory bound)."""
     itype = _ORDERED_INT[values.dtype.itemsize]
     info = np.iinfo(itype)
-    nan = np.isnan(values)
-    ints = values.view(itype)
-    np.bitwise_xor(ints, info.max, out=ints, where=ints < 0)
-    if nan.any():
-        ints[nan] = info.max if op == "max" else info.min
-    return ints
+    flat = values.reshape(-1)
+    ints = flat.view(itype)
+    extreme = info.max if op == "max" else info.min
+    for lo in range(0, flat.size, _STEP):
+        v, k = flat[lo:lo + _STEP], ints[lo:lo + _STEP]
+        nan = np.isnan(v)
+        np.bitwise_xor(k, info.max, out=k, where=k < 0)
+        k[nan] = extreme
+    return ints.reshape(values.shape)
 
 
 def from_ordered(ints: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """Invert :func:`to_ordered` in place; returns the float view. Only NaN bit patterns map to the
     extreme integers, so a NaN result comes back as a NaN (its payload is free)."""
-    np.bitwise_xor(ints, np.iinfo(ints.dtype).max, out=ints, where=ints < 0)
+    top = np.iinfo(ints.dtype).max
+    flat = ints.reshape(-1)
+    for lo in range(0, flat.size, _STEP):
+        k = flat[lo:lo + _STEP]
+        np.bitwise_xor(k, top, out=k, where=k < 0)
     return ints.view(dtype)
 
 
