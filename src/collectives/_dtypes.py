@@ -11,12 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-OPS = ("sum", "prod", "min", "max", "mean")
-
-# kind letters: b bool, i signed, u unsigned, f floating (incl. float16/bfloat16), c complex,
-# x opaque (fixed-size but not a number we reduce: structured, strings, datetimes, float8, complex32).
-_LEGAL = {"sum": "iufc", "prod": "iufc", "min": "biuf", "max": "biuf", "mean": "fc"}
-
+from ._ops import LEGAL, OPS, check, check_op  # noqa: F401 - OPS and check_op: the op rules, re-exported with the dtype rules
 
 @dataclass(frozen=True)
 class DType:
@@ -67,35 +62,10 @@ def opaque(name: str, storage: np.dtype) -> DType:
     return DType(name, storage, "x")
 
 
-def check_op(op) -> str:
-    """Validate the op argument itself (independent of dtype)."""
-    if not isinstance(op, str):
-        raise TypeError(f"op must be a string, one of {', '.join(map(repr, OPS))}; got {type(op).__name__}")
-    if op not in _LEGAL:
-        raise ValueError(f"unknown op={op!r}; expected one of {', '.join(map(repr, OPS))}")
-    return op
-
-
 def check_reduction(dtype: DType, op: str) -> None:
-    """Raise TypeError if ``op`` is not defined on ``dtype`` (same words on every transport)."""
-    if dtype.kind in _LEGAL[op]:
-        return
-    name = dtype.name
-    if dtype.kind == "b":
-        raise TypeError(
-            f"op={op!r} is not defined for bool arrays; use op='max' (logical any) or op='min' "
-            f"(logical all), or cast to an integer dtype to count"
-        )
-    if dtype.kind == "c":
-        raise TypeError(f"op={op!r} is not defined for complex dtype {name}: complex numbers have no order")
-    if op == "mean" and dtype.kind in "iu":
-        raise TypeError(
-            f"op='mean' on integer dtype {name} would truncate; cast to a floating dtype first, "
-            f"or use op='sum' and divide yourself"
-        )
-    raise TypeError(
-        f"op={op!r} needs a numeric dtype; got {name}, which can only be broadcast or gathered bit for bit"
-    )
+    """Raise TypeError if ``op`` is not defined on ``dtype`` (same words on every transport: ``_ops``)."""
+    if dtype.kind not in LEGAL[op]:
+        check(dtype.kind, dtype.name, op)
 
 
 # ---- bfloat16 <-> float32 on host buffers (round to nearest even, NaN stays NaN) ----

@@ -354,6 +354,8 @@ class FakeNCCL:
     def last_error(self):
         return "the fake's last error"
 
+    error = _libnccl.NCCLLibrary.error  # the real library's one way to make an NcclError from a status
+
     def comm_finalize(self, h):
         self.calls.append(("finalize", h))
         return 7

@@ -35,7 +35,7 @@ import os
 import threading
 from typing import Any, NamedTuple
 
-from .. import _config
+from .. import _config, _ops
 from .._errors import NcclError
 
 __all__ = [
@@ -666,7 +666,10 @@ class NCCLLibrary:
             )
         return fn
 
-    def _error(self, status: int, call: str) -> NcclError:
+    def error(self, status: int, call: str) -> NcclError:
+        """The :class:`NcclError` for ``status`` returned by (or found after) ``call``: its symbolic name,
+        NCCL's string for it and NCCL's last error message. The one place an NcclError is made from a
+        status (the transport's asynchronous errors come here too)."""
         name = RESULT_NAMES.get(status, f"ncclResult_t({status})")
         detail = self.error_string(status)
         try:
@@ -681,7 +684,7 @@ class NCCLLibrary:
         status = int(self._fn(name)(*args))
         if status == ncclSuccess or (allow_in_progress and status == ncclInProgress):
             return status
-        raise self._error(status, name)
+        raise self.error(status, name)
 
     # ---- errors ----
 
@@ -903,7 +906,6 @@ def info(path: str | None = None) -> dict:
 # dtype/op rules for NCCL reductions
 # --------------------------------------------------------------------------------------------------
 
-_INTEGER_NAMES = frozenset({"int8", "uint8", "int32", "uint32", "int64", "uint64"})
 _COMPLEX_PARTS = {"complex64": ncclFloat32, "complex128": ncclFloat64}
 # Dtypes NCCL cannot reduce but can move bit for bit as bytes (op=None): name -> itemsize.
 _BYTES_ONLY = {"int16": 2, "uint16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
@@ -970,23 +972,19 @@ def supported_dtype_op(dtype_name: Any, op: str | None) -> tuple[int, int | None
         )
 
     nccl_op = OP_BY_NAME[op]
+    kind = _ops.kind_of(name)
+    if kind != "x":  # the library's own rule first, in the host path's words
+        _ops.check(kind, name, op)
     if name == "bool":
-        if op in ("max", "min"):
-            return ncclUint8, nccl_op, 1
-        raise TypeError(
-            f"op={op!r} is not defined for bool arrays; use op='max' (logical any) or op='min' "
-            f"(logical all), or cast to an integer dtype to count"
-        )
+        return ncclUint8, nccl_op, 1
     if name in _COMPLEX_PARTS:
         if op in ("sum", "mean"):
             return _COMPLEX_PARTS[name], nccl_op, 2
-        if op == "prod":
-            raise TypeError(
-                f"op='prod' on complex dtype {name} is not supported by NCCL (it has no complex type, and "
-                f"a complex product is not elementwise over real and imaginary parts); use op='sum' or "
-                f"'mean', or reduce on the host"
-            )
-        raise TypeError(f"op={op!r} is not defined for complex dtype {name}: complex numbers have no order")
+        raise TypeError(
+            f"op='prod' on complex dtype {name} is not supported by NCCL (it has no complex type, and "
+            f"a complex product is not elementwise over real and imaginary parts); use op='sum' or "
+            f"'mean', or reduce on the host"
+        )
     if name in ("int16", "uint16"):
         raise TypeError(
             f"dtype {name} is not a NCCL type, so NCCL cannot reduce it (op={op!r}); cast to int32 "
@@ -996,10 +994,5 @@ def supported_dtype_op(dtype_name: Any, op: str | None) -> tuple[int, int | None
         raise TypeError(
             f"op={op!r} needs a numeric dtype NCCL can reduce ({', '.join(DTYPE_BY_NAME)}, bool, complex64, "
             f"complex128); got {name}, which can only be broadcast or gathered bit for bit"
-        )
-    if op == "mean" and name in _INTEGER_NAMES:
-        raise TypeError(
-            f"op='mean' on integer dtype {name} would truncate; cast to a floating dtype first, "
-            f"or use op='sum' and divide yourself"
         )
     return DTYPE_BY_NAME[name], nccl_op, 1

@@ -108,14 +108,7 @@ class NCCLTransport(DeviceTransport):
 
     # ---- waiting (non-blocking communicator) ----
     def _error(self, state: int, what: str) -> NcclError:
-        detail = self._lib.error_string(state)
-        try:
-            last = self._lib.last_error()
-        except Exception:  # noqa: BLE001
-            last = ""
-        if last:
-            detail = f"{detail}; last error: {last}"
-        return NcclError(state, _libnccl.RESULT_NAMES.get(state, f"ncclResult_t({state})"), detail, what)
+        return self._lib.error(state, what)
 
     def _settle(self, what: str, deadline: float | None = None, state: int | None = None) -> None:
         """Poll until the call just issued is no longer in progress; abort and raise on error or timeout."""
