@@ -83,8 +83,12 @@ def reduce_reference(arrays, op: str, dtype: str):
         return stack.min(0)
     if op == "max":
         return stack.max(0)
-    if op == "mean":
-        return (stack.sum(0, dtype=stack.dtype) / len(arrays)).astype(stack.dtype)
+    if op == "mean":  # complex: each part divided by the (real) number of ranks, as documented
+        total = stack.sum(0, dtype=stack.dtype)
+        if total.dtype.kind == "c":
+            parts = total.view(total.real.dtype)
+            return (parts / parts.dtype.type(len(arrays))).astype(parts.dtype).view(total.dtype)
+        return (total / len(arrays)).astype(stack.dtype)
     raise ValueError(op)
 
 
