@@ -1,6 +1,6 @@
 """CUDA arrays: NCCL, else CUDA-aware MPI (opt-in), else staging through host memory.
 
-:func:`make_transport` is called by ``Communicator._transport_for`` the first time a collective meets an
+``factory.device_transport`` is called by ``Communicator._transport_for`` the first time a collective meets an
 array on a CUDA device, on every rank (all ranks call collectives in the same order, so they all arrive).
 It is itself collective:
 
@@ -271,7 +271,7 @@ def initialize_eagerly(comm) -> None:
     try:
         index = local_device(comm)
     except BackendUnavailableError:
-        index = 0  # make_transport reports the problem on every rank
+        index = 0  # device_transport reports the problem on every rank
     comm._transport_for((2, index))  # 2: DLPack's kDLCUDA
 
 

@@ -183,7 +183,7 @@ class MPITransport(HostTransport):
 
             return run_mean
         if op in ("min", "max") and dtype.kind == "f":
-            return None  # floats go through the NaN-propagating integer mapping (_dtypes.float_to_ordered)
+            return None  # floats go through the NaN-propagating integer mapping (_reduction.to_ordered)
         mop = self._ops[op]
         slow_at = min(shm_at, (max_count + 1) * dtype.itemsize)  # x.size > max_count, or shared memory
 

@@ -1,6 +1,6 @@
 """The NCCL transport: CUDA arrays reduced and moved by NCCL, on the array library's current stream.
 
-One NCCL communicator per (Communicator, CUDA device), made collectively by ``cuda.make_transport`` the
+One NCCL communicator per (Communicator, CUDA device), made collectively by ``factory.device_transport`` the
 first time a collective meets an array on that device (or at ``init()`` with
 ``COLLECTIVES_NCCL_EAGER=1``). Rank 0 makes the 128-byte unique id; it travels over the host transport.
 
@@ -35,7 +35,7 @@ _SPINS = 200  # polls without sleeping before backing off (a call in progress us
 
 
 class NCCLTransport(DeviceTransport):
-    """CUDA arrays over one NCCL communicator on one device. Made by ``cuda.make_transport``.
+    """CUDA arrays over one NCCL communicator on one device. Made by ``factory.device_transport``.
 
     Args:
         comm: the Communicator (its host transport carries the unique id).
