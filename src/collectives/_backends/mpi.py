@@ -11,6 +11,7 @@ plain blocking calls run and nothing is added per call.
 
 from __future__ import annotations
 
+import heapq
 import os
 import pickle
 import sys
@@ -415,14 +416,31 @@ class MPITransport(Transport):
 
 
 def _overlapping(addresses: tuple, lengths: tuple) -> list[int]:
-    """Indices of the byte ranges ``[address, address + length)`` that overlap a range of lower index."""
+    """Indices of the byte ranges ``[address, address + length)`` that overlap a range of lower index.
+
+    O(n log n) in the number of ranges (a fresh tree of 100k leaves pays this on its first synchronize):
+    one sweep in address order keeps the ranges still open at the current start in two heaps, one by
+    lowest index (does the current range overlap a lower-index one?) and one of the not yet marked by
+    highest index (which open ranges overlap the current, lower-index one?); each range enters and leaves
+    each heap at most once. Empty ranges overlap nothing.
+    """
     order = sorted((a, i) for i, a in enumerate(addresses) if lengths[i])
+    lowest: list = []  # (index, end) of the open ranges, lowest index on top
+    unmarked: list = []  # (-index, end) of the open ranges not marked yet, highest index on top
     later = set()
-    for k, (a, i) in enumerate(order):
-        for b, j in order[k + 1:]:
-            if b >= a + lengths[i]:
-                break
-            later.add(max(i, j))
+    for a, i in order:
+        while lowest and lowest[0][1] <= a:  # closed before a: closed for every later start too
+            heapq.heappop(lowest)
+        while unmarked and (unmarked[0][1] <= a or -unmarked[0][0] > i):
+            neg_j, end = heapq.heappop(unmarked)
+            if end > a:  # open, and of higher index than i: it overlaps i
+                later.add(-neg_j)
+        if lowest and lowest[0][0] < i:
+            later.add(i)
+        end = a + lengths[i]
+        heapq.heappush(lowest, (i, end))
+        if i not in later:
+            heapq.heappush(unmarked, (-i, end))
     return sorted(later)
 
 
