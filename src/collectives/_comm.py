@@ -23,6 +23,8 @@ import numpy as np
 
 from . import _arrays, _check, _config, _dtypes
 from ._backends.base import Transport
+from ._backends import closed as _closed
+from ._backends.closed import CLOSED
 from ._backends.self import SelfTransport
 from ._errors import BackendUnavailableError, reraise, translating
 
@@ -98,10 +100,10 @@ class Communicator:
 
     @property
     def closed(self) -> bool:
-        return self._host is None
+        return self._host is CLOSED
 
     def __repr__(self) -> str:
-        if self._host is None:
+        if self._host is CLOSED:
             return "<collectives.Communicator closed>"
         return (f"<collectives.Communicator backend={self.backend!r} rank={self.rank} size={self.size} "
                 f"local_rank={self.local_rank} local_size={self.local_size}>")
@@ -115,8 +117,8 @@ class Communicator:
         use per device; device transports take arrays (``array_level``), since they need the library's
         stream as well as the pointer.
         """
-        if self._host is None:
-            raise BackendUnavailableError("this communicator was finalized; call collectives.init() again")
+        if self._host is CLOSED:
+            raise BackendUnavailableError(_closed.MESSAGE)
         if device[0] in _arrays.HOST_DEVICE_TYPES:
             return self._host
         if device[0] in (_arrays.CUDA, _arrays.CUDA_MANAGED):
@@ -367,12 +369,12 @@ class Communicator:
     def close(self) -> None:
         """Release this communicator's resources (its MPI duplicate, its shared-memory window, device
         communicators). Collective: every rank calls it (``finalize()`` and interpreter exit do). Idempotent."""
-        host, self._host = self._host, None
+        host, self._host = self._host, CLOSED  # every later use raises BackendUnavailableError (_closed)
         self._fast, self._fast_broadcast = {}, {}
         devices, self._devices = list(self._devices.values()), {}
         for d in devices:  # device transports first: NCCL communicators were set up over the host one
             d.close()
-        if host is not None:
+        if host is not CLOSED:
             host.close()
 
     # ---- the tree collectives ----

@@ -12,6 +12,8 @@ from typing import Any, NamedTuple
 from collections.abc import Callable
 
 from . import _dtypes
+from ._backends import closed as _closed
+from ._errors import BackendUnavailableError
 from ._tree import WRAPPER_ATTRIBUTE, allreduce_tree, is_array, map_leaves
 
 
@@ -88,6 +90,8 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
                                                                    "_collectives_distributed", False):
         raise ValueError("this optimizer is already a DistributedOptimizer; wrap the inner optimizer once")
     c = _resolve(comm)
+    if c.closed:  # refused now, not at the first step
+        raise BackendUnavailableError(f"DistributedOptimizer: {_closed.MESSAGE}")
     if hasattr(optimizer, "param_groups") and callable(getattr(optimizer, "step", None)):
         return TorchDistributedOptimizer(optimizer, op=op, backward_passes_per_step=backward_passes_per_step,
                                          bucket_bytes=bucket_bytes, comm=c)
