@@ -21,7 +21,7 @@ import threading
 
 import numpy as np
 
-from . import _arrays, _check, _config, _dtypes
+from . import _arrays, _check, _config, _dtypes, _registry
 from ._backends.base import Transport
 from ._backends import closed as _closed
 from ._backends.closed import CLOSED
@@ -396,7 +396,6 @@ class Communicator:
 
 _lock = threading.RLock()
 _world: Communicator | None = None
-_by_comm: dict[int, tuple[object, Communicator]] = {}
 _atexit_registered = False
 
 
@@ -487,8 +486,8 @@ def init(backend: str = "auto", *, comm=None, check: bool | None = None) -> Comm
     with _lock:
         if comm is None and _world is not None:
             existing = _world
-        elif comm is not None and id(comm) in _by_comm:
-            existing = _by_comm[id(comm)][1]
+        elif comm is not None:
+            existing = _registry.lookup(comm)  # by the MPI communicator, not the wrapper (_registry)
         else:
             existing = None
         if existing is not None:
@@ -511,7 +510,7 @@ def init(backend: str = "auto", *, comm=None, check: bool | None = None) -> Comm
             result.close()  # every rank fails alike here (the ranks agreed first), so every rank closes
             raise
         if comm is not None:
-            _by_comm[id(comm)] = (comm, result)
+            _registry.remember(comm, result)
         if _world is None:
             _world = result
         if not _atexit_registered:
@@ -547,11 +546,10 @@ def finalize() -> None:
     """
     global _world
     with _lock:
-        comms = [c for _, c in _by_comm.values()]
+        comms = _registry.forget_all()
         if _world is not None:
             comms.append(_world)
         _world = None
-        _by_comm.clear()
     for c in comms:
         c.close()
 

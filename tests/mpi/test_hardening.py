@@ -72,3 +72,51 @@ def test_a_warm_hot_path_on_a_closed_communicator_raises(comm):
                  lambda y: coll.broadcast(y, comm=c)):
         with pytest.raises(coll.BackendUnavailableError):
             call(x)
+
+
+# ---- item 8: communicators are looked up by the MPI communicator, not by the Python wrapper ----
+
+def test_a_new_wrapper_of_the_same_communicator_finds_the_same_communicator(comm):
+    base = MPI.COMM_WORLD.Dup()
+    try:
+        first = coll.init(comm=base)
+        again = coll.init(comm=MPI.Intracomm(base))  # another Python object for the same MPI communicator
+        assert again is first
+        x = np.ones(2)
+        for _ in range(2500):  # frameworks hand a fresh wrapper every call; MPICH ran out at ~2000 dups
+            coll.allreduce(x, comm=MPI.Intracomm(base))
+            x[:] = 1
+        assert coll.init(comm=MPI.Intracomm(base)) is first and not first.closed
+    finally:
+        base.Free()
+
+
+def test_freeing_the_users_communicator_releases_ours(comm):
+    base = MPI.COMM_WORLD.Dup()
+    ours = coll.init(comm=base)
+    base.Free()  # collective, as MPI requires
+    assert ours.closed  # its MPI duplicate and shared memory were released with it
+    with pytest.raises(coll.BackendUnavailableError):
+        ours.allreduce(np.ones(2))
+    # MPI reuses the freed handle for the next communicator: that must not find the released one
+    other = MPI.COMM_WORLD.Dup()
+    try:
+        fresh = coll.init(comm=other)
+        assert fresh is not ours and not fresh.closed
+        x = np.ones(2)
+        fresh.allreduce(x)
+        assert (x == comm.size).all()
+    finally:
+        other.Free()
+    assert fresh.closed
+
+
+def test_a_closed_communicator_is_not_returned_for_its_mpi_communicator(comm):
+    base = MPI.COMM_WORLD.Dup()
+    try:
+        ours = coll.init(comm=base)
+        ours.close()
+        again = coll.init(comm=base)
+        assert again is not ours and not again.closed
+    finally:
+        base.Free()

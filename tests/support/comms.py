@@ -24,5 +24,4 @@ def deadline_communicator():
     try:
         yield c
     finally:
-        coll._comm._by_comm.pop(id(user))[1].close()
-        user.Free()
+        user.Free()  # releases (closes) the library communicator made for it
