@@ -481,8 +481,8 @@ def init(backend: str = "auto", *, comm=None, check: bool | None = None) -> Comm
     backend = backend.lower()
     if backend == "auto":
         backend = _config.backend()
-        if backend not in BACKENDS:
-            raise ValueError(f"COLLECTIVES_BACKEND={backend!r}: expected one of {', '.join(BACKENDS)}")
+        if backend not in BACKENDS:  # malformed: refused by every rank when the transport is made (agreed)
+            backend = "auto"
     with _lock:
         if comm is None and _world is not None:
             existing = _world

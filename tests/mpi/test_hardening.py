@@ -120,3 +120,44 @@ def test_a_closed_communicator_is_not_returned_for_its_mpi_communicator(comm):
         assert again is not ours and not again.closed
     finally:
         base.Free()
+
+
+# ---- item 2: a malformed setting on one rank is refused on every rank, naming variable and value ----
+
+MALFORMED = [
+    ("COLLECTIVES_TIMEOUT", "abc"),
+    ("COLLECTIVES_MAX_COUNT", "lots"),
+    ("COLLECTIVES_MAX_COUNT", "-4"),
+    ("COLLECTIVES_SHM", "maybe"),
+    ("COLLECTIVES_SHM_THRESHOLD", "1.5"),
+    ("COLLECTIVES_SHM_SLOT_BYTES", "0"),
+    ("COLLECTIVES_SIMULATE_NODES", "two"),
+    ("COLLECTIVES_SYNC_PIPELINE", "2"),
+    ("COLLECTIVES_BUCKET_BYTES", "25MB"),
+    ("COLLECTIVES_CHECK", "please"),
+    ("COLLECTIVES_ABORT_ON_ERROR", "never"),
+    ("COLLECTIVES_DISABLE_NCCL", "nope"),
+    ("COLLECTIVES_CUDA_AWARE_MPI", "perhaps"),
+    ("COLLECTIVES_NCCL_EAGER", "soon"),
+    ("COLLECTIVES_MPI_THREAD_LEVEL", "many"),
+]
+
+
+@pytest.mark.parametrize(("name", "value"), MALFORMED)
+def test_a_malformed_setting_on_one_rank_is_refused_on_every_rank(comm, monkeypatch, name, value):
+    if comm.rank == comm.size - 1:
+        monkeypatch.setenv(name, value)
+    base = MPI.COMM_WORLD.Dup()
+    try:
+        with pytest.raises(ValueError) as info:
+            coll.init(comm=base)  # would hang at 2+ ranks if only the last rank raised
+        text = str(info.value)
+        assert name in text and repr(value) in text and f"rank {comm.size - 1}" in text, text
+    finally:
+        base.Free()
+    monkeypatch.delenv(name, raising=False)
+    again = coll.init(comm=MPI.COMM_WORLD.Dup())  # nothing was left behind: init works again
+    x = np.ones(1)
+    again.allreduce(x)
+    assert x[0] == comm.size
+    again.close()

@@ -33,7 +33,10 @@ def import_mpi():
     if "mpi4py.MPI" not in sys.modules:
         import mpi4py
 
-        mpi4py.rc.thread_level = _config.mpi_thread_level()
+        try:
+            mpi4py.rc.thread_level = _config.mpi_thread_level()
+        except ValueError:  # malformed: refused on every rank once MPI is up (MPITransport.__init__)
+            pass
     from mpi4py import MPI
 
     return MPI
@@ -101,7 +104,10 @@ class MPITransport(Transport):
 
     def __new__(cls, comm=None):
         if cls is MPITransport:  # the deadline is chosen once, here, so the plain calls stay plain
-            timeout = _config.timeout()
+            try:
+                timeout = _config.timeout()
+            except ValueError:  # malformed: refused on every rank in __init__, once the ranks can agree
+                timeout = None
             if timeout is not None:
                 self = super().__new__(DeadlineMPITransport)
                 self.timeout = timeout
@@ -118,6 +124,12 @@ class MPITransport(Transport):
         if not isinstance(base, MPI.Intracomm):
             raise TypeError(f"comm must be an mpi4py intra-communicator, got {type(base).__name__}")
         self.comm = base.Dup()  # never talk on the user's communicator
+        try:  # a malformed variable on any rank: every rank refuses here, before anything else talks
+            _config.refuse_malformed(self.comm.allgather)
+        except ValueError:
+            self.comm.Free()
+            self.comm = None
+            raise
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         per_node = _config.simulate_nodes()  # COLLECTIVES_SIMULATE_NODES: smaller "nodes" in the real ones

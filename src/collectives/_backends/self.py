@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from .. import _config
 from .base import Transport
 
 
 class SelfTransport(Transport):
     name = "self"
+
+    def __init__(self):
+        _config.refuse_malformed()  # a malformed variable is refused at init, as with MPI (alone here)
 
     def allreduce(self, buf, op):
         pass
