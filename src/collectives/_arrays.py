@@ -59,6 +59,11 @@ class Adapter:
     def write_back(self, x, view: np.ndarray, result: np.ndarray) -> None:
         view[...] = result
 
+    def written(self, x, result):
+        """Note that ``x`` was written in place when ``result`` is ``x`` (torch: autograd's version
+        counter); return ``result``."""
+        return result
+
     def wrap(self, result: np.ndarray, info: _dtypes.DType, like) -> Any:
         """A new array of like's library, on like's device, holding ``result`` (storage dtype)."""
         from array_api_compat import array_namespace, device as device_of
@@ -129,6 +134,11 @@ class TorchAdapter(Adapter):
     def writable(self, x, view):
         return True
 
+    def written(self, x, result):
+        if result is x:
+            bump_versions((x,))
+        return result
+
     def write_back(self, x, view, result):
         if view.flags.writeable:
             view[...] = result
@@ -148,6 +158,26 @@ class TorchAdapter(Adapter):
         else:
             t = torch.from_numpy(result)
         return t if like.device.type == "cpu" else t.to(like.device)
+
+
+def _first_bump(tensors: tuple) -> None:
+    """``bump_versions`` until its first call, which replaces it by torch's own entry point."""
+    global bump_versions
+    torch = sys.modules["torch"]
+    bump = getattr(getattr(torch, "_C", None), "_increment_version", None)
+    if bump is None:  # a torch without the private entry point: the public one (tuples are iterables)
+        bump = torch.autograd.graph.increment_version
+    bump_versions = bump
+    bump(tensors)
+
+
+# bump_versions(tensors): bump autograd's version counter of torch ``tensors`` (a tuple) written in place
+# behind torch's back (through a NumPy view, or by MPI/NCCL into their memory), as a write under
+# torch.no_grad() does, so that a backward() needing their old values raises instead of giving a wrong
+# gradient. It is torch._C._increment_version, what the public torch.autograd.graph.increment_version
+# calls, without its per-call isinstance (200 ns of the 4 us torch hot path); tensors made under
+# torch.inference_mode() have no counter and are left alone (by torch).
+bump_versions = _first_bump
 
 
 NUMPY = _NUMPY = NumpyAdapter()

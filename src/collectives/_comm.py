@@ -154,10 +154,11 @@ class Communicator:
                 run = self._fast_broadcast.get(x.dtype)
                 if run is not None and x.is_cpu and x.is_contiguous() and 0 <= root < self._size:
                     run(x.detach().numpy() if x.requires_grad else x.numpy(), root)
+                    _arrays.bump_versions((x,))  # written behind autograd's back: as under no_grad
                     return x
             a, transport, view, info, _, root = self._prepare("broadcast", x, root=root)
             if transport.array_level:
-                return transport.broadcast(x, a, root)
+                return a.written(x, transport.broadcast(x, a, root))
             self._fast_path("broadcast", x, a, view, info, transport)
             return self._in_place(x, a, view, info, lambda buf: transport.broadcast(buf, root))
         except Exception as exc:  # noqa: BLE001 - re-raised; costs nothing unless raised: MPI's own errors become CollectiveError
@@ -175,10 +176,11 @@ class Communicator:
                 run = self._fast.get(op, _NONE).get(x.dtype)
                 if run is not None and x.is_cpu and x.is_contiguous():
                     run(x.detach().numpy() if x.requires_grad else x.numpy())
+                    _arrays.bump_versions((x,))  # written behind autograd's back: as under no_grad
                     return x
             a, transport, view, info, op, _ = self._prepare("allreduce", x, op=op)
             if transport.array_level:
-                return transport.allreduce(x, a, op)
+                return a.written(x, transport.allreduce(x, a, op))
             self._fast_path(op, x, a, view, info, transport)
             return self._in_place(x, a, view, info, lambda buf: self._reduce_buffer(
                 transport, buf, info, op, transport.allreduce))
@@ -190,7 +192,7 @@ class Communicator:
         """Reduce ``x`` over all ranks, result on ``root``. See :func:`collectives.reduce`."""
         a, transport, view, info, op, root = self._prepare("reduce", x, op=op, root=root)
         if transport.array_level:
-            return transport.reduce(x, a, op, root)
+            return a.written(x, transport.reduce(x, a, op, root)) if self.rank == root else x
         if self.rank != root:  # non-root ranks contribute x and get it back unchanged
             buf = view if view.flags.c_contiguous else np.array(view, order="C")
             self._reduce_buffer(transport, buf, info, op,
@@ -319,12 +321,12 @@ class Communicator:
         can_write = a.writable(x, view)
         if can_write and view.flags.writeable and view.flags.c_contiguous:
             run(view)
-            return x
+            return a.written(x, x)  # torch: autograd's version counter, as for a write under no_grad
         buf = np.array(view, order="C")  # a copy: the caller's array is untouched until the end
         run(buf)
         if can_write:
             a.write_back(x, view, buf)
-            return x
+            return a.written(x, x)
         return a.wrap(buf, info, x)
 
     def _reduce_buffer(self, transport, buf, info, op, collective, divide=True):

@@ -777,6 +777,7 @@ def synchronize(tree, root: int = 0, *, comm=None, bucket_bytes: int | None = No
     if c.size == 1:
         if key is not None and cached is None:
             _remember(c, key, entries, None)  # one rank moves nothing: no plan
+        _buckets.mark_written(prepared.items)  # as on the root of a larger group (see below)
         return tree
     nbytes = header[1][1]
     is_root = c.rank == root
@@ -813,6 +814,7 @@ def synchronize(tree, root: int = 0, *, comm=None, bucket_bytes: int | None = No
         agree(c, what, (), [], err)  # all ranks unpickled root's values, or all raise
     plan = None if cached is None else cached[1]
     plan = _buckets.broadcast(c, items + opt_items if opt_items else items, root, nbytes, plan)
+    _buckets.mark_written(items)  # torch leaves: autograd's version counter (as a write under no_grad)
     if key is not None and cached is None:
         _remember(c, key, entries, plan)
     if is_root:
@@ -948,6 +950,7 @@ def allreduce_tree(tree, op: str = "mean", *, comm=None, bucket_bytes: int | Non
     items = prepared.items
     plan = None if cached is None else cached[1]
     plan = _buckets.allreduce(c, items, op, header[1][1], plan)
+    _buckets.mark_written(items)  # torch leaves: autograd's version counter (as a write under no_grad)
     if key is not None and cached is None:
         _remember(c, key, entries, plan)
     leaves = flat.leaves

@@ -161,3 +161,84 @@ def test_a_malformed_setting_on_one_rank_is_refused_on_every_rank(comm, monkeypa
     again.allreduce(x)
     assert x[0] == comm.size
     again.close()
+
+
+# ---- item 5: in-place writes into torch tensors bump autograd's version counter ----
+
+def _saved_for_backward(torch, make=None):
+    """``(loss, b)``: ``loss.backward()`` needs ``b`` as it was (b is saved for a's gradient)."""
+    a = torch.ones(4, requires_grad=True)
+    b = torch.full((4,), 2.0) if make is None else make()
+    return (a * b).sum(), b
+
+
+INPLACE_CALLS = {
+    "allreduce": lambda c, b: c.allreduce(b),
+    "coll.allreduce": lambda c, b: coll.allreduce(b, comm=c),
+    "allreduce mean": lambda c, b: c.allreduce(b, op="mean"),
+    "allreduce max": lambda c, b: c.allreduce(b, op="max"),
+    "broadcast": lambda c, b: c.broadcast(b, root=0),
+    "coll.broadcast": lambda c, b: coll.broadcast(b, root=c.size - 1, comm=c),
+    "allreduce_tree": lambda c, b: coll.allreduce_tree({"b": b, "other": np.ones(2)}, op="sum", comm=c),
+    "synchronize": lambda c, b: coll.synchronize({"b": b, "other": np.ones(2)}, comm=c),
+    "allreduce_tree single": lambda c, b: c.allreduce_tree([b]),
+}
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
+@pytest.mark.parametrize("call", sorted(INPLACE_CALLS))
+def test_a_collective_into_a_saved_tensor_makes_backward_raise(comm, call, warm):
+    torch = pytest.importorskip("torch")
+    base = MPI.COMM_WORLD.Dup()
+    try:
+        c = coll.init(comm=base)  # fresh: nothing cached (cold) unless warmed here
+        if warm:
+            for _ in range(3):
+                INPLACE_CALLS[call](c, torch.full((4,), 2.0))
+        loss, b = _saved_for_backward(torch)
+        INPLACE_CALLS[call](c, b)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()  # as after b.mul_(1) under torch.no_grad(); it gave a wrong gradient silently
+    finally:
+        base.Free()
+
+
+@pytest.mark.parametrize("make", ["strided", "bfloat16", "parameter", "float16"])
+def test_the_general_paths_bump_the_version_too(comm, make):
+    torch = pytest.importorskip("torch")
+    makers = {
+        "strided": lambda: torch.full((8,), 2.0)[::2],  # written back through a contiguous copy
+        "bfloat16": lambda: torch.full((4,), 2.0, dtype=torch.bfloat16),  # widened to float32
+        "parameter": lambda: torch.nn.Parameter(torch.full((4,), 2.0), requires_grad=False),
+        "float16": lambda: torch.full((4,), 2.0, dtype=torch.float16),
+    }
+    a = torch.ones(4, requires_grad=True, dtype=torch.float32)
+    b = makers[make]()
+    loss = (a * b.float()).sum() if b.dtype != torch.float32 else (a * b).sum()
+    comm.allreduce(b)
+    if b.dtype != torch.float32:  # b.float() was a copy: autograd saved that, and b's write is harmless
+        loss.backward()
+        return
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_reduce_bumps_the_version_where_it_writes(comm):
+    torch = pytest.importorskip("torch")
+    loss, b = _saved_for_backward(torch)
+    comm.reduce(b, root=0)
+    if comm.rank == 0:
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+    else:  # non-root ranks: b is untouched (documented), so backward is right
+        loss.backward()
+
+
+def test_a_collective_does_not_bump_a_tensor_it_did_not_write(comm):
+    torch = pytest.importorskip("torch")
+    b = torch.full((4,), 2.0)
+    before = b._version  # torch's public read of the counter
+    comm.allgather(b)
+    assert b._version == before
+    comm.allreduce(b)
+    assert b._version > before
