@@ -234,6 +234,11 @@ def _runner(comm, state: _State, transport, op: str, dtype: np.dtype):
     if run is None:
         if op == "broadcast":
             run = transport.broadcast
+        elif op in ("min", "max") and _dtypes.orderable(dtype):  # MPI's own float MIN/MAX drop NaN and
+            def run(buf):                                        # order signed zeros by rank: the
+                ints = _dtypes.float_to_ordered(buf, op)          # NaN-propagating order, as for
+                transport.allreduce(ints, op)                    # one array (Communicator._reduce_buffer)
+                buf[...] = _dtypes.ordered_to_float(ints, buf.dtype)
         else:
             wire_op, size = ("sum" if op == "mean" else op), comm.size
 

@@ -242,3 +242,28 @@ def test_a_collective_does_not_bump_a_tensor_it_did_not_write(comm):
     assert b._version == before
     comm.allreduce(b)
     assert b._version > before
+
+
+# ---- found by the fuzz suite: allreduce_tree's float min/max bypassed the NaN-propagating order ----
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+@pytest.mark.parametrize("op", ["min", "max"])
+def test_allreduce_tree_float_min_max_propagates_nan_and_orders_signed_zeros(comm, dtype, op):
+    def leaf(rank):  # NaN on rank 0 only; -0.0 and +0.0 on different ranks
+        v = np.array([1.0 + rank, -0.0 if rank == 0 else 0.0, 0.0 if rank == 0 else -0.0, 2.0], dtype=dtype)
+        if rank == 0:
+            v[0] = np.nan
+        return v
+
+    zero_first = -0.0 if op == "min" or comm.size == 1 else 0.0  # rank 0 holds -0.0 at index 1
+    zero_second = 0.0 if op == "max" or comm.size == 1 else -0.0  # and +0.0 at index 2
+    for _ in range(3):  # cold, then warm (cached plan and runners)
+        tree = {"x": leaf(comm.rank), "big": np.full(50_000, float(comm.rank), dtype=dtype)}  # a solo too
+        out = coll.allreduce_tree(tree, op=op, comm=comm)
+        x = out["x"]
+        assert np.isnan(x[0]), x
+        assert x[1] == 0 and bool(np.signbit(x[1])) == bool(np.signbit(zero_first)), (op, x)
+        assert x[2] == 0 and bool(np.signbit(x[2])) == bool(np.signbit(zero_second)), (op, x)
+        assert x[3] == 2.0
+        big = out["big"]
+        assert (big == (0 if op == "min" else comm.size - 1)).all()
