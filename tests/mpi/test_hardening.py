@@ -267,3 +267,25 @@ def test_allreduce_tree_float_min_max_propagates_nan_and_orders_signed_zeros(com
         assert x[3] == 2.0
         big = out["big"]
         assert (big == (0 if op == "min" else comm.size - 1)).all()
+
+
+# ---- item 7: shard in checked mode compares drop_remainder, and one rank's invalid data is typed ----
+
+def test_shard_checked_mode_compares_drop_remainder(comm, monkeypatch):
+    monkeypatch.setattr(comm, "check", True)
+    drop = comm.rank == comm.size - 1
+    if comm.size == 1:
+        assert len(coll.shard(list(range(10)), drop_remainder=drop, comm=comm)) == 10
+        return
+    with pytest.raises(coll.MismatchError, match="drop_remainder"):
+        coll.shard(list(range(10)), drop_remainder=drop, comm=comm)  # silently 3/3/4 items before
+
+
+def test_shard_checked_mode_data_invalid_on_one_rank_is_typed_everywhere(comm, monkeypatch):
+    monkeypatch.setattr(comm, "check", True)
+    last = comm.rank == comm.size - 1
+    data = (i for i in range(10)) if last else list(range(10))  # a generator has no length
+    expected = TypeError if last else coll.MismatchError
+    with pytest.raises(expected, match="generator" if last else f"rank {comm.size - 1}.*generator"):
+        coll.shard(data, comm=comm)
+    assert len(coll.shard(list(range(10)), comm=comm)) == -(-10 // comm.size)  # still usable
