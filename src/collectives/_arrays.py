@@ -79,6 +79,26 @@ class Adapter:
             return xp.asarray(native, dtype=like_dtype)
 
 
+def _check_torch_dtype(torch, dtype) -> None:
+    """TypeError for torch dtypes with no NumPy storage view (quantized, bit and sub-byte types)."""
+    if dtype.is_complex or dtype.is_floating_point or dtype == torch.bool:
+        return
+    if str(dtype) in _TORCH_INTEGER_NAMES:
+        return
+    name = str(dtype).replace("torch.", "")
+    if name.startswith(("qint", "quint")):
+        hint = "communicate t.int_repr() (and its scale and zero point) instead"
+    elif name.startswith("bits"):
+        hint = f"view it as an integer dtype of the same size first, e.g. t.view(torch.uint{dtype.itemsize * 8})"
+    else:
+        hint = "pack it into a uint8 tensor first"
+    raise TypeError(f"torch dtype {name} is not supported (quantized, bit and sub-byte dtypes have no "
+                    f"NumPy equivalent to move or reduce); {hint}")
+
+
+_TORCH_INTEGER_NAMES = frozenset(f"torch.{k}{b}" for k in ("int", "uint") for b in (8, 16, 32, 64))
+
+
 def _numpy_bfloat16_view(result: np.ndarray) -> np.ndarray:
     import ml_dtypes  # present wherever a library handed us an ml_dtypes bfloat16 array (JAX)
 
@@ -112,15 +132,20 @@ class TorchAdapter(Adapter):
         dev = x.device
         if dev.type == "cpu":
             return HOST
+        if dev.type == "meta":
+            raise TypeError("a tensor on torch's 'meta' device has no data to send or receive; make it on a "
+                            "real device first (e.g. torch.empty_like(t, device='cpu'), or "
+                            "module.to_empty(device='cpu') for a model)")
         return super().device(x.detach())
 
     def host_view(self, x):
         torch = sys.modules["torch"]
         t = x.detach()
+        _check_torch_dtype(torch, t.dtype)
         if t.is_conj() or t.is_neg():  # lazily conjugated/negated: numpy cannot see it; work on a copy
-            view = t.resolve_conj().resolve_neg().numpy()
+            view, info = self.host_view(t.resolve_conj().resolve_neg())
             view.flags.writeable = False  # a copy: results go back through write_back (torch copy_)
-            return view, _dtypes.from_numpy(view.dtype)
+            return view, info
         dtype = t.dtype
         if dtype == torch.bfloat16:
             return t.view(torch.int16).numpy().view(np.uint16), _dtypes.bfloat16()
@@ -191,6 +216,10 @@ def adapter(x) -> Adapter:
     hit = _BY_TYPE.get(type(x))
     if hit is not None:
         return hit
+    if isinstance(x, np.ma.MaskedArray):  # (not cached: refused every time)
+        raise TypeError("a NumPy masked array: its mask would be ignored (a collective moves and reduces the "
+                        "data only); pass np.ma.getdata(x), and the mask as an array of its own if the other "
+                        "ranks need it (np.ma.getmaskarray(x))")
     if isinstance(x, np.ndarray):
         found = _NUMPY
     elif "torch" in sys.modules and isinstance(x, sys.modules["torch"].Tensor):

@@ -148,6 +148,30 @@ class TorchDistributedOptimizer:
             raise AttributeError(name)
         return getattr(inner, name)
 
+    # A communicator is a resource of this process (an MPI communicator), not data: a copy shares it, and
+    # a pickle leaves it out (it could not travel); unpickled, the optimizer uses the default communicator
+    # (collectives.world()) of the process that loads it, and the inner optimizer is pickled as torch does.
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["comm"] = None
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        if self.comm is None:
+            from ._comm import world
+
+            self.comm = world()
+
+    def __deepcopy__(self, memo):
+        import copy
+
+        memo[id(self.comm)] = self.comm  # shared, not copied
+        clone = object.__new__(type(self))
+        memo[id(self)] = clone
+        clone.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return clone
+
     def __repr__(self) -> str:
         return (f"DistributedOptimizer({self.inner!r}, op={self.op!r}, "
                 f"backward_passes_per_step={self.backward_passes_per_step})")

@@ -169,6 +169,8 @@ def shard(data, *, drop_remainder: bool = False, comm=None):
         parts = [data[s:e, ...] for s, e in segments]  # the trailing ... is what the array API requires
         if len(parts) == 1:
             return parts[0]
+        if isinstance(data, np.ma.MaskedArray):  # the namespace's concat would drop the mask
+            return np.ma.concatenate(parts, axis=0)
         from array_api_compat import array_namespace
 
         return array_namespace(data).concat(parts, axis=0)

@@ -175,10 +175,11 @@ def flatten(tree) -> Flat:
     sig: list = []
     try:
         flat.treedef = _flatten(tree, flat.leaves, flat.kinds, sig)
-    except RecursionError:
-        # A cyclic tree recurses without end; find the cycle and name it (a deep acyclic tree re-raises).
+    except RecursionError as exc:
+        # A cyclic tree recurses without end; find the cycle and name it (iteratively: the tree is deep).
         _find_cycle(tree, "", set())
-        raise
+        raise ValueError(f"the tree is nested more than {sys.getrecursionlimit()} levels deep (Python's "
+                         f"recursion limit): flatten it, or raise the limit with sys.setrecursionlimit()") from exc
     flat.sig = tuple(sig)
     return flat
 
@@ -255,26 +256,39 @@ def _paths_of(node, path: str, out: list) -> None:
 
 
 def _find_cycle(x, path: str, active: set) -> None:
-    """Raise ValueError naming where ``x`` contains itself, if it does (after a RecursionError)."""
-    kind = _kind_of_type(type(x))
-    if kind in _LEAF_KINDS or kind == _MODULE:
-        return
-    if kind == _WRAPPER:
-        return _find_cycle(x.inner, path, active)
-    if id(x) in active:
-        raise ValueError(f"the tree contains itself at {render_path(path)}; trees must not be cyclic")
-    active.add(id(x))
-    if kind == _DICT:
-        children = [(x[k], f"{path}[{k!r}]") for k in sorted_keys(x)]
-    elif kind == _DATACLASS:
-        children = [(getattr(x, f.name), f"{path}.{f.name}") for f in dataclasses.fields(x)]
-    elif kind == _NAMEDTUPLE:
-        children = [(v, f"{path}.{k}") for k, v in zip(type(x)._fields, x)]
-    else:
-        children = [(v, f"{path}[{i}]") for i, v in enumerate(x)]
-    for child, child_path in children:
-        _find_cycle(child, child_path, active)
-    active.discard(id(x))
+    """Raise ValueError naming where ``x`` contains itself, if it does (after a RecursionError).
+
+    Depth-first with an explicit stack (the tree is deeper than the recursion limit): ``active`` holds
+    the ids of the containers on the current path; a ``None`` entry on the stack closes one of them.
+    """
+    stack: list = [(x, path)]
+    open_ids: list = []
+    while stack:
+        entry = stack.pop()
+        if entry is None:
+            active.discard(open_ids.pop())
+            continue
+        x, path = entry
+        kind = _kind_of_type(type(x))
+        while kind == _WRAPPER:
+            x = x.inner
+            kind = _kind_of_type(type(x))
+        if kind in _LEAF_KINDS or kind == _MODULE:
+            continue
+        if id(x) in active:
+            raise ValueError(f"the tree contains itself at {render_path(path)}; trees must not be cyclic")
+        active.add(id(x))
+        open_ids.append(id(x))
+        if kind == _DICT:
+            children = [(x[k], f"{path}[{k!r}]") for k in sorted_keys(x)]
+        elif kind == _DATACLASS:
+            children = [(getattr(x, f.name), f"{path}.{f.name}") for f in dataclasses.fields(x)]
+        elif kind == _NAMEDTUPLE:
+            children = [(v, f"{path}.{k}") for k, v in zip(type(x)._fields, x)]
+        else:
+            children = [(v, f"{path}[{i}]") for i, v in enumerate(x)]
+        stack.append(None)
+        stack.extend(reversed(children))
 
 
 def unflatten(flat: Flat, leaves: list) -> Any:
@@ -423,8 +437,9 @@ def agree(comm, what: str, header: tuple, entries, error: BaseException | None) 
     if error is not None:
         raise error
     rank, text = next((r, n) for r, (_, n) in enumerate(gathered) if n is not None)
-    raise CollectiveError(f"{what}: rank {rank} rejected the call ({text}); nothing was sent or changed on "
-                          f"any rank")
+    same_kind = {"TypeError": TypeError, "ValueError": ValueError}.get(text.split(":")[0], CollectiveError)
+    raise same_kind(f"{what}: rank {rank} rejected the call ({text}); nothing was sent or changed on any "
+                    f"rank")  # the rank's own kind of error (a wrong argument there), raised on every rank
 
 
 def mismatch_message(what: str, descriptions: list) -> str:

@@ -289,3 +289,121 @@ def test_shard_checked_mode_data_invalid_on_one_rank_is_typed_everywhere(comm, m
     with pytest.raises(expected, match="generator" if last else f"rank {comm.size - 1}.*generator"):
         coll.shard(data, comm=comm)
     assert len(coll.shard(list(range(10)), comm=comm)) == -(-10 // comm.size)  # still usable
+
+
+# ---- item 12: the smaller ones, each a typed error (or a working call) on every rank ----
+
+def test_a_meta_tensor_is_a_type_error(comm):
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match="'meta' device has no data"):
+        comm.allreduce(torch.ones(3, device="meta"))
+    with pytest.raises(TypeError, match="'meta' device"):
+        coll.allreduce_tree({"w": torch.ones(3, device="meta")}, comm=comm)
+
+
+@pytest.mark.parametrize("call", ["allreduce", "broadcast", "allgather", "allreduce_tree"])
+def test_a_masked_array_is_refused_not_misread(comm, call):
+    m = np.ma.masked_array(np.arange(4.0), mask=[0, 1, 0, 0])
+    with pytest.raises(TypeError, match="masked array"):
+        if call == "allreduce_tree":
+            coll.allreduce_tree({"m": m}, comm=comm)
+        else:
+            getattr(comm, call)(m)
+    assert m.mask.tolist() == [False, True, False, False] and m.data.tolist() == [0, 1, 2, 3]
+
+
+def test_shard_keeps_a_masked_arrays_mask_when_it_wraps(comm):
+    m = np.ma.masked_array(np.arange(5.0), mask=[0, 1, 0, 0, 1])
+    part = coll.shard(m, comm=comm)  # the last rank's part wraps round when 5 % size != 0
+    from collectives._shard import shard_indices  # (the expected indices: pure arithmetic)
+
+    idx = shard_indices(5, comm.rank, comm.size)
+    assert isinstance(part, np.ma.MaskedArray)
+    assert part.mask.tolist() == [bool(m.mask[i]) for i in idx] and part.data.tolist() == [float(i) for i in idx]
+
+
+def test_a_conjugated_complex32_tensor_is_broadcast(comm):
+    torch = pytest.importorskip("torch")
+    with warnings_ignored():
+        values = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64) * (comm.rank + 1)
+        z = values.to(torch.complex32).conj()
+        comm.broadcast(z, root=0)  # was "unsupported ScalarType ComplexHalf"
+        assert z.is_conj()
+        got = z.resolve_conj().to(torch.complex64)
+    assert torch.equal(got, torch.tensor([1 - 2j, 3 + 1j], dtype=torch.complex64))
+
+
+def warnings_ignored():
+    import warnings
+
+    ctx = warnings.catch_warnings()
+    ctx.__enter__()
+    warnings.simplefilter("ignore")  # torch: "ComplexHalf support is experimental"
+    return _Exit(ctx)
+
+
+class _Exit:
+    def __init__(self, ctx):
+        self.ctx = ctx
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.ctx.__exit__(*exc)
+
+
+@pytest.mark.parametrize("name", ["bits8", "bits16", "uint1", "int4", "qint8", "quint8"])
+def test_torch_dtypes_without_a_numpy_equivalent_are_a_clear_type_error(comm, name):
+    torch = pytest.importorskip("torch")
+    dtype = getattr(torch, name, None)
+    if dtype is None:
+        pytest.skip(f"this torch has no {name}")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: quantized tensors are deprecated
+        t = torch.quantize_per_tensor(torch.ones(3), 0.1, 0, dtype) if name.startswith("q") \
+            else torch.empty(3, dtype=dtype)
+    for call in (comm.allreduce, comm.broadcast, comm.allgather):
+        with pytest.raises(TypeError, match=f"torch dtype {name} is not supported"):
+            call(t)
+
+
+def test_a_distributed_optimizer_pickles_and_deep_copies(comm):
+    torch = pytest.importorskip("torch")
+    import copy
+    import pickle
+
+    model = torch.nn.Linear(2, 1)
+    opt = coll.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm=comm)
+    twin = copy.deepcopy(opt)
+    assert twin.comm is opt.comm and twin.inner is not opt.inner and twin.param_groups[0]["lr"] == 0.1
+    back = pickle.loads(pickle.dumps(opt))
+    assert back.comm is coll.world() and back.param_groups[0]["lr"] == 0.1
+    model(torch.ones(1, 2)).sum().backward()
+    twin.step()  # usable: averages the copied parameters' gradients (None here: nothing to do) and steps
+
+
+def test_a_very_deep_tree_is_a_value_error_on_every_rank(comm):
+    deep = np.ones(1)
+    for _ in range(1200):
+        deep = [deep]
+    with pytest.raises(ValueError, match="levels deep"):
+        coll.allreduce_tree(deep, comm=comm)
+
+
+def test_a_leaf_root_cannot_pickle_raises_the_same_type_on_every_rank(comm):
+    class Unpicklable:
+        def __reduce__(self):
+            raise TypeError("cannot pickle Unpicklable")
+
+    tree = {"w": np.ones(2), "o": Unpicklable() if comm.rank == 0 else 1}
+    if comm.size == 1:  # one rank sends nothing, so nothing is pickled
+        assert coll.synchronize(tree, root=0, comm=comm) is tree
+        return
+    with pytest.raises(TypeError, match="cannot pickle Unpicklable"):  # was CollectiveError off root
+        coll.synchronize(tree, root=0, comm=comm)
+    x = np.ones(2)
+    comm.allreduce(x)
+    assert (x == comm.size).all()

@@ -371,8 +371,17 @@ def test_flatten_paths_are_lazy_and_cycles_are_named():
     deep = [[[[1]]]]
     for _ in range(3000):
         deep = [deep]
-    with pytest.raises(RecursionError):
-        _tree.flatten(deep)  # deep, not cyclic: not reported as a cycle
+    with pytest.raises(ValueError, match="nested more than .* levels deep") as info:
+        _tree.flatten(deep)  # deep, not cyclic: not reported as a cycle, and no RecursionError of our own
+    assert isinstance(info.value.__cause__, RecursionError)
+    cyclic: list = []
+    node = cyclic
+    for _ in range(3000):  # a cycle below a deep path is still found and named
+        node.append([])
+        node = node[0]
+    node.append(cyclic)
+    with pytest.raises(ValueError, match="contains itself at"):
+        _tree.flatten(cyclic)
 
 
 # ---------------------------------------------------------------------------------------------------------
