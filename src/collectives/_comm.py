@@ -27,6 +27,7 @@ from ._backends import closed as _closed
 from ._backends.closed import CLOSED
 from ._backends.self import SelfTransport
 from ._errors import BackendUnavailableError, reraise, translating
+from ._threads import enter as _enter, leave as _leave, refuse as _refuse_thread
 
 BACKENDS = ("auto", "mpi", "self")
 _ndarray = np.ndarray  # one global look-up on the hot path instead of two
@@ -144,6 +145,8 @@ class Communicator:
     # ---- the array collectives ----
     def broadcast(self, x, root: int = 0):
         """Root's ``x`` on every rank. See :func:`collectives.broadcast`."""
+        if not _enter(False):  # another thread is inside a collective: refused (_threads)
+            _refuse_thread("broadcast")
         try:
             if x.__class__ is _ndarray and root.__class__ is int:  # hot path: see _fast_path
                 run = self._fast_broadcast.get(x.dtype)
@@ -163,9 +166,13 @@ class Communicator:
             return self._in_place(x, a, view, info, lambda buf: transport.broadcast(buf, root))
         except Exception as exc:  # noqa: BLE001 - re-raised; costs nothing unless raised: MPI's own errors become CollectiveError
             reraise(exc, "broadcast")
+        finally:
+            _leave()
 
     def allreduce(self, x, op: str = "sum"):
         """Reduce ``x`` over all ranks, result on every rank. See :func:`collectives.allreduce`."""
+        if not _enter(False):  # another thread is inside a collective: refused (_threads)
+            _refuse_thread("allreduce")
         try:
             if x.__class__ is _ndarray and op.__class__ is str:  # hot path, see _fast_path
                 run = self._fast.get(op, _NONE).get(x.dtype)
@@ -186,6 +193,8 @@ class Communicator:
                 transport, buf, info, op, transport.allreduce))
         except Exception as exc:  # noqa: BLE001 - re-raised (MPI errors as CollectiveError)
             reraise(exc, "allreduce")
+        finally:
+            _leave()
 
     @translating("reduce")
     def reduce(self, x, op: str = "sum", root: int = 0):
@@ -597,10 +606,14 @@ def broadcast(x, root: int = 0, *, comm=None):
     if x.__class__ is _ndarray and root.__class__ is int:  # Communicator.broadcast's hot path, inlined
         run = c._fast_broadcast.get(x.dtype)
         if run is not None and x.flags.carray and 0 <= root < c._size:
+            if not _enter(False):
+                _refuse_thread("broadcast")
             try:
                 run(x, root)
             except Exception as exc:  # noqa: BLE001 - re-raised (MPI errors as CollectiveError)
                 reraise(exc, "broadcast")
+            finally:
+                _leave()
             return x
     return c.broadcast(x, root)
 
@@ -634,10 +647,14 @@ def allreduce(x, op: str = "sum", *, comm=None):
     if x.__class__ is _ndarray and op.__class__ is str:  # Communicator.allreduce's hot path, inlined
         run = c._fast.get(op, _NONE).get(x.dtype)
         if run is not None and x.flags.carray:
+            if not _enter(False):
+                _refuse_thread("allreduce")
             try:
                 run(x)
             except Exception as exc:  # noqa: BLE001 - re-raised (MPI errors as CollectiveError)
                 reraise(exc, "allreduce")
+            finally:
+                _leave()
             return x
     return c.allreduce(x, op)
 

@@ -134,13 +134,22 @@ def reraise(exc: Exception, what: str):
 
 
 def translating(what: str):
-    """Decorator: an MPI error raised inside becomes a :class:`CollectiveError` (see :func:`reraise`)."""
+    """Decorator: an MPI error raised inside becomes a :class:`CollectiveError` (see :func:`reraise`), and
+    a call while another thread is inside a collective is refused (``_threads``)."""
+    from . import _threads  # (a module above this one: imported when the first collective is defined)
+
+    enter, leave, refuse = _threads.enter, _threads.leave, _threads.refuse
+
     def wrap(fn):
         @functools.wraps(fn)
         def call(*args, **kwargs):
+            if not enter(False):  # another thread is inside a collective: refused (_threads)
+                refuse(what)
             try:
                 return fn(*args, **kwargs)
             except Exception as exc:  # noqa: BLE001 - re-raised (MPI errors as CollectiveError)
                 reraise(exc, what)
+            finally:
+                leave()
         return call
     return wrap

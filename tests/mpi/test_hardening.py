@@ -407,3 +407,60 @@ def test_a_leaf_root_cannot_pickle_raises_the_same_type_on_every_rank(comm):
     x = np.ones(2)
     comm.allreduce(x)
     assert (x == comm.size).all()
+
+
+# ---- thread safety: a collective while another thread of the process is inside one is refused ----
+
+class _BlockingLeaf:
+    """An array-like whose device query waits for ``go``: the thread calling a collective on it stays
+    inside that collective (before any communication) until the test lets it go; then it is refused."""
+
+    def __init__(self, inside, go):
+        self.inside, self.go = inside, go
+
+    def __dlpack__(self, **kwargs):
+        raise TypeError("not really an array")
+
+    def __dlpack_device__(self):
+        self.inside.set()
+        self.go.wait(60)
+        raise TypeError("not really an array (test)")
+
+
+@pytest.mark.parametrize("second", ["allreduce", "coll.allreduce", "broadcast", "coll.broadcast", "reduce",
+                                    "allgather", "barrier", "synchronize", "allreduce_tree"])
+def test_a_collective_from_a_second_thread_at_once_is_refused(comm, second):
+    import threading
+
+    x = np.ones(2)
+    comm.allreduce(x)  # warm: the hot paths are refused too
+    comm.broadcast(x)
+    inside, go = threading.Event(), threading.Event()
+    outcome = {}
+
+    def first():
+        try:
+            comm.allreduce_tree({"w": _BlockingLeaf(inside, go)})
+        except Exception as exc:  # noqa: BLE001 - looked at below
+            outcome["first"] = exc
+
+    t = threading.Thread(target=first)
+    t.start()
+    try:
+        assert inside.wait(60)
+        calls = {"allreduce": lambda: comm.allreduce(x), "coll.allreduce": lambda: coll.allreduce(x, comm=comm),
+                 "broadcast": lambda: comm.broadcast(x), "coll.broadcast": lambda: coll.broadcast(x, comm=comm),
+                 "reduce": lambda: comm.reduce(x), "allgather": lambda: comm.allgather(x),
+                 "barrier": comm.barrier, "synchronize": lambda: comm.synchronize({"x": x}),
+                 "allreduce_tree": lambda: comm.allreduce_tree({"x": x})}
+        before = x.copy()
+        with pytest.raises(coll.CollectiveError, match="another thread of this process is inside a collective"):
+            calls[second]()
+        assert (x == before).all()
+    finally:
+        go.set()
+        t.join(60)
+    assert isinstance(outcome.get("first"), TypeError), outcome  # the first call ended normally (its error)
+    y = np.ones(2)
+    comm.allreduce(y)  # the guard was released: one thread at a time works
+    assert (y == comm.size).all()
