@@ -59,6 +59,11 @@ class Adapter:
     def write_back(self, x, view: np.ndarray, result: np.ndarray) -> None:
         view[...] = result
 
+    def written(self, x, result):
+        """Note that ``x`` was written in place when ``result`` is ``x`` (torch: autograd's version
+        counter); return ``result``."""
+        return result
+
     def wrap(self, result: np.ndarray, info: _dtypes.DType, like) -> Any:
         """A new array of like's library, on like's device, holding ``result`` (storage dtype)."""
         from array_api_compat import array_namespace, device as device_of
@@ -72,6 +77,26 @@ class Adapter:
             return xp.asarray(native, device=device_of(like))
         except (TypeError, ValueError):
             return xp.asarray(native, dtype=like_dtype)
+
+
+def _check_torch_dtype(torch, dtype) -> None:
+    """TypeError for torch dtypes with no NumPy storage view (quantized, bit and sub-byte types)."""
+    if dtype.is_complex or dtype.is_floating_point or dtype == torch.bool:
+        return
+    if str(dtype) in _TORCH_INTEGER_NAMES:
+        return
+    name = str(dtype).replace("torch.", "")
+    if name.startswith(("qint", "quint")):
+        hint = "communicate t.int_repr() (and its scale and zero point) instead"
+    elif name.startswith("bits"):
+        hint = f"view it as an integer dtype of the same size first, e.g. t.view(torch.uint{dtype.itemsize * 8})"
+    else:
+        hint = "pack it into a uint8 tensor first"
+    raise TypeError(f"torch dtype {name} is not supported (quantized, bit and sub-byte dtypes have no "
+                    f"NumPy equivalent to move or reduce); {hint}")
+
+
+_TORCH_INTEGER_NAMES = frozenset(f"torch.{k}{b}" for k in ("int", "uint") for b in (8, 16, 32, 64))
 
 
 def _numpy_bfloat16_view(result: np.ndarray) -> np.ndarray:
@@ -107,15 +132,20 @@ class TorchAdapter(Adapter):
         dev = x.device
         if dev.type == "cpu":
             return HOST
+        if dev.type == "meta":
+            raise TypeError("a tensor on torch's 'meta' device has no data to send or receive; make it on a "
+                            "real device first (e.g. torch.empty_like(t, device='cpu'), or "
+                            "module.to_empty(device='cpu') for a model)")
         return super().device(x.detach())
 
     def host_view(self, x):
         torch = sys.modules["torch"]
         t = x.detach()
+        _check_torch_dtype(torch, t.dtype)
         if t.is_conj() or t.is_neg():  # lazily conjugated/negated: numpy cannot see it; work on a copy
-            view = t.resolve_conj().resolve_neg().numpy()
+            view, info = self.host_view(t.resolve_conj().resolve_neg())
             view.flags.writeable = False  # a copy: results go back through write_back (torch copy_)
-            return view, _dtypes.from_numpy(view.dtype)
+            return view, info
         dtype = t.dtype
         if dtype == torch.bfloat16:
             return t.view(torch.int16).numpy().view(np.uint16), _dtypes.bfloat16()
@@ -128,6 +158,11 @@ class TorchAdapter(Adapter):
 
     def writable(self, x, view):
         return True
+
+    def written(self, x, result):
+        if result is x:
+            bump_versions((x,))
+        return result
 
     def write_back(self, x, view, result):
         if view.flags.writeable:
@@ -150,6 +185,26 @@ class TorchAdapter(Adapter):
         return t if like.device.type == "cpu" else t.to(like.device)
 
 
+def _first_bump(tensors: tuple) -> None:
+    """``bump_versions`` until its first call, which replaces it by torch's own entry point."""
+    global bump_versions
+    torch = sys.modules["torch"]
+    bump = getattr(getattr(torch, "_C", None), "_increment_version", None)
+    if bump is None:  # a torch without the private entry point: the public one (tuples are iterables)
+        bump = torch.autograd.graph.increment_version
+    bump_versions = bump
+    bump(tensors)
+
+
+# bump_versions(tensors): bump autograd's version counter of torch ``tensors`` (a tuple) written in place
+# behind torch's back (through a NumPy view, or by MPI/NCCL into their memory), as a write under
+# torch.no_grad() does, so that a backward() needing their old values raises instead of giving a wrong
+# gradient. It is torch._C._increment_version, what the public torch.autograd.graph.increment_version
+# calls, without its per-call isinstance (200 ns of the 4 us torch hot path); tensors made under
+# torch.inference_mode() have no counter and are left alone (by torch).
+bump_versions = _first_bump
+
+
 NUMPY = _NUMPY = NumpyAdapter()
 TORCH = _TORCH = TorchAdapter()
 _GENERIC = Adapter()
@@ -161,6 +216,10 @@ def adapter(x) -> Adapter:
     hit = _BY_TYPE.get(type(x))
     if hit is not None:
         return hit
+    if isinstance(x, np.ma.MaskedArray):  # (not cached: refused every time)
+        raise TypeError("a NumPy masked array: its mask would be ignored (a collective moves and reduces the "
+                        "data only); pass np.ma.getdata(x), and the mask as an array of its own if the other "
+                        "ranks need it (np.ma.getmaskarray(x))")
     if isinstance(x, np.ndarray):
         found = _NUMPY
     elif "torch" in sys.modules and isinstance(x, sys.modules["torch"].Tensor):

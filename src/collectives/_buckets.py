@@ -100,6 +100,15 @@ class Item:
         self.result = self.adapter.wrap(out, self.info, self.leaf)
 
 
+def mark_written(items: list[Item]) -> None:
+    """After a fused collective: bump autograd's version counter of every torch leaf written in place
+    (``item.result is item.leaf``), in one call, as a write under ``torch.no_grad()`` would."""
+    torch_adapter = _arrays.TORCH
+    tensors = tuple(item.leaf for item in items if item.adapter is torch_adapter and item.result is item.leaf)
+    if tensors:
+        _arrays.bump_versions(tensors)
+
+
 def _device_kind(device) -> int:
     return _arrays.CPU if device[0] in _arrays.HOST_DEVICE_TYPES else device[0]
 

@@ -22,10 +22,14 @@ from collections import OrderedDict
 
 import numpy as np
 
-from . import _agree, _arrays, _buckets, _config, _dtypes, _reduction, _tree
+from . import _agree, _arrays, _buckets, _config, _dtypes, _reduction, _registry, _tree
+from ._backends import closed as _closed
 from ._backends import factory
 from ._backends.base import HostTransport
-from ._errors import BackendUnavailableError, reraise, translating
+from ._backends.closed import CLOSED
+from ._errors import BackendUnavailableError, reraise
+from ._threads import collective
+from ._threads import enter as _enter, leave as _leave, refuse as _refuse_thread
 
 BACKENDS = ("auto", "mpi", "self")
 _ndarray = np.ndarray  # one global look-up on the hot path instead of two
@@ -111,10 +115,10 @@ class Communicator:
 
     @property
     def closed(self) -> bool:
-        return self._host is None
+        return self._host is CLOSED
 
     def __repr__(self) -> str:
-        if self._host is None:
+        if self._host is CLOSED:
             return "<collectives.Communicator closed>"
         return (f"<collectives.Communicator backend={self.backend!r} rank={self.rank} size={self.size} "
                 f"local_rank={self.local_rank} local_size={self.local_size}>")
@@ -128,8 +132,8 @@ class Communicator:
         use per device; device transports take arrays (``array_level``), since they need the library's
         stream as well as the pointer.
         """
-        if self._host is None:
-            raise BackendUnavailableError("this communicator was finalized; call collectives.init() again")
+        if self._host is CLOSED:
+            raise BackendUnavailableError(_closed.MESSAGE)
         if device[0] in _arrays.HOST_DEVICE_TYPES:
             return self._host
         if device[0] in (_arrays.CUDA, _arrays.CUDA_MANAGED):
@@ -153,6 +157,8 @@ class Communicator:
     # ---- the array collectives ----
     def broadcast(self, x, root: int = 0):
         """Root's ``x`` on every rank. See :func:`collectives.broadcast`."""
+        if not _enter(False):  # another thread is inside a collective: refused (_threads)
+            _refuse_thread("broadcast")
         try:
             cls = x.__class__
             if cls is _ndarray:  # the hot path (see _fast_path): a cached call, no validation
@@ -164,18 +170,23 @@ class Communicator:
                 run = self._fast_broadcast.get(x.dtype)
                 if run is not None and root.__class__ is int and 0 <= root < self._size and _torch_plain(x):
                     run(x.detach().numpy() if x.requires_grad else x.numpy(), root)
+                    _arrays.bump_versions((x,))  # written behind autograd's back: as under no_grad
                     return x
             a, transport, view, info, _, root = self._prepare("broadcast", x, root=root)
             if transport.array_level:
-                return transport.broadcast(x, a, root)
+                return a.written(x, transport.broadcast(x, a, root))
             run = transport.fast_call("broadcast", view.dtype, self._size) or transport.broadcast
             self._fast_path("broadcast", x, a, view, info, run)
             return self._in_place(x, a, view, info, lambda buf: run(buf, root))
         except Exception as exc:  # noqa: BLE001 - re-raised; costs nothing unless raised: MPI's own errors become CollectiveError
             reraise(exc, "broadcast")
+        finally:
+            _leave()
 
     def allreduce(self, x, op: str = "sum"):
         """Reduce ``x`` over all ranks, result on every rank. See :func:`collectives.allreduce`."""
+        if not _enter(False):  # another thread is inside a collective: refused (_threads)
+            _refuse_thread("allreduce")
         try:
             cls = x.__class__
             if cls is _ndarray:  # the hot path (see _fast_path)
@@ -187,22 +198,25 @@ class Communicator:
                 run = self._fast.get(op, _NONE).get(x.dtype)
                 if run is not None and _torch_plain(x):
                     run(x.detach().numpy() if x.requires_grad else x.numpy())
+                    _arrays.bump_versions((x,))  # written behind autograd's back: as under no_grad
                     return x
             a, transport, view, info, op, _ = self._prepare("allreduce", x, op=op)
             if transport.array_level:
-                return transport.allreduce(x, a, op)
+                return a.written(x, transport.allreduce(x, a, op))
             run = self._runner(transport, info, op)
             self._fast_path(op, x, a, view, info, run)
             return self._in_place(x, a, view, info, run)
         except Exception as exc:  # noqa: BLE001 - re-raised (MPI errors as CollectiveError)
             reraise(exc, "allreduce")
+        finally:
+            _leave()
 
-    @translating("reduce")
+    @collective("reduce")
     def reduce(self, x, op: str = "sum", root: int = 0):
         """Reduce ``x`` over all ranks, result on ``root``. See :func:`collectives.reduce`."""
         a, transport, view, info, op, root = self._prepare("reduce", x, op=op, root=root)
         if transport.array_level:
-            return transport.reduce(x, a, op, root)
+            return a.written(x, transport.reduce(x, a, op, root)) if self.rank == root else x
 
         def run(buf, receives=True):
             _reduction.reduce_buffer(buf, info, op, self._size, lambda b, o: transport.reduce(b, o, root),
@@ -213,7 +227,7 @@ class Communicator:
             return x
         return self._in_place(x, a, view, info, run)
 
-    @translating("allgather")
+    @collective("allgather")
     def allgather(self, x):
         """Every rank's ``x``, stacked along a new leading axis. See :func:`collectives.allgather`."""
         a, transport, view, info, _, _ = self._prepare("allgather", x)
@@ -257,7 +271,7 @@ class Communicator:
             self._agree(transport, collective, view, info, **args)
         return a, transport, view, info, op, root
 
-    @translating("barrier")
+    @collective("barrier")
     def barrier(self) -> None:
         """Block until every rank has called it. See :func:`collectives.barrier`."""
         transport = self._transport_for(_arrays.HOST)
@@ -336,25 +350,25 @@ class Communicator:
         can_write = a.writable(x, view)
         if can_write and view.flags.writeable and view.flags.c_contiguous:
             run(view)
-            return x
+            return a.written(x, x)  # torch: autograd's version counter, as for a write under no_grad
         buf = np.array(view, order="C")  # a copy: the caller's array is untouched until the end
         run(buf)
         if can_write:
             a.write_back(x, view, buf)
-            return x
+            return a.written(x, x)
         return a.wrap(buf, info, x)
 
     def close(self) -> None:
         """Release this communicator's resources (its MPI duplicate, its shared-memory window, device
         communicators). Collective: every rank calls it (``finalize()`` and interpreter exit do). Idempotent."""
-        host, self._host = self._host, None
+        host, self._host = self._host, CLOSED  # every later use raises BackendUnavailableError (_closed)
         self._fast, self._fast_broadcast, self._runners = {}, {}, {}
         self._pool = _buckets.Pool()
         self._plans.clear()
         devices, self._devices = list(self._devices.values()), {}
         for d in devices:  # device transports first: NCCL communicators were set up over the host one
             d.close()
-        if host is not None:
+        if host is not CLOSED:
             host.close()
 
     # ---- the tree collectives ----
@@ -372,7 +386,6 @@ class Communicator:
 
 _lock = threading.RLock()
 _world: Communicator | None = None
-_by_comm: dict[int, tuple[object, Communicator]] = {}
 _atexit_registered = False
 
 
@@ -419,13 +432,13 @@ def init(backend: str = "auto", *, comm=None, check: bool | None = None) -> Comm
     backend = backend.lower()
     if backend == "auto":
         backend = _config.backend()
-        if backend not in BACKENDS:
-            raise ValueError(f"COLLECTIVES_BACKEND={backend!r}: expected one of {', '.join(BACKENDS)}")
+        if backend not in BACKENDS:  # malformed: refused by every rank when the transport is made (agreed)
+            backend = "auto"
     with _lock:
         if comm is None and _world is not None:
             existing = _world
-        elif comm is not None and id(comm) in _by_comm:
-            existing = _by_comm[id(comm)][1]
+        elif comm is not None:
+            existing = _registry.lookup(comm)  # by the MPI communicator, not the wrapper (_registry)
         else:
             existing = None
         if existing is not None:
@@ -448,7 +461,7 @@ def init(backend: str = "auto", *, comm=None, check: bool | None = None) -> Comm
             result.close()  # every rank fails alike here (the ranks agreed first), so every rank closes
             raise
         if comm is not None:
-            _by_comm[id(comm)] = (comm, result)
+            _registry.remember(comm, result)
         if _world is None:
             _world = result
         if not _atexit_registered:
@@ -484,11 +497,10 @@ def finalize() -> None:
     """
     global _world
     with _lock:
-        comms = [c for _, c in _by_comm.values()]
+        comms = _registry.forget_all()
         if _world is not None:
             comms.append(_world)
         _world = None
-        _by_comm.clear()
     for c in comms:
         c.close()
 

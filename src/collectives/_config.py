@@ -87,9 +87,8 @@ def timeout() -> float | None:
 def mpi_thread_level() -> str:
     level = string("COLLECTIVES_MPI_THREAD_LEVEL", "serialized").lower()
     if level not in ("single", "funneled", "serialized", "multiple"):
-        raise ValueError(
-            f"COLLECTIVES_MPI_THREAD_LEVEL={level!r}: expected single, funneled, serialized or multiple"
-        )
+        raise ValueError(f"environment variable COLLECTIVES_MPI_THREAD_LEVEL={level!r}: expected single, "
+                         f"funneled, serialized or multiple")
     return level
 
 
@@ -191,3 +190,52 @@ def nccl_multi_rank_gpu() -> bool:
         return int(raw, 0) != 0
     except ValueError:
         return False
+
+
+# ---- every variable, validated at once (issue 12 item 2) ----
+
+def _backend_checked() -> str:
+    value = backend()
+    if value not in ("auto", "mpi", "self"):
+        raise ValueError(f"environment variable COLLECTIVES_BACKEND={os.environ.get('COLLECTIVES_BACKEND')!r}: "
+                         f"expected auto, mpi or self")
+    return value
+
+
+def _abort_on_error() -> bool:
+    return flag("COLLECTIVES_ABORT_ON_ERROR", True)
+
+
+# Every reader of a variable that can be malformed. A variable read later (at first use, or per call) is
+# read here first too, so that a malformed value is refused at init, where the ranks agree on it.
+READERS = (_backend_checked, check, timeout, mpi_thread_level, max_count, bucket_bytes, shm,
+           simulate_nodes, sync_pipeline, shm_threshold, shm_slot_bytes, _abort_on_error,
+           disable_nccl, cuda_aware_mpi, nccl_eager)
+
+
+def problems() -> list[str]:
+    """One line per malformed variable (each names the variable, its value and what was expected)."""
+    found = []
+    for read in READERS:
+        try:
+            read()
+        except ValueError as exc:
+            found.append(str(exc).removeprefix("environment variable "))
+    return found
+
+
+def refuse_malformed(allgather=None) -> None:
+    """Raise one ValueError on every rank if any rank has a malformed variable (see :func:`problems`).
+
+    ``allgather(obj) -> [obj of rank 0, obj of rank 1, ...]`` is the group's object allgather (collective:
+    every rank of the group calls this at the same point, at init, before anything else talks); without
+    it, this process alone. Every rank then raises the same message, naming each rank's variables.
+    """
+    mine = problems()
+    everyone = [mine] if allgather is None else allgather(mine)
+    bad = [f"rank {r}: {line}" for r, lines in enumerate(everyone) for line in lines]
+    if bad:
+        raise ValueError(
+            "malformed environment variable" + ("s" if len(bad) > 1 else "") + " (" + "; ".join(bad) + "); "
+            "fix or unset it on the rank named and start again (every rank refuses, so that none waits "
+            "for the others; docs/configuration.md lists what each variable takes)")

@@ -134,7 +134,8 @@ def reraise(exc: Exception, what: str):
 
 
 def translating(what: str):
-    """Decorator: an MPI error raised inside becomes a :class:`CollectiveError` (see :func:`reraise`)."""
+    """Decorator: an MPI error raised inside becomes a :class:`CollectiveError` (see :func:`reraise`).
+    The public collectives use :func:`collectives._threads.collective`, which adds the one-thread guard."""
     def wrap(fn):
         @functools.wraps(fn)
         def call(*args, **kwargs):

@@ -12,7 +12,9 @@ from typing import Any, NamedTuple
 from collections.abc import Callable
 
 from . import _dtypes
+from ._backends import closed as _closed
 from ._comm import _resolve, allreduce_tree
+from ._errors import BackendUnavailableError
 from ._tree import WRAPPER_ATTRIBUTE, is_array, map_leaves
 
 
@@ -87,6 +89,8 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
                                                                    "_collectives_distributed", False):
         raise ValueError("this optimizer is already a DistributedOptimizer; wrap the inner optimizer once")
     c = _resolve(comm)
+    if c.closed:  # refused now, not at the first step
+        raise BackendUnavailableError(f"DistributedOptimizer: {_closed.MESSAGE}")
     if hasattr(optimizer, "param_groups") and callable(getattr(optimizer, "step", None)):
         return TorchDistributedOptimizer(optimizer, op=op, backward_passes_per_step=backward_passes_per_step,
                                          bucket_bytes=bucket_bytes, comm=c)
@@ -140,6 +144,30 @@ class TorchDistributedOptimizer:
         if inner is None or name.startswith("__"):
             raise AttributeError(name)
         return getattr(inner, name)
+
+    # A communicator is a resource of this process (an MPI communicator), not data: a copy shares it, and
+    # a pickle leaves it out (it could not travel); unpickled, the optimizer uses the default communicator
+    # (collectives.world()) of the process that loads it, and the inner optimizer is pickled as torch does.
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["comm"] = None
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        if self.comm is None:
+            from ._comm import world
+
+            self.comm = world()
+
+    def __deepcopy__(self, memo):
+        import copy
+
+        memo[id(self.comm)] = self.comm  # shared, not copied
+        clone = object.__new__(type(self))
+        memo[id(self)] = clone
+        clone.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return clone
 
     def __repr__(self) -> str:
         return (f"DistributedOptimizer({self.inner!r}, op={self.op!r}, "

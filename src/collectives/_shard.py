@@ -123,9 +123,10 @@ def shard(data, *, drop_remainder: bool = False, comm=None):
     rank gets items 9, 0, 1). With ``drop_remainder=True`` each rank gets ``n // size`` items and the last
     ``n % size`` are left out. Every rank therefore runs the same number of steps.
 
-    No communication: every rank must pass data of the same length (when ``comm.check`` is on, i.e.
-    ``COLLECTIVES_CHECK=1``, the lengths are compared and a difference raises :class:`MismatchError`
-    on every rank).
+    No communication: every rank must pass data of the same length and the same ``drop_remainder``
+    (when ``comm.check`` is on, i.e. ``COLLECTIVES_CHECK=1``, both are compared and a difference raises
+    :class:`MismatchError` on every rank; data that cannot be sharded on one rank raises its TypeError
+    there and MismatchError naming it on the others).
 
     Args:
         data: an array of any library (sharded along axis 0 by slicing), a list or tuple, or any
@@ -153,28 +154,22 @@ def shard(data, *, drop_remainder: bool = False, comm=None):
         True
     """
     c = _resolve(comm)
-    if is_array(data):
-        shape = getattr(data, "shape", None)
-        if shape is None or len(shape) == 0:
-            raise TypeError("cannot shard a 0-d array: it has no axis 0; pass an array with at least one axis")
-        n = shape[0]
-        if n is None:
-            raise TypeError("cannot shard an array whose length along axis 0 is unknown")
-        n = int(n)
-    elif isinstance(data, Mapping):
-        raise TypeError("cannot shard a mapping: shard its values, e.g. shard(list(d.items()))")
-    elif hasattr(data, "__len__") and hasattr(data, "__getitem__"):
-        n = len(data)
-    else:
-        raise TypeError(f"cannot shard a {type(data).__name__}: expected an array or a sequence with __len__ "
-                        f"and __getitem__ (a list, range, torch Dataset, ...)")
+    n, error = None, None
+    try:
+        n = _length(data)
+    except TypeError as exc:  # in checked mode held until the ranks have compared their calls
+        error = exc
     if c.check and c.size > 1:
-        _check_lengths(c, n)
+        _agree(c, n, bool(drop_remainder), error)
+    if error is not None:
+        raise error
     segments = shard_segments(n, c.rank, c.size, drop_remainder=drop_remainder)
     if is_array(data):
         parts = [data[s:e, ...] for s, e in segments]  # the trailing ... is what the array API requires
         if len(parts) == 1:
             return parts[0]
+        if isinstance(data, np.ma.MaskedArray):  # the namespace's concat would drop the mask
+            return np.ma.concatenate(parts, axis=0)
         from array_api_compat import array_namespace
 
         return array_namespace(data).concat(parts, axis=0)
@@ -184,14 +179,48 @@ def shard(data, *, drop_remainder: bool = False, comm=None):
     return ShardView(data, segments)
 
 
-def _check_lengths(comm, n: int) -> None:
-    mine = np.array([n], dtype=np.int64)
-    table = np.empty((comm.size, 1), dtype=np.int64)
-    comm._transport_for(_arrays.HOST).allgather(mine, table)
-    lengths = table[:, 0].tolist()
+def _length(data) -> int:
+    """The number of items of ``data`` along axis 0, or TypeError for what cannot be sharded."""
+    if is_array(data):
+        shape = getattr(data, "shape", None)
+        if shape is None or len(shape) == 0:
+            raise TypeError("cannot shard a 0-d array: it has no axis 0; pass an array with at least one axis")
+        if shape[0] is None:
+            raise TypeError("cannot shard an array whose length along axis 0 is unknown")
+        return int(shape[0])
+    if isinstance(data, Mapping):
+        raise TypeError("cannot shard a mapping: shard its values, e.g. shard(list(d.items()))")
+    if hasattr(data, "__len__") and hasattr(data, "__getitem__"):
+        return len(data)
+    raise TypeError(f"cannot shard a {type(data).__name__}: expected an array or a sequence with __len__ "
+                    f"and __getitem__ (a list, range, torch Dataset, ...)")
+
+
+def _agree(comm, n: int | None, drop_remainder: bool, error: BaseException | None) -> None:
+    """Checked mode: compare (length, drop_remainder) over the ranks, and whether any rank's data was
+    invalid; on any difference every rank raises (a rank with invalid data its own TypeError, the caller
+    raises it; the others MismatchError naming it), so that no rank goes on alone."""
+    mine = (n, drop_remainder, None if error is None else f"{type(error).__name__}: {error}")
+    calls = comm._transport_for(_arrays.HOST).allgather_object(mine)
+    failed = [(r, text) for r, (_, _, text) in enumerate(calls) if text is not None]
+    if failed:
+        if error is not None:
+            return
+        who = "; ".join(f"rank {r} raised {text}" for r, text in failed)
+        raise MismatchError(f"shard (checked mode): {who}; every rank must shard the same data set (nothing "
+                            f"was sharded on any rank)")
+    lengths = [m for m, _, _ in calls]
     if len(set(lengths)) > 1:
         other = next(r for r, m in enumerate(lengths) if m != lengths[0])
         raise MismatchError(
             f"shard: rank 0 has {lengths[0]} items, rank {other} has {lengths[other]} (lengths on every rank: "
             f"{lengths}); every rank must shard the same data set"
+        )
+    drops = [d for _, d, _ in calls]
+    if len(set(drops)) > 1:
+        other = next(r for r, d in enumerate(drops) if d != drops[0])
+        raise MismatchError(
+            f"shard: rank 0 has drop_remainder={drops[0]}, rank {other} has drop_remainder={drops[other]}; "
+            f"pass the same drop_remainder on every rank (else the ranks get different numbers of items "
+            f"and run different numbers of steps)"
         )

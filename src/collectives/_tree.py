@@ -40,7 +40,7 @@ import numpy as np
 
 from . import _agree, _arrays, _buckets, _config, _dtypes
 from ._agree import render_path
-from ._errors import translating
+from ._threads import collective
 
 # ---------------------------------------------------------------------------------------------------------
 # flatten / unflatten
@@ -168,10 +168,11 @@ def flatten(tree) -> Flat:
     sig: list = []
     try:
         flat.treedef = _flatten(tree, flat.leaves, flat.kinds, sig)
-    except RecursionError:
-        # A cyclic tree recurses without end; find the cycle and name it (a deep acyclic tree re-raises).
+    except RecursionError as exc:
+        # A cyclic tree recurses without end; find the cycle and name it (iteratively: the tree is deep).
         _find_cycle(tree, "", set())
-        raise
+        raise ValueError(f"the tree is nested more than {sys.getrecursionlimit()} levels deep (Python's "
+                         f"recursion limit): flatten it, or raise the limit with sys.setrecursionlimit()") from exc
     flat.sig = tuple(sig)
     return flat
 
@@ -248,26 +249,39 @@ def _paths_of(node, path: str, out: list) -> None:
 
 
 def _find_cycle(x, path: str, active: set) -> None:
-    """Raise ValueError naming where ``x`` contains itself, if it does (after a RecursionError)."""
-    kind = _kind_of_type(type(x))
-    if kind in _LEAF_KINDS or kind == _MODULE:
-        return
-    if kind == _WRAPPER:
-        return _find_cycle(x.inner, path, active)
-    if id(x) in active:
-        raise ValueError(f"the tree contains itself at {render_path(path)}; trees must not be cyclic")
-    active.add(id(x))
-    if kind == _DICT:
-        children = [(x[k], f"{path}[{k!r}]") for k in sorted_keys(x)]
-    elif kind == _DATACLASS:
-        children = [(getattr(x, f.name), f"{path}.{f.name}") for f in dataclasses.fields(x)]
-    elif kind == _NAMEDTUPLE:
-        children = [(v, f"{path}.{k}") for k, v in zip(type(x)._fields, x)]
-    else:
-        children = [(v, f"{path}[{i}]") for i, v in enumerate(x)]
-    for child, child_path in children:
-        _find_cycle(child, child_path, active)
-    active.discard(id(x))
+    """Raise ValueError naming where ``x`` contains itself, if it does (after a RecursionError).
+
+    Depth-first with an explicit stack (the tree is deeper than the recursion limit): ``active`` holds
+    the ids of the containers on the current path; a ``None`` entry on the stack closes one of them.
+    """
+    stack: list = [(x, path)]
+    open_ids: list = []
+    while stack:
+        entry = stack.pop()
+        if entry is None:
+            active.discard(open_ids.pop())
+            continue
+        x, path = entry
+        kind = _kind_of_type(type(x))
+        while kind == _WRAPPER:
+            x = x.inner
+            kind = _kind_of_type(type(x))
+        if kind in _LEAF_KINDS or kind == _MODULE:
+            continue
+        if id(x) in active:
+            raise ValueError(f"the tree contains itself at {render_path(path)}; trees must not be cyclic")
+        active.add(id(x))
+        open_ids.append(id(x))
+        if kind == _DICT:
+            children = [(x[k], f"{path}[{k!r}]") for k in sorted_keys(x)]
+        elif kind == _DATACLASS:
+            children = [(getattr(x, f.name), f"{path}.{f.name}") for f in dataclasses.fields(x)]
+        elif kind == _NAMEDTUPLE:
+            children = [(v, f"{path}.{k}") for k, v in zip(type(x)._fields, x)]
+        else:
+            children = [(v, f"{path}[{i}]") for i, v in enumerate(x)]
+        stack.append(None)
+        stack.extend(reversed(children))
 
 
 def unflatten(flat: Flat, leaves: list) -> Any:
@@ -597,7 +611,7 @@ def _optimizer_entries(opt, path) -> list:
     return entries
 
 
-@translating("synchronize")
+@collective("synchronize")
 def synchronize(c, tree, root, bucket_bytes):
     """:func:`collectives.synchronize` on the communicator ``c``."""
     what = "synchronize"
@@ -641,6 +655,7 @@ def synchronize(c, tree, root, bucket_bytes):
     if c.size == 1:
         if key is not None and cached is None:
             _remember(c, key, what, header, entries, None)  # one rank moves nothing: no plan
+        _buckets.mark_written(prepared.items)  # as on the root of a larger group (see below)
         return tree
     nbytes = header[1][1]
     is_root = c.rank == root
@@ -677,6 +692,7 @@ def synchronize(c, tree, root, bucket_bytes):
         agree(c, what, (), [], err)  # all ranks unpickled root's values, or all raise
     plan = None if cached is None else cached[2]
     plan = _buckets.broadcast(c, items + opt_items if opt_items else items, root, nbytes, plan)
+    _buckets.mark_written(items)  # torch leaves: autograd's version counter (as a write under no_grad)
     if key is not None and cached is None:
         _remember(c, key, what, header, entries, plan)
     if is_root:
@@ -719,7 +735,7 @@ def _sync_entries(flat: Flat, prepared: _Leaves) -> tuple[tuple, BaseException |
 _SCALARS = (bool, int, float, complex, np.generic)
 
 
-@translating("allreduce_tree")
+@collective("allreduce_tree")
 def allreduce_tree(c, tree, op, bucket_bytes):
     """:func:`collectives.allreduce_tree` on the communicator ``c``."""
     what = "allreduce_tree"
@@ -767,6 +783,7 @@ def allreduce_tree(c, tree, op, bucket_bytes):
     items = prepared.items
     plan = None if cached is None else cached[2]
     plan = _buckets.allreduce(c, items, op, header[1][1], plan)
+    _buckets.mark_written(items)  # torch leaves: autograd's version counter (as a write under no_grad)
     if key is not None and cached is None:
         _remember(c, key, what, header, entries, plan)
     leaves = flat.leaves

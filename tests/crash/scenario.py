@@ -26,6 +26,13 @@ def mark(what: str) -> None:
     say(f"FAILING {what} AT {time.time():.3f}")
 
 
+BAD_SETTINGS = [  # (variable, malformed value): the thread level first, while MPI is not initialised yet
+    ("COLLECTIVES_MPI_THREAD_LEVEL", "many"), ("COLLECTIVES_TIMEOUT", "abc"), ("COLLECTIVES_MAX_COUNT", "lots"),
+    ("COLLECTIVES_SHM", "maybe"), ("COLLECTIVES_SIMULATE_NODES", "two"), ("COLLECTIVES_BACKEND", "tcp"),
+    ("COLLECTIVES_CHECK", "please"), ("COLLECTIVES_ABORT_ON_ERROR", "never"),
+]
+
+
 def main(name: str) -> None:
     if name == "clean-eager-refused":  # COLLECTIVES_NCCL_EAGER=1 without a GPU: init refuses on every rank
         import torch  # noqa: F401 - the CUDA library the eager set-up looks for
@@ -37,6 +44,26 @@ def main(name: str) -> None:
         else:
             raise AssertionError("init() did not refuse")
         os.environ["COLLECTIVES_NCCL_EAGER"] = "0"  # after a refused init, init works again
+    if name.startswith("bad-setting"):  # issue 12 item 2: a malformed variable on the last rank only
+        launched_rank, launched_size = int(os.environ["PMI_RANK"]), int(os.environ["PMI_SIZE"])
+        bad = launched_rank == launched_size - 1
+        if name == "bad-setting":  # uncaught: every rank raises, so the job ends
+            variable, value = BAD_SETTINGS[1]
+            if bad:
+                os.environ[variable] = value
+                mark(name)
+            coll.init()
+        for variable, value in BAD_SETTINGS:
+            if bad:
+                os.environ[variable] = value
+            try:
+                coll.init()
+            except ValueError as e:
+                assert variable in str(e) and repr(value) in str(e), e
+                say(f"rank {launched_rank} refused {variable}: {str(e)[:100]}")
+            else:
+                raise AssertionError(f"{variable}={value!r} on rank {launched_size - 1} was not refused")
+            os.environ.pop(variable, None)
     comm = coll.init()
     rank, last = comm.rank, comm.size - 1
     x = np.ones(4)
@@ -152,13 +179,16 @@ def main(name: str) -> None:
         comm.allreduce(x)
         coll.finalize()
 
+    elif name == "bad-setting-caught":  # after every refused init (above): collectives work
+        assert (x == comm.size).all(), x
+
     elif name == "clean-eager-refused":  # after the refused init (above): collectives work
         assert (x == comm.size).all() and not comm._devices, (x, comm._devices)
 
     else:
         raise SystemExit(f"unknown scenario {name!r}")
 
-    if name.startswith(("clean", "mismatch-caught")):
+    if name.startswith(("clean", "mismatch-caught", "bad-setting-caught")):
         say(f"DONE {rank}")
     else:
         say(f"SURVIVED {rank}")

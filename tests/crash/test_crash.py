@@ -208,3 +208,25 @@ def test_numpy_error_state_of_one_rank_changes_nothing(n):
     assert job.rc == 0 and "caught" not in job.out, job
     assert job.err == "", job
     assert sorted(re.findall(r"^DONE (\d+)$", job.out, re.M)) == [str(r) for r in range(n)], job
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_a_malformed_setting_on_one_rank_ends_the_job(n):
+    """Issue 12 item 2: COLLECTIVES_TIMEOUT=abc on the last rank only. It was a ValueError there, inside
+    init, while the other ranks waited in MPI for ever; now every rank refuses, naming rank and value."""
+    job = run("bad-setting", n)
+    ended_promptly(job)
+    assert job.err.count(f"rank {n - 1}: COLLECTIVES_TIMEOUT='abc': expected a number of seconds") == n, job
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_malformed_settings_caught_leave_init_usable(n):
+    """Every variable of the scenario's list, malformed on the last rank: refused on every rank, each
+    time, and init works once it is fixed."""
+    from scenario import BAD_SETTINGS
+
+    job = run("bad-setting-caught", n)
+    assert job.rc == 0 and job.err == "", job
+    for variable, _ in BAD_SETTINGS:
+        assert job.out.count(f"refused {variable}") == n, job
+    assert sorted(re.findall(r"^DONE (\d+)$", job.out, re.M)) == [str(r) for r in range(n)], job

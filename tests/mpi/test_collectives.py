@@ -341,8 +341,7 @@ def test_user_communicator_is_duplicated(comm):
         assert x[0] == 0.0
         assert coll.world() is comm  # the default is unchanged
     finally:
-        coll._comm._by_comm.pop(id(user))[1].close()
-        user.Free()
+        user.Free()  # releases (closes) the library communicator made for it
 
 
 def test_reduce_non_root_widened_dtypes_leave_input_bit_for_bit(comm, monkeypatch):

@@ -49,5 +49,4 @@ def communicator(**env):
         yield c
     finally:
         c.close()
-        coll._comm._by_comm.pop(id(user), None)  # the registry of init(comm=...) has no public release
-        user.Free()
+        user.Free()  # (freeing it would also close the library's communicator made for it)

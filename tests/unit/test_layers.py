@@ -16,10 +16,11 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "collectives"
 LAYERS = {
     # 0: the bottom: no library module above it
     "_version": 0, "_errors": 0, "_ops": 0, "_config": 0, "_dtypes": 0, "_arrays": 0, "_agree": 0,
+    "_threads": 0, "_registry": 0,
     # 1: transports
     "_backends._libnccl": 1, "_backends.base": 1, "_backends.self": 1, "_backends.shm": 1,
     "_backends.mpi": 1, "_backends.device": 1, "_backends.cuda": 1, "_backends.nccl": 1,
-    "_backends.factory": 1, "_backends": 1,
+    "_backends.factory": 1, "_backends.closed": 1, "_backends": 1,
     # 2: reduction rules
     "_reduction": 2,
     # 3: trees and buckets
@@ -40,6 +41,7 @@ TRANSPORT_IMPORTS = {
     "_backends.factory": {"_backends.base", "_backends.cuda", "_backends.device", "_backends.self",
                           "_backends.mpi", "_backends.nccl", "_backends._libnccl"},
     "_backends.shm": set(),
+    "_backends.closed": set(),
     "_backends.base": set(),
     "_backends._libnccl": set(),
     "_backends": set(),

@@ -11,6 +11,7 @@ plain blocking calls run and nothing is added per call.
 
 from __future__ import annotations
 
+import heapq
 import os
 import pickle
 import sys
@@ -33,7 +34,10 @@ def import_mpi():
     if "mpi4py.MPI" not in sys.modules:
         import mpi4py
 
-        mpi4py.rc.thread_level = _config.mpi_thread_level()
+        try:
+            mpi4py.rc.thread_level = _config.mpi_thread_level()
+        except ValueError:  # malformed: refused on every rank once MPI is up (MPITransport.__init__)
+            pass
     from mpi4py import MPI
 
     return MPI
@@ -101,7 +105,10 @@ class MPITransport(HostTransport):
 
     def __new__(cls, comm=None):
         if cls is MPITransport:  # the deadline is chosen once, here, so the plain calls stay plain
-            timeout = _config.timeout()
+            try:
+                timeout = _config.timeout()
+            except ValueError:  # malformed: refused on every rank in __init__, once the ranks can agree
+                timeout = None
             if timeout is not None:
                 self = super().__new__(DeadlineMPITransport)
                 self.timeout = timeout
@@ -118,6 +125,12 @@ class MPITransport(HostTransport):
         if not isinstance(base, MPI.Intracomm):
             raise TypeError(f"comm must be an mpi4py intra-communicator, got {type(base).__name__}")
         self.comm = base.Dup()  # never talk on the user's communicator
+        try:  # a malformed variable on any rank: every rank refuses here, before anything else talks
+            _config.refuse_malformed(self.comm.allgather)
+        except ValueError:
+            self.comm.Free()
+            self.comm = None
+            raise
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         per_node = _config.simulate_nodes()  # COLLECTIVES_SIMULATE_NODES: smaller "nodes" in the real ones
@@ -416,14 +429,31 @@ class MPITransport(HostTransport):
 
 
 def _overlapping(addresses: tuple, lengths: tuple) -> list[int]:
-    """Indices of the byte ranges ``[address, address + length)`` that overlap a range of lower index."""
+    """Indices of the byte ranges ``[address, address + length)`` that overlap a range of lower index.
+
+    O(n log n) in the number of ranges (a fresh tree of 100k leaves pays this on its first synchronize):
+    one sweep in address order keeps the ranges still open at the current start in two heaps, one by
+    lowest index (does the current range overlap a lower-index one?) and one of the not yet marked by
+    highest index (which open ranges overlap the current, lower-index one?); each range enters and leaves
+    each heap at most once. Empty ranges overlap nothing.
+    """
     order = sorted((a, i) for i, a in enumerate(addresses) if lengths[i])
+    lowest: list = []  # (index, end) of the open ranges, lowest index on top
+    unmarked: list = []  # (-index, end) of the open ranges not marked yet, highest index on top
     later = set()
-    for k, (a, i) in enumerate(order):
-        for b, j in order[k + 1:]:
-            if b >= a + lengths[i]:
-                break
-            later.add(max(i, j))
+    for a, i in order:
+        while lowest and lowest[0][1] <= a:  # closed before a: closed for every later start too
+            heapq.heappop(lowest)
+        while unmarked and (unmarked[0][1] <= a or -unmarked[0][0] > i):
+            neg_j, end = heapq.heappop(unmarked)
+            if end > a:  # open, and of higher index than i: it overlaps i
+                later.add(-neg_j)
+        if lowest and lowest[0][0] < i:
+            later.add(i)
+        end = a + lengths[i]
+        heapq.heappush(lowest, (i, end))
+        if i not in later:
+            heapq.heappush(unmarked, (-i, end))
     return sorted(later)
 
 

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from .. import _config
 from .base import HostTransport
 
 
 class SelfTransport(HostTransport):
     name = "self"
+
+    def __init__(self):
+        _config.refuse_malformed()  # a malformed variable is refused at init, as with MPI (alone here)
 
     def allreduce(self, buf, op):
         pass
