@@ -349,11 +349,18 @@ def _broadcast_many(host, items: list[Item], is_root: bool, root: int, bucket_by
 
 
 def wire_dtype(transport, info: _dtypes.DType, op: str) -> np.dtype:
-    """The dtype a host leaf travels in: float32 for bfloat16 and for float16 the transport cannot reduce."""
+    """The dtype a host leaf travels in: float32 for bfloat16 and for float16 the transport cannot reduce;
+    int64 (uint64) for an integer dtype the transport reduces wrongly (``transport.reduces``: an MPI whose
+    sum saturates, issue 13): sums and products modulo 2**n are the same computed in 64 bits, so the
+    narrowing cast back gives NumPy's wrapped result bit for bit."""
+    # Issue 13's integer hunk: to move into the host reduction rules module when the core refactor lands.
     if info.name == "bfloat16":
         return np.dtype(np.float32)
-    if info.storage == np.float16 and not transport.reduces(info.storage, "sum" if op == "mean" else op):
-        return np.dtype(np.float32)
+    if info.kind in "fiu" and not transport.reduces(info.storage, "sum" if op == "mean" else op):
+        if info.storage == np.float16:
+            return np.dtype(np.float32)
+        if info.kind in "iu":
+            return np.dtype(np.int64 if info.kind == "i" else np.uint64)
     return info.storage
 
 

@@ -21,7 +21,7 @@ import threading
 
 import numpy as np
 
-from . import _arrays, _check, _config, _dtypes
+from . import _arrays, _buckets, _check, _config, _dtypes
 from ._backends.base import Transport
 from ._backends.self import SelfTransport
 from ._errors import BackendUnavailableError, reraise, translating
@@ -337,8 +337,8 @@ class Communicator:
             return
         if info.name == "bfloat16":
             wire = _dtypes.bf16_to_f32(buf)
-        elif not transport.reduces(buf.dtype, wire_op):
-            wire = buf.astype(np.float32)
+        elif not transport.reduces(buf.dtype, wire_op):  # float16 -> float32; a faulty integer pair -> 64 bits
+            wire = buf.astype(_buckets.wire_dtype(transport, info, op))
         else:
             wire = buf
         if op in ("min", "max") and _dtypes.orderable(wire.dtype):  # NaN-propagating, same on all ranks

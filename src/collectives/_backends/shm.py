@@ -69,12 +69,16 @@ class Reducer:
         slot_bytes: window bytes per rank (the smallest value any rank passes is used); a message goes
             through in pieces of about this size.
         types: NumPy dtype -> MPI datatype, for the allreduce among node leaders.
+        ops: op name -> MPI op, for that allreduce (the transport's table).
+        reduces: ``reduces(dtype, op)``, whether that MPI reduces the pair right (the transport's
+            verdict, ``MPITransport.reduces``): across nodes, a pair it gets wrong is not taken.
         node_color: ``None`` to group ranks by shared memory (``COMM_TYPE_SHARED``); an int to split
             each such group further by this color (``COLLECTIVES_SIMULATE_NODES`` and tests use it to make
             one machine look like several nodes).
     """
 
-    def __init__(self, comm, *, slot_bytes: int, types: dict, node_color: int | None = None):
+    def __init__(self, comm, *, slot_bytes: int, types: dict, node_color: int | None = None, ops=None,
+                 reduces=None):
         from mpi4py import MPI
 
         self.MPI = MPI
@@ -93,7 +97,9 @@ class Reducer:
             leaders = comm.Split(0 if self.local_rank == 0 else MPI.UNDEFINED, key=rank)
             self.leaders = None if leaders == MPI.COMM_NULL else leaders
         self._types = types
-        self._mpi_ops = {"sum": MPI.SUM, "mean": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}
+        ops = ops or {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}
+        self._mpi_ops = {**ops, "mean": ops["sum"]}
+        self._mpi_reduces = reduces or (lambda dtype, op: True)
         info = MPI.Info.Create()
         info.Set("alloc_shared_noncontig", "true")  # each rank's slot in its own pages (NUMA first touch)
         try:
@@ -114,7 +120,9 @@ class Reducer:
             return False
         if op == "mean" and dtype.kind not in "fc":
             return False
-        return not self.multi_node or dtype in self._types
+        if not self.multi_node:
+            return True  # NumPy reduces every byte on the node
+        return dtype in self._types and self._mpi_reduces(dtype, "sum" if op == "mean" else op)
 
     def _views(self, dtype: np.dtype):
         views = self._regions.get(dtype)
