@@ -200,3 +200,33 @@ def test_every_public_name_has_a_docstring_with_an_example():
         obj = getattr(coll, name)
         doc = obj.__doc__ or ""
         assert ">>>" in doc, f"collectives.{name} needs a docstring with an example"
+
+
+def test_open_mpi_osc_ucx_noise_is_dropped_and_nothing_else(capfd):
+    """Open MPI 5.0 prints a bogus osc/ucx error at every window creation (open-mpi/ompi#14086); the
+    shared-memory reducer drops exactly that line (and its trailing blank line) around its window."""
+    import os
+
+    from collectives._backends import shm  # private: the filter is what the window creation runs in
+
+    class FakeOpenMPI:
+        @staticmethod
+        def Get_library_version():
+            return "Open MPI v5.0.11, package: Open MPI"
+
+    noise = f"[vm:1] /openmpi-5.0.11/ompi/mca/osc/ucx/osc_ucx_component.c:375  Error: {shm.OSC_UCX_NOISE} \n \n"
+    with shm._without_osc_ucx_noise(FakeOpenMPI):
+        os.write(2, noise.encode())
+        os.write(2, b"a real error\n")
+        os.write(2, noise.encode())
+    err = capfd.readouterr().err
+    assert err == "a real error\n"
+
+    class FakeMPICH:
+        @staticmethod
+        def Get_library_version():
+            return "MPICH Version: 5.0.2"
+
+    with shm._without_osc_ucx_noise(FakeMPICH):  # another MPI: untouched
+        os.write(2, noise.encode())
+    assert capfd.readouterr().err == noise
