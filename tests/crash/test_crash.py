@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from collectives._launcher import job_command, job_environment  # one way to start a job, any launcher
+
 HERE = Path(__file__).resolve().parent
 SCENARIO = HERE / "scenario.py"
 SIZES = [2, 3]
@@ -28,10 +29,6 @@ PROMPT_S = 10.0  # a failure must end the whole job within this many seconds of 
 DEADLINE_S = 3.0  # COLLECTIVES_TIMEOUT for the deadline scenarios
 RUN_LIMIT_S = 120  # the subprocess timeout: reaching it means the job hung
 
-
-def mpiexec() -> str:
-    here = Path(sys.executable).parent / "mpiexec"
-    return str(here) if here.exists() else (shutil.which("mpiexec") or "mpiexec")
 
 
 class Job:
@@ -45,11 +42,8 @@ class Job:
 
 
 def run(name: str, n: int, **env_extra) -> Job:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "PMIX_", "OMPI_", "MPI_LOCAL", "HYDRA", "SLURM_", "MV2_", "PALS_",
-                                "COLLECTIVES_"))}
-    env.update({k: str(v) for k, v in env_extra.items()})
-    cmd = [mpiexec(), "-n", str(n), sys.executable, str(SCENARIO), name]
+    env = job_environment(drop=("COLLECTIVES_",), **env_extra)
+    cmd = job_command(n, [sys.executable, str(SCENARIO), name], forward=env_extra)
     start = time.time()
     # its own process group, so that a hung job is killed whole (mpiexec and every rank)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,

@@ -11,13 +11,13 @@ import pytest
 
 import collectives as coll
 from collectives import _dtypes
+from collectives._launcher import job_environment
 
 HEAVY = ("torch", "cupy", "jax", "mpi4py", "mpi4py.MPI", "array_api_strict", "ml_dtypes")
 
 
 def run_python(code: str, env_extra=None, path_prefix=None, timeout=120):
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "PMIX_", "OMPI_", "MPI_LOCAL", "HYDRA", "SLURM_", "MV2_", "PALS_"))}
+    env = job_environment()  # a fresh process, not a rank of this job (collectives._launcher)
     env.pop("COLLECTIVES_BACKEND", None)
     if path_prefix:
         env["PYTHONPATH"] = os.pathsep.join([str(path_prefix), env.get("PYTHONPATH", "")])
