@@ -11,7 +11,7 @@ import pytest
 
 import collectives as coll
 from collectives import _dtypes
-from collectives._launcher import job_environment
+from collectives._launcher import find_mpiexec, job_command, job_environment, kind
 
 HEAVY = ("torch", "cupy", "jax", "mpi4py", "mpi4py.MPI", "array_api_strict", "ml_dtypes")
 
@@ -148,12 +148,30 @@ def test_info_command_text_and_json():
     info = json.loads(proc.stdout)
     assert info["collectives"] == coll.__version__
     assert "numpy" in info["array_libraries"]
-    assert info["mpi"]["mpi4py"] and "MPICH" in info["mpi"]["library"]
+    assert info["mpi"]["mpi4py"]  # whichever MPI mpi4py loads (MPICH, Open MPI, ...): named, with its version
+    assert info["mpi"]["implementation"] in info["mpi"]["library"]
+    assert info["mpi"]["implementation"] in ("MPICH", "Open MPI", "Intel MPI", "MVAPICH")
+    assert info["launcher"]["started_by"] is None  # a plain python
+    if info["launcher"]["mpiexec"]:
+        assert info["launcher"]["mpiexec_kind"] in ("Hydra", "PRRTE", "Slurm")
     assert info["rank"] == 0 and info["size"] == 1
     assert "nccl" in info
     text = subprocess.run([sys.executable, "-m", "collectives", "info"], capture_output=True, text=True,
                           timeout=120)
     assert text.returncode == 0 and "mpi4py" in text.stdout and "nccl" in text.stdout
+    assert "implementation" in text.stdout and "started_by" in text.stdout
+
+
+def test_info_names_the_launcher_that_started_the_job():
+    mpiexec = find_mpiexec()
+    if mpiexec is None:
+        pytest.skip("no mpiexec")
+    proc = subprocess.run(job_command(2, [sys.executable, "-m", "collectives", "info", "--json"]),
+                          capture_output=True, text=True, timeout=120, env=job_environment())
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)  # rank 0 only prints
+    assert info["size"] == 2 and info["backend"] == "mpi"
+    assert info["launcher"]["started_by"] == kind(mpiexec) == info["launcher"]["mpiexec_kind"]
 
 
 # ---- the dtype table ----
