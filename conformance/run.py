@@ -81,7 +81,7 @@ def run_one(args, backend: str, libs: list[str], size: int, results: Path, log: 
         env["COLLECTIVES_CONFORMANCE_SEED"] = str(args.seed)
     if args.sut:
         env["COLLECTIVES_CONFORMANCE_SUT"] = args.sut
-    pytest_cmd = [sys.executable, "-m", "pytest", str(HERE), "-q", "-p", "no:cacheprovider",
+    pytest_cmd = [sys.executable, "-m", "pytest", str(HERE), "-q", "-p", "no:cacheprovider", "--color=no",
                   "--timeout", str(args.test_timeout), *select, *args.pytest_args]
     if backend == "self":
         cmd = pytest_cmd

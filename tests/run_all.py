@@ -64,7 +64,8 @@ def pytest_counts(out: str) -> tuple[int, int]:
 def mpi_run(target: str, n: int, timeout: int, extra=()) -> tuple[int, int, bool]:
     for f in LOGS.glob(f"summary-n{n}-rank*.json"):
         f.unlink()
-    cmd = job_command(n, [sys.executable, "tests/mpi_pytest.py", target, "-q", "-x", "--timeout", "240", *extra])
+    cmd = job_command(n, [sys.executable, "tests/mpi_pytest.py", target, "-q", "-x", "--color=no", "--timeout", "240",
+                       *extra])  # --color=no: PRRTE gives ranks a terminal
     rc, _out = run(cmd, timeout)
     counts = []
     for r in range(n):

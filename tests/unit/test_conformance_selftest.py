@@ -66,7 +66,8 @@ def _run(tmp_path: Path, source: str, ranks: int, select: str, *extra: str, libs
         "COLLECTIVES_CONFORMANCE_XFAIL_DIR": str(tmp_path / "xfail"),
         "COLLECTIVES_TEST_LOGS": str(tmp_path / "logs"),
     })
-    cmd = [sys.executable, "-m", "pytest", "conformance", "-q", "-p", "no:cacheprovider", "--timeout", "120",
+    # --color=no: PRRTE (Open MPI) gives each rank a terminal, and pytest would colour the lines parsed here
+    cmd = [sys.executable, "-m", "pytest", "conformance", "-q", "-p", "no:cacheprovider", "--color=no", "--timeout", "120",
            "-k", select, *extra]
     if ranks > 1:
         launcher = find_mpiexec()
