@@ -121,10 +121,12 @@ def _warn_faulty(MPI, bad: list) -> None:
     library = " ".join(MPI.Get_library_version().strip().splitlines()[0].split(",")[0].split())
     fix = ("Open MPI's AVX op component does this: run with `mpiexec --mca op ^avx` (or set "
            "OMPI_MCA_op=^avx) to use its plain, wrapping ops. " if "Open MPI" in library else "")
+    widest = [f"{op} of {dtype.name}" for dtype, op in bad if dtype.itemsize == 8]
+    caveat = (f"There is no wider type for {', '.join(widest)}: those results may be wrong. " if widest else "")
     warnings.warn(
         f"collectives: this MPI ({library}) gets {pairs} wrong (checked with MPI_Reduce_local: its result "
         f"differs from NumPy's wrapping arithmetic). collectives reduces these pairs in 64-bit integers "
-        f"(float32 for float16) instead: the same bits, more bytes on the wire. {fix}"
+        f"(float32 for float16) instead: the same bits, more bytes on the wire. {caveat}{fix}"
         f"To silence this warning, filter RuntimeWarning messages starting with 'collectives: this MPI'.",
         RuntimeWarning, stacklevel=4)
 
