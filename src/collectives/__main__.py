@@ -56,8 +56,9 @@ def gather_info(start_mpi: bool = True) -> dict:
             from ._backends.mpi import import_mpi
 
             MPI = import_mpi()
-            mpi["library"] = MPI.Get_library_version().strip().splitlines()[0]
-            mpi["implementation"] = _launcher.implementation(MPI.Get_library_version())
+            library = MPI.Get_library_version().replace("\0", "").strip()  # Open MPI's ends in a NUL
+            mpi["library"] = library.splitlines()[0]
+            mpi["implementation"] = _launcher.implementation(library)
             mpi["standard"] = "{}.{}".format(*MPI.Get_version())
             level = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
                      MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
