@@ -24,7 +24,6 @@ import datetime
 import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
 from conformance import _options, _xfail  # noqa: E402  (stdlib only: no array library is imported here)
+from collectives._launcher import find_mpiexec, job_command  # noqa: E402  (stdlib and NumPy only)
 
 LIB_DEVICE = {"numpy": "host", "torch": "host", "strict": "host", "jax": "host", "cupy": "cuda",
               "torch-cuda": "cuda"}
@@ -44,10 +44,7 @@ OUTCOME_ORDER = ("fail", "xfail", "pass", "skip")
 
 
 def mpiexec(explicit: str | None) -> str:
-    if explicit:
-        return explicit
-    here = Path(sys.executable).parent / "mpiexec"
-    return str(here) if here.exists() else (shutil.which("mpiexec") or "mpiexec")
+    return explicit or find_mpiexec() or "mpiexec"
 
 
 def parse_args(argv=None):
@@ -84,14 +81,14 @@ def run_one(args, backend: str, libs: list[str], size: int, results: Path, log: 
         env["COLLECTIVES_CONFORMANCE_SEED"] = str(args.seed)
     if args.sut:
         env["COLLECTIVES_CONFORMANCE_SUT"] = args.sut
-    pytest_cmd = [sys.executable, "-m", "pytest", str(HERE), "-q", "-p", "no:cacheprovider",
+    pytest_cmd = [sys.executable, "-m", "pytest", str(HERE), "-q", "-p", "no:cacheprovider", "--color=no",
                   "--timeout", str(args.test_timeout), *select, *args.pytest_args]
     if backend == "self":
         cmd = pytest_cmd
         for var in ("PMI_SIZE", "PMI_RANK", "PMIX_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS"):
             env.pop(var, None)
     else:
-        cmd = [mpiexec(args.mpiexec), "-n", str(size), *pytest_cmd]
+        cmd = job_command(size, pytest_cmd, mpiexec=mpiexec(args.mpiexec))
     timeout = args.timeout or (3600 if args.full else 900)
     print(f"$ {' '.join(cmd)}   [backend {backend}, libs {','.join(libs)}, timeout {timeout}s]", flush=True)
     start = time.monotonic()

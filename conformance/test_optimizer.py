@@ -29,6 +29,8 @@ def _cases(shape):
     for name in _matrix.usable_libs():
         if shape == "torch-like" and name not in TORCHES:
             continue
+        if shape == "optax" and name != "jax":  # optax itself: its transformations take JAX arrays
+            continue
         for k in (1, 2):
             for op in ("mean", "sum"):
                 cases.append(pytest.param(name, k, op, id=f"{name}-k{k}-{op}", marks=_matrix.meta(
@@ -117,6 +119,33 @@ def test_optax_like(sut, comm, rec, lib_name, k, op):
     inner = getattr(state, "inner_state", None)
     if inner is not None:
         assert inner == {"count": 1}, f"the inner update runs once per {k} calls; inner state {inner}"
+    rec.same_on_every_rank("updates", np.ascontiguousarray(got).tobytes())
+
+
+@pytest.mark.parametrize("lib_name,k,op", _cases("optax"))
+def test_optax_itself(sut, comm, rec, lib_name, k, op):
+    """optax's own ``sgd`` (a GradientTransformation holding NamedTuple states) with JAX arrays: the k-th
+    update is ``-lr`` times the combined mean over the k micro-batches, as for the optax-like fake."""
+    _need(sut)
+    optax = pytest.importorskip("optax")
+    lib = _libs.get(lib_name)
+    spec = _dtypes.ALL["float64"]
+    lr = 0.5  # a power of two: the updates are exact
+
+    def grad(rank, micro):
+        return _dtypes.exact_values(spec, (5,), "sum", _dtypes.seed_of("optax", rank, micro))
+
+    opt = sut.DistributedOptimizer(optax.sgd(lr, momentum=None), op=op, backward_passes_per_step=k)
+    params = {"w": lib.from_bits(np.zeros(5), spec)}
+    state = opt.init(params)
+    for micro in range(k):
+        updates, state = opt.update({"w": lib.from_bits(grad(comm.rank, micro), spec)}, state, params)
+        assert lib.is_native(updates["w"], params["w"]), f"updates are {type(updates['w']).__name__}"
+        if micro < k - 1:
+            assert np.array_equal(_libs.host_copy(updates["w"]), np.zeros(5)), "while accumulating, updates are zero"
+    combined = sum(sum(grad(r, m) for m in range(k)) / k for r in range(comm.size)) / (comm.size if op == "mean" else 1)
+    got = _libs.host_copy(updates["w"])
+    assert np.allclose(got, -lr * combined, rtol=1e-12, atol=0), f"updates {got}, expected {-lr * combined}"
     rec.same_on_every_rank("updates", np.ascontiguousarray(got).tobytes())
 
 

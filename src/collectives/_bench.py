@@ -315,7 +315,7 @@ def header(coll, comm, arrays: Arrays, args) -> dict:
 
         levels = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
                   MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
-        info["mpi_library"] = " ".join(MPI.Get_library_version().split("\n")[0].split())
+        info["mpi_library"] = " ".join(MPI.Get_library_version().replace("\0", "").split("\n")[0].split())
         info["mpi4py"] = mpi4py.__version__
         info["thread_level"] = levels.get(MPI.Query_thread(), str(MPI.Query_thread()))
     return info

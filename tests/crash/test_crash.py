@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from collectives._launcher import job_command, job_environment  # one way to start a job, any launcher
 
 HERE = Path(__file__).resolve().parent
 SCENARIO = HERE / "scenario.py"
@@ -29,14 +30,15 @@ DEADLINE_S = 3.0  # COLLECTIVES_TIMEOUT for the deadline scenarios
 RUN_LIMIT_S = 120  # the subprocess timeout: reaching it means the job hung
 
 
-def mpiexec() -> str:
-    here = Path(sys.executable).parent / "mpiexec"
-    return str(here) if here.exists() else (shutil.which("mpiexec") or "mpiexec")
+
+# The one-time warning of an MPI whose reduction ops collectives found wrong (Open MPI's AVX sums, issue
+# 13): expected on such an MPI, and not what the crash suite looks at in stderr.
+OP_WARNING = re.compile(r"^.*RuntimeWarning: collectives: this MPI .*\n(?:  .*\n)?", re.M)
 
 
 class Job:
     def __init__(self, rc, out, err, wall, failed_at, ended_at):
-        self.rc, self.out, self.err, self.wall = rc, out, err, wall
+        self.rc, self.out, self.err, self.wall = rc, out, OP_WARNING.sub("", err), wall
         self.after_failure = None if failed_at is None else ended_at - failed_at
 
     def __repr__(self):
@@ -45,11 +47,8 @@ class Job:
 
 
 def run(name: str, n: int, **env_extra) -> Job:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "PMIX_", "OMPI_", "MPI_LOCAL", "HYDRA", "SLURM_", "MV2_", "PALS_",
-                                "COLLECTIVES_"))}
-    env.update({k: str(v) for k, v in env_extra.items()})
-    cmd = [mpiexec(), "-n", str(n), sys.executable, str(SCENARIO), name]
+    env = job_environment(drop=("COLLECTIVES_",), **env_extra)
+    cmd = job_command(n, [sys.executable, str(SCENARIO), name], forward=env_extra)
     start = time.time()
     # its own process group, so that a hung job is killed whole (mpiexec and every rank)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,

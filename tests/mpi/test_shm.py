@@ -81,7 +81,10 @@ def mpi_comm():
 def reducer(request, mpi_comm):
     types = mpi_backend._tables(MPI)[1]
     color = None if request.param == "node" else mpi_comm.Get_rank() % 2
-    r = shm.Reducer(mpi_comm, slot_bytes=1, types=types, node_color=color)  # the smallest slot
+    # The world transport's verdict on this MPI's ops (issue 13: Open MPI's AVX sums saturate); private,
+    # as the Reducer is: the transport hands it the same.
+    verdict = coll.world()._host.reduces
+    r = shm.Reducer(mpi_comm, slot_bytes=1, types=types, node_color=color, reduces=verdict)  # smallest slot
     yield r
     r.close()
     r.close()  # idempotent
@@ -111,8 +114,9 @@ def test_every_op_and_dtype_against_numpy(reducer, mpi_comm, dtype):
     for op in OPS:
         if not legal(dtype, op):
             continue
-        if not reducer.supports(dtype, op):
-            assert reducer.multi_node and dtype not in mpi_backend._tables(MPI)[1]
+        if not reducer.supports(dtype, op):  # across nodes: a dtype MPI lacks, or a pair it gets wrong
+            assert reducer.multi_node
+            assert dtype not in mpi_backend._tables(MPI)[1] or not coll.world()._host.reduces(dtype, op)
             continue
         for count in sizes(reducer, dtype):
             x = inputs(dtype, op, count, rank, seed=11)

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from collectives._launcher import find_mpiexec, job_command, job_environment  # any launcher
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 420
@@ -52,17 +53,12 @@ def allreduce(x, op="sum", *, comm=None):
 """
 
 
-def _mpiexec() -> str | None:
-    here = Path(sys.executable).parent / "mpiexec"
-    return str(here) if here.exists() else shutil.which("mpiexec")
-
 
 def _run(tmp_path: Path, source: str, ranks: int, select: str, *extra: str, libs: str = "numpy") -> tuple[int, str]:
     sut = tmp_path / "sut_under_test.py"
     sut.write_text(textwrap.dedent(source))
     (tmp_path / "xfail").mkdir(exist_ok=True)  # no expected failures: the outcome is the suite's alone
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "PMIX_", "OMPI_", "MPI_LOCAL", "HYDRA_", "COLLECTIVES_"))}
+    env = job_environment(drop=("COLLECTIVES_",))
     env.update({
         "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
         "COLLECTIVES_CONFORMANCE_SUT": "sut_under_test",
@@ -70,13 +66,14 @@ def _run(tmp_path: Path, source: str, ranks: int, select: str, *extra: str, libs
         "COLLECTIVES_CONFORMANCE_XFAIL_DIR": str(tmp_path / "xfail"),
         "COLLECTIVES_TEST_LOGS": str(tmp_path / "logs"),
     })
-    cmd = [sys.executable, "-m", "pytest", "conformance", "-q", "-p", "no:cacheprovider", "--timeout", "120",
+    # --color=no: PRRTE (Open MPI) gives each rank a terminal, and pytest would colour the lines parsed here
+    cmd = [sys.executable, "-m", "pytest", "conformance", "-q", "-p", "no:cacheprovider", "--color=no", "--timeout", "120",
            "-k", select, *extra]
     if ranks > 1:
-        launcher = _mpiexec()
+        launcher = find_mpiexec()
         if launcher is None:
             pytest.skip("no mpiexec: the multi-rank part of the self-test needs one")
-        cmd = [launcher, "-n", str(ranks), *cmd]
+        cmd = job_command(ranks, cmd, mpiexec=launcher)
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               timeout=TIMEOUT)

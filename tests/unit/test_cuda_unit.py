@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -28,6 +26,7 @@ import collectives as coll
 from collectives import _config, _dtypes
 from collectives._backends import _libnccl, cuda, device, factory
 from collectives._backends.self import SelfTransport
+from collectives._launcher import find_mpiexec, job_command, job_environment  # any launcher
 
 try:
     import torch
@@ -40,9 +39,7 @@ HEAVY = ("torch", "cupy", "jax", "mpi4py", "mpi4py.MPI")
 
 
 def run_python(code: str, env_extra=None, timeout=120):
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "PMIX_", "OMPI_", "MPI_LOCAL", "HYDRA", "SLURM_", "MV2_", "PALS_"))}
-    env.update(env_extra or {})
+    env = job_environment(**(env_extra or {}))
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
                           env=env, timeout=timeout)
 
@@ -777,22 +774,15 @@ import os as _os; _os.write(1, ("ok %d %d\n" % (rank, size)).encode())  # one wr
 """
 
 
-def _mpiexec():
-    here = Path(sys.executable).parent / "mpiexec"
-    return str(here) if here.exists() else shutil.which("mpiexec")
-
 
 @needs_torch
 @pytest.mark.parametrize("n", [3])
 def test_staging_and_cuda_aware_paths_under_mpiexec(n):
-    mpiexec = _mpiexec()
+    mpiexec = find_mpiexec()
     if mpiexec is None:
         pytest.skip("mpiexec not found")
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "PMIX_", "OMPI_", "MPI_LOCAL", "HYDRA", "SLURM_", "MV2_", "PALS_"))}
-    proc = subprocess.run([mpiexec, "-n", str(n), sys.executable, "-c",
-                           SCRIPT.format(here=str(Path(__file__).parent))],
-                          capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
+    cmd = job_command(n, [sys.executable, "-c", SCRIPT.format(here=str(Path(__file__).parent))], mpiexec=mpiexec)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=job_environment(), cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert sorted(proc.stdout.split("\n")[:-1]) == [f"ok {r} {n}" for r in range(n)], proc.stdout
 

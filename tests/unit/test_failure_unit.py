@@ -3,7 +3,6 @@ checked mode, the abort hook, and the deadline transport (with stand-in MPI obje
 under mpiexec in tests/crash)."""
 
 import io
-import os
 import subprocess
 import sys
 import textwrap
@@ -14,6 +13,7 @@ import numpy as np
 import pytest
 
 from collectives import CollectiveError, CollectiveTimeoutError, MismatchError, _agree, _failure
+from collectives._launcher import job_environment
 
 
 class RecordingTransport:
@@ -276,10 +276,7 @@ def test_deadline_polling_sleeps_after_a_while_instead_of_spinning():
 
 
 def run_python(code, env_extra):
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "PMIX_", "OMPI_", "MPI_LOCAL", "HYDRA", "SLURM_", "MV2_", "PALS_",
-                                "COLLECTIVES_"))}
-    env.update(env_extra)
+    env = job_environment(drop=("COLLECTIVES_",), **env_extra)  # a fresh process (collectives._launcher)
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
                           env=env, timeout=120)
 

@@ -16,6 +16,7 @@ import os
 import pickle
 import sys
 import time
+import warnings
 
 import numpy as np
 
@@ -67,10 +68,81 @@ def _tables(MPI):
     return _OPS_CACHE, _TYPES_CACHE
 
 
-def _agreed_settings(comm, local_size: int) -> tuple[int, bool]:
+# The pairs :func:`faulty_ops` checks: every integer dtype and float16 with sum and prod (the ops that can
+# overflow or round), and the integers with min and max too. Float min/max never reach MPI as floats (they
+# travel as ordered integers, _dtypes.float_to_ordered); bool travels as uint8 0/1, which cannot overflow.
+PROBED_OPS = tuple((np.dtype(t), op) for t in (np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32,
+                                               np.int64, np.uint64) for op in ("sum", "prod", "min", "max")
+                   ) + ((np.dtype(np.float16), "sum"), (np.dtype(np.float16), "prod"))
+PROBE_COUNT = 1031  # elements: many vector widths (AVX-512 holds 64 int8) and a ragged tail
+_NUMPY_OPS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
+_warned: set = set()  # process-wide: the MPI library is
+
+
+def _probe_values(dtype: np.dtype, salt: int) -> np.ndarray:
+    """PROBE_COUNT values of ``dtype`` spread over its whole range (integers wrap into it), so that sums
+    and products overflow in both directions; finite and exactly representable for float16."""
+    k = np.arange(PROBE_COUNT, dtype=np.int64)
+    if dtype.kind == "f":
+        return ((k * (37 + salt)) % 4001 / 16.0 - 125.0).astype(dtype)
+    return (k * (7919 + 104_722 * salt) + 12_345 * (salt + 1)).astype(dtype)  # astype wraps
+
+
+def faulty_ops(MPI, ops: dict, types: dict) -> list:
+    """The ``(dtype, op)`` pairs of :data:`PROBED_OPS` that this MPI library reduces differently from
+    NumPy, found (not assumed) with ``MPI_Reduce_local`` on a probe of :data:`PROBE_COUNT` overflowing
+    values per pair. Local: no communication.
+
+    An MPI may not wrap integers: Open MPI 5.0's AVX op component saturates int8/uint8/int16/uint16 sums
+    past a vector width (``np.full(100, 100, np.int8)`` summed over 2 ranks gives 127, NumPy gives -56).
+    The op component an allreduce uses is the one ``MPI_Reduce_local`` uses, so one local call per pair
+    tells. A pair that fails is reduced in a wider dtype instead (:meth:`MPITransport.reduces`).
+    """
+    bad = []
+    for dtype, op in PROBED_OPS:
+        datatype = types.get(dtype)
+        if datatype is None:
+            continue
+        a, b = _probe_values(dtype, 0), _probe_values(dtype, 1)
+        with np.errstate(all="ignore"):
+            want = _NUMPY_OPS[op](a, b)
+        got = b.copy()
+        try:
+            ops[op].Reduce_local([a, datatype], [got, datatype])
+        except Exception:  # noqa: BLE001 - an MPI that cannot reduce the pair at all fails the probe too
+            bad.append((dtype, op))
+            continue
+        if not np.array_equal(got, want):
+            bad.append((dtype, op))
+    return bad
+
+
+def _warn_faulty(MPI, bad: list) -> None:
+    """Say once per process, on the rank that calls it, which pairs the MPI gets wrong and what to do."""
+    pairs = ", ".join(f"{op} of {dtype.name}" for dtype, op in bad)
+    if not pairs or pairs in _warned:
+        return
+    _warned.add(pairs)
+    library = " ".join(MPI.Get_library_version().strip().splitlines()[0].split(",")[0].split())
+    fix = ("Open MPI's AVX op component does this: run with `mpiexec --mca op ^avx` (or set "
+           "OMPI_MCA_op=^avx) to use its plain, wrapping ops. " if "Open MPI" in library else "")
+    widest = [f"{op} of {dtype.name}" for dtype, op in bad if dtype.itemsize == 8]
+    caveat = (f"There is no wider type for {', '.join(widest)}: those results may be wrong. " if widest else "")
+    warnings.warn(
+        f"collectives: this MPI ({library}) gets {pairs} wrong (checked with MPI_Reduce_local: its result "
+        f"differs from NumPy's wrapping arithmetic). collectives reduces these pairs in 64-bit integers "
+        f"(float32 for float16) instead: the same bits, more bytes on the wire. {caveat}{fix}"
+        f"To silence this warning, filter RuntimeWarning messages starting with 'collectives: this MPI'.",
+        RuntimeWarning, stacklevel=4)
+
+
+def _agreed_settings(comm, local_size: int, faulty: list = ()) -> tuple[int, bool, frozenset]:
     """What every rank must share, agreed in one allreduce when the MPI transport is made (collective):
     ``(shared-memory threshold in bytes, or shm.NEVER when the path is off; whether synchronize may use the
-    point-to-point pipeline)``.
+    point-to-point pipeline; the (dtype, op) pairs of PROBED_OPS that some rank's MPI reduces wrongly)``.
+
+    A pair any rank's probe failed (:func:`faulty_ops`) is faulty on every rank: the dtype a buffer travels
+    in must be the same everywhere.
 
     Every rank must take the same path for the same call. The shared-memory allreduce is off if any rank
     has ``COLLECTIVES_SHM=0`` or if no node holds more than one rank (nothing to share), else it starts at
@@ -79,11 +151,13 @@ def _agreed_settings(comm, local_size: int) -> tuple[int, bool]:
     """
     from mpi4py import MPI
 
+    flags = [1 if pair in faulty else 0 for pair in PROBED_OPS]
     mine = np.array([0 if _config.shm() else 1, _config.shm_threshold(), local_size,
-                     0 if _config.sync_pipeline() else 1], dtype=np.int64)
+                     0 if _config.sync_pipeline() else 1, *flags], dtype=np.int64)
     comm.Allreduce(MPI.IN_PLACE, mine, MPI.MAX)
-    disabled, threshold, max_local, no_pipeline = (int(v) for v in mine)
-    return (shm.NEVER if disabled or max_local < 2 else threshold), not no_pipeline
+    disabled, threshold, max_local, no_pipeline = (int(v) for v in mine[:4])
+    agreed = frozenset(pair for pair, flag in zip(PROBED_OPS, mine[4:]) if flag)
+    return (shm.NEVER if disabled or max_local < 2 else threshold), not no_pipeline, agreed
 
 
 def _reduces_locally(MPI, datatype) -> bool:
@@ -144,10 +218,20 @@ class MPITransport(HostTransport):
         self._max_count = _config.max_count()
         self._in_place = MPI.IN_PLACE
         self._shm = None
-        self._shm_threshold, self._pipeline = _agreed_settings(self.comm, self.local_size)
+        faulty = faulty_ops(MPI, self._ops, self._types)  # per transport: local, 1-2 ms (42 small reductions)
+        self._shm_threshold, self._pipeline, self._faulty = _agreed_settings(self.comm, self.local_size, faulty)
+        if self._faulty and self.rank == 0:
+            _warn_faulty(MPI, sorted(self._faulty, key=PROBED_OPS.index))
         self._pipe_ring = None  # broadcast_many's pack buffers (root only, made at first use)
         self._pipe_plans: dict = {}  # (lengths, message size) -> messages
         self._pipe_typesets: dict = {}  # (addresses, plan key) -> (datatypes, spares), least recently used first
+
+    def reduces(self, dtype: np.dtype, op: str) -> bool:
+        """True if this MPI reduces ``dtype`` with ``op`` right: not a pair :func:`faulty_ops` caught on
+        some rank (those are widened to 64-bit integers, float16 to float32, by the caller)."""
+        return super().reduces(dtype, op) and (dtype, op) not in self._faulty
+
+    _faulty: frozenset = frozenset()
 
     # ---- data ----
     def fast_call(self, op: str, dtype: np.dtype, size: int):
@@ -177,8 +261,8 @@ class MPITransport(HostTransport):
 
             return run_bcast_any_size
         datatype = self._types.get(dtype)
-        if datatype is None or (dtype == np.float16 and not self._float16):
-            return None
+        if datatype is None or not self.reduces(dtype, "sum" if op == "mean" else op):
+            return None  # float16 this MPI cannot reduce, or a pair it reduces wrongly: widened instead
         allreduce, shm_at = comm.Allreduce, self._shm_threshold
         if op == "mean":
             if dtype.kind not in "fc":
@@ -244,7 +328,7 @@ class MPITransport(HostTransport):
         """Reduce ``buf`` through node-shared memory (``op`` may also be "mean"); False if it cannot."""
         if self._shm is None:  # collective, and safe here: every rank is in this allreduce
             self._shm = shm.Reducer(self.comm, slot_bytes=_config.shm_slot_bytes(), types=self._types,
-                                node_color=self._node_color)
+                                    node_color=self._node_color, ops=self._ops, reduces=self.reduces)
         if not self._shm.supports(buf.dtype, op):
             return False
         self._shm.allreduce(buf, op)

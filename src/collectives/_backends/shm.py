@@ -37,6 +37,11 @@ at or above ``COLLECTIVES_SHM_THRESHOLD`` (every rank calls that allreduce, so e
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+import tempfile
+
 import numpy as np
 
 from .._dtypes import divide
@@ -64,6 +69,48 @@ def node_communicator(comm, color: int | None = None):
         node.Free()
 
 
+OSC_UCX_NOISE = "OSC UCX component priority set inside component query failed"
+
+
+@contextlib.contextmanager
+def _without_osc_ucx_noise(MPI):
+    """Drop Open MPI 5.0's bogus ``osc_ucx_component.c: Error: OSC UCX component priority set inside
+    component query failed`` line (open-mpi/ompi#14086) from what a window creation prints on stderr.
+
+    Open MPI queries every one-sided component for each window, even a shared one that only osc/sm can
+    serve; where UCX has no RMA transport (TCP-only machines, laptops, CI) osc/ucx's query prints that
+    error and declines, harmlessly. Every other line the call prints still reaches stderr, after it.
+    Setting ``OMPI_MCA_osc=^ucx`` would silence it too, but for every window of the process (also the
+    user's own, which may need UCX), so it is left to the user (docs/backends.md).
+    """
+    if "Open MPI" not in MPI.Get_library_version():
+        yield
+        return
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no usable stderr: nothing to filter
+        yield
+        return
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            kept, dropped = [], False
+            for line in tmp.read().decode(errors="replace").splitlines(keepends=True):
+                if OSC_UCX_NOISE in line or (dropped and not line.strip()):
+                    dropped = True  # the message, and the blank line Open MPI prints after it
+                    continue
+                kept.append(line)
+                dropped = False
+            if kept:
+                os.write(2, "".join(kept).encode())
+
+
 class Reducer:
     """Allreduce through a node-shared window. Collective to make, to use and to close (over ``comm``).
 
@@ -72,12 +119,16 @@ class Reducer:
         slot_bytes: window bytes per rank (the smallest value any rank passes is used); a message goes
             through in pieces of about this size.
         types: NumPy dtype -> MPI datatype, for the allreduce among node leaders.
+        ops: op name -> MPI op, for that allreduce (the transport's table).
+        reduces: ``reduces(dtype, op)``, whether that MPI reduces the pair right (the transport's
+            verdict, ``MPITransport.reduces``): across nodes, a pair it gets wrong is not taken.
         node_color: ``None`` to group ranks by shared memory (``COMM_TYPE_SHARED``); an int to split
             each such group further by this color (``COLLECTIVES_SIMULATE_NODES`` and tests use it to make
             one machine look like several nodes).
     """
 
-    def __init__(self, comm, *, slot_bytes: int, types: dict, node_color: int | None = None):
+    def __init__(self, comm, *, slot_bytes: int, types: dict, node_color: int | None = None, ops=None,
+                 reduces=None):
         from mpi4py import MPI
 
         self.MPI = MPI
@@ -96,11 +147,14 @@ class Reducer:
             leaders = comm.Split(0 if self.local_rank == 0 else MPI.UNDEFINED, key=rank)
             self.leaders = None if leaders == MPI.COMM_NULL else leaders
         self._types = types
-        self._mpi_ops = {"sum": MPI.SUM, "mean": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}
+        ops = ops or {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}
+        self._mpi_ops = {**ops, "mean": ops["sum"]}
+        self._mpi_reduces = reduces or (lambda dtype, op: True)
         info = MPI.Info.Create()
         info.Set("alloc_shared_noncontig", "true")  # each rank's slot in its own pages (NUMA first touch)
         try:
-            self.win = MPI.Win.Allocate_shared(self.stride * n, 1, info, comm=self.node)
+            with _without_osc_ucx_noise(MPI):
+                self.win = MPI.Win.Allocate_shared(self.stride * n, 1, info, comm=self.node)
         finally:
             info.Free()
         self.win.Lock_all(MPI.MODE_NOCHECK)  # one passive epoch for the window's life: load/store + Sync
@@ -117,7 +171,9 @@ class Reducer:
             return False
         if op == "mean" and dtype.kind not in "fc":
             return False
-        return not self.multi_node or dtype in self._types
+        if not self.multi_node:
+            return True  # NumPy reduces every byte on the node
+        return dtype in self._types and self._mpi_reduces(dtype, "sum" if op == "mean" else op)
 
     def _views(self, dtype: np.dtype):
         views = self._regions.get(dtype)
