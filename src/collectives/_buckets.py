@@ -218,6 +218,32 @@ def _device_groups(items) -> list[list[int]]:
     return list(groups.values())
 
 
+_ORDER_STEP = 1 << 14  # elements mapped at a time: the masks stay small (the bucket bounds the memory)
+
+
+def _ordered_in_place(buf: np.ndarray, op: str) -> np.ndarray:
+    """``_dtypes.float_to_ordered`` in ``buf``'s own memory (a contiguous float buffer of ours), piece by
+    piece: the signed-integer view of ``buf``, ordered like the floats, NaN the extreme ``op`` picks
+    (-0.0 < +0.0). No bucket-sized copy: a fused collective adds at most one bucket of memory."""
+    flat = buf.reshape(-1)
+    ints = flat.view(np.dtype(f"i{buf.dtype.itemsize}"))
+    info = np.iinfo(ints.dtype)
+    extreme = info.max if op == "max" else info.min
+    for lo in range(0, flat.size, _ORDER_STEP):
+        f, i = flat[lo:lo + _ORDER_STEP], ints[lo:lo + _ORDER_STEP]
+        nan = np.isnan(f)
+        np.bitwise_xor(i, info.max, out=i, where=i < 0)
+        i[nan] = extreme
+    return ints
+
+
+def _floats_in_place(buf: np.ndarray) -> None:
+    """Undo :func:`_ordered_in_place` (after the reduction), piece by piece."""
+    ints = buf.reshape(-1).view(np.dtype(f"i{buf.dtype.itemsize}"))
+    for lo in range(0, ints.size, _ORDER_STEP):
+        _dtypes.ordered_to_float(ints[lo:lo + _ORDER_STEP], buf.dtype)
+
+
 def _runner(comm, state: _State, transport, op: str, dtype: np.dtype):
     """A callable reducing (``op``) or broadcasting (``op`` "broadcast", called with ``root``) a contiguous
     host buffer of ``dtype`` in place: the transport's direct call where it has one, else the general path.
@@ -235,10 +261,9 @@ def _runner(comm, state: _State, transport, op: str, dtype: np.dtype):
         if op == "broadcast":
             run = transport.broadcast
         elif op in ("min", "max") and _dtypes.orderable(dtype):  # MPI's own float MIN/MAX drop NaN and
-            def run(buf):                                        # order signed zeros by rank: the
-                ints = _dtypes.float_to_ordered(buf, op)          # NaN-propagating order, as for
-                transport.allreduce(ints, op)                    # one array (Communicator._reduce_buffer)
-                buf[...] = _dtypes.ordered_to_float(ints, buf.dtype)
+            def run(buf):                                        # order signed zeros by rank
+                transport.allreduce(_ordered_in_place(buf, op), op)
+                _floats_in_place(buf)
         else:
             wire_op, size = ("sum" if op == "mean" else op), comm.size
 
