@@ -21,6 +21,8 @@ class ClosedTransport:
     __slots__ = ()
 
     def __getattr__(self, name):
+        if name.startswith("__"):  # introspection (hasattr(x, "__wrapped__"), copy, pickle): not a use
+            raise AttributeError(name)
         raise BackendUnavailableError(f"{MESSAGE}; it has no {name!r} any more")
 
     def __repr__(self) -> str:
