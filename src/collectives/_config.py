@@ -117,14 +117,9 @@ def sync_pipeline() -> bool:
     return flag("COLLECTIVES_SYNC_PIPELINE", True)
 
 
-SHM_THRESHOLD_DEFAULT = 256 * 2**10
-
-
-def shm_threshold(default: int = SHM_THRESHOLD_DEFAULT) -> int:
-    """Smallest buffer, in bytes, reduced through shared memory; MPI's own allreduce below it. ``default``:
-    the MPI transport's default for the MPI it runs on (``_backends.mpi.SHM_THRESHOLDS``; 0: off unless
-    the variable is set)."""
-    return integer("COLLECTIVES_SHM_THRESHOLD", default)
+def shm_threshold() -> int:
+    """Smallest buffer, in bytes, reduced through shared memory; MPI's own allreduce below it."""
+    return integer("COLLECTIVES_SHM_THRESHOLD", 256 * 2**10)
 
 
 def shm_slot_bytes() -> int:

@@ -188,27 +188,6 @@ def make_comm(monkeypatch, **env):
     return coll.Communicator(transport)
 
 
-def test_the_default_threshold_follows_the_mpi(monkeypatch, mpi_comm):
-    """256 KiB where the shared-memory path wins (MPICH); off on Open MPI, whose own allreduce is as fast
-    (docs/performance.md), unless COLLECTIVES_SHM_THRESHOLD asks for it."""
-    from collectives import _launcher
-
-    name = _launcher.implementation(MPI.Get_library_version())
-    node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
-    shares = mpi_comm.allreduce(node.Get_size(), op=MPI.MAX) > 1
-    node.Free()
-    default, asked = make_comm(monkeypatch), make_comm(monkeypatch, COLLECTIVES_SHM_THRESHOLD=8192)
-    try:
-        want = mpi_backend.SHM_THRESHOLDS.get(name, 256 * 2**10) or shm.NEVER
-        assert default._host._shm_threshold == (want if shares else shm.NEVER), name
-        assert asked._host._shm_threshold == (8192 if shares else shm.NEVER), name
-        if name == "Open MPI":
-            assert default._host._shm_threshold == shm.NEVER
-    finally:
-        default.close()
-        asked.close()
-
-
 def test_library_routes_large_allreduces_through_shared_memory(monkeypatch, mpi_comm):
     off = make_comm(monkeypatch, COLLECTIVES_SHM="0")
     # the slot is read at the first shared-memory allreduce: these settings stay for the whole test

@@ -19,7 +19,7 @@ import warnings
 
 import numpy as np
 
-from .. import _config, _launcher
+from .. import _config
 from .._errors import BackendUnavailableError, CollectiveError, CollectiveTimeoutError
 from . import shm  # large allreduces through a node-shared window (made at first use), issue 7
 from .base import Transport
@@ -131,13 +131,6 @@ def _warn_faulty(MPI, bad: list) -> None:
         RuntimeWarning, stacklevel=4)
 
 
-# COLLECTIVES_SHM_THRESHOLD's default per MPI implementation (docs/performance.md, "On Open MPI"): MPICH's
-# own allreduce loses to the shared-memory path from 64 KiB (0.25-0.5x at 256 KiB-4 MiB, 2 ranks); Open
-# MPI 5.0's wins back most of that (our path: 0.86-0.9x at 256 KiB, 0.7-1.0x at 1 MiB, 1.06-1.7x slower
-# at 16 MiB, the size of a fused gradient bucket), so there it is used only when asked for.
-SHM_THRESHOLDS = {"Open MPI": 0}  # 0: off unless COLLECTIVES_SHM_THRESHOLD is set
-
-
 def _agreed_settings(comm, local_size: int, faulty: list = ()) -> tuple[int, bool, frozenset]:
     """What every rank must share, agreed in one allreduce when the MPI transport is made (collective):
     ``(shared-memory threshold in bytes, or shm.NEVER when the path is off; whether synchronize may use the
@@ -147,17 +140,14 @@ def _agreed_settings(comm, local_size: int, faulty: list = ()) -> tuple[int, boo
     in must be the same everywhere.
 
     Every rank must take the same path for the same call. The shared-memory allreduce is off if any rank
-    has ``COLLECTIVES_SHM=0``, on an MPI whose default is off (:data:`SHM_THRESHOLDS`) unless
-    ``COLLECTIVES_SHM_THRESHOLD`` is set, or if no node holds more than one rank (nothing to share), else it starts at
+    has ``COLLECTIVES_SHM=0`` or if no node holds more than one rank (nothing to share), else it starts at
     the largest threshold any rank asked for; the pipeline of ``synchronize`` is off if any rank has
     ``COLLECTIVES_SYNC_PIPELINE=0``.
     """
     from mpi4py import MPI
 
     flags = [1 if pair in faulty else 0 for pair in PROBED_OPS]
-    implementation = _launcher.implementation(MPI.Get_library_version().replace("\0", ""))
-    threshold = _config.shm_threshold(SHM_THRESHOLDS.get(implementation, _config.SHM_THRESHOLD_DEFAULT))
-    mine = np.array([0 if _config.shm() and threshold else 1, threshold, local_size,
+    mine = np.array([0 if _config.shm() else 1, _config.shm_threshold(), local_size,
                      0 if _config.sync_pipeline() else 1, *flags], dtype=np.int64)
     comm.Allreduce(MPI.IN_PLACE, mine, MPI.MAX)
     disabled, threshold, max_local, no_pipeline = (int(v) for v in mine[:4])
