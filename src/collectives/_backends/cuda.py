@@ -365,7 +365,8 @@ class CudaAwareMPITransport(DeviceTransport):
     def _reduce(self, x, op, root):
         xp, info = self._prepare(x)
         _dtypes.check_reduction(info, op)
-        if self._host_rules(info, op):
+        untrusted = info.kind in "iu" and not self._host.reduces(info.storage, "sum" if op == "mean" else op)
+        if self._host_rules(info, op) or untrusted:  # float min/max, or an integer op this MPI gets wrong
             return self._staged(x, op, root)
         self._agree("allreduce" if root is None else "reduce", xp, x, info, op=op,
                     **({} if root is None else {"root": root}))
