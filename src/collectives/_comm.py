@@ -224,7 +224,57 @@ class Communicator:
         transport.allgather(send, out.reshape(self.size, -1))
         return a.wrap(out, info, x)
 
-    def _prepare(self, collective: str, x, op=_UNSET, root=_UNSET):
+    @translating("reduce_scatter")
+    def reduce_scatter(self, x, op: str = "sum"):
+        """This rank's block of the reduction of ``x``. See :func:`collectives.reduce_scatter`."""
+        a, transport, view, info, op, _ = self._prepare("reduce_scatter", x, op=op, blocks=True)
+        if transport.array_level:
+            return transport.reduce_scatter(x, a, op)
+        send = view if view.flags.c_contiguous else np.array(view, order="C")
+        out = np.empty((view.shape[0] // self._size,) + view.shape[1:], dtype=view.dtype)
+        self._reduce_scatter_into(transport, send, out, info, op)
+        return a.wrap(out, info, x)
+
+    def _reduce_scatter_into(self, transport, send, out, info, op) -> None:
+        """Reduce-scatter the contiguous host buffer ``send`` into ``out`` (this rank's block) under the
+        host rules; ``send`` is left as it was."""
+        size = self._size
+        if not _reduction.scatters(info, op):  # longdouble min/max: the block of an allreduce, same bits
+            buf = send.copy()
+            self._runner(transport, info, op)(buf)
+            out.reshape(-1)[...] = buf.reshape(size, -1)[self.rank]
+            return
+
+        def collective(wire, o):
+            block = np.empty(wire.size // size, dtype=wire.dtype)
+            transport.reduce_scatter(wire, block, o)
+            return block
+
+        _reduction.reduce_buffer(send, info, op, size, collective, transport.reduces, out=out)
+
+    @translating("alltoall")
+    def alltoall(self, x):
+        """Block j of ``x`` to rank j, block i of the result from rank i. See :func:`collectives.alltoall`."""
+        a, transport, view, info, _, _ = self._prepare("alltoall", x, blocks=True)
+        if transport.array_level:
+            return transport.alltoall(x, a)
+        send = view if view.flags.c_contiguous else np.array(view, order="C")
+        out = np.empty(view.shape, dtype=view.dtype)
+        transport.alltoall(send.reshape(self._size, -1), out.reshape(self._size, -1))
+        return a.wrap(out, info, x)
+
+    def _check_blocks(self, collective: str, x) -> None:
+        """``x``'s leading dimension must split into ``size`` equal blocks (reduce_scatter, alltoall)."""
+        shape = tuple(getattr(x, "shape", ()))
+        if not shape:
+            raise ValueError(f"{collective} needs an array with at least one dimension (its leading dimension "
+                             f"is split into {self.size} blocks, one per rank), got a 0-d array; reshape it")
+        if shape[0] % self.size:
+            raise ValueError(f"{collective}: the leading dimension of x (shape {shape}) must be divisible by the "
+                             f"communicator's size {self.size}, got {shape[0]}; pad x to a multiple of "
+                             f"{self.size} rows")
+
+    def _prepare(self, collective: str, x, op=_UNSET, root=_UNSET, blocks: bool = False):
         """Validate a call, choose its transport and, in checked mode, agree on it with the other ranks.
 
         Every check runs before any communication. In checked mode a rank whose own arguments are invalid
@@ -241,6 +291,8 @@ class Communicator:
                 op = args["op"] = _dtypes.check_op(op)
             if root is not _UNSET:
                 root = args["root"] = self._check_root(root)
+            if blocks:
+                self._check_blocks(collective, x)
             transport = self._local_transport(device)
             if transport is not None and not transport.array_level:
                 view, info = a.host_view(x)
@@ -595,6 +647,66 @@ def allgather(x, *, comm=None):
         True
     """
     return _resolve(comm).allgather(x)
+
+
+def reduce_scatter(x, op: str = "sum", *, comm=None):
+    """Reduce ``x`` over all ranks and give each rank one block of the result.
+
+    The leading dimension of ``x`` is split into ``size`` equal blocks; rank r gets block r of the
+    element-wise reduction (what ``allreduce(x, op)[r * n : (r + 1) * n]`` would hold, bit for bit, with
+    ``n = x.shape[0] // size``). Every rank must call it with the same ``op`` and an array of the same
+    shape and dtype. Same op/dtype rules as :func:`allreduce` (mean, float16/bfloat16 accumulated in
+    float32, float min/max with NaN winning and -0.0 < +0.0).
+
+    Args:
+        x: an array (host memory, or CUDA memory of torch/CuPy) whose ``x.shape[0]`` is divisible by the
+            communicator's size; left unchanged.
+        op: ``"sum"``, ``"prod"``, ``"min"``, ``"max"`` or ``"mean"``.
+        comm: a :class:`Communicator` or an mpi4py communicator (default: :func:`world`).
+
+    Returns:
+        A new array of shape ``(x.shape[0] // size, *x.shape[1:])``, of x's library, dtype and device.
+
+    Raises:
+        ValueError: ``x`` is 0-d or its leading dimension is not divisible by the size (before any
+            communication, on every rank that made such a call).
+        TypeError: an illegal op/dtype pair.
+
+    Example:
+        >>> import numpy as np, collectives as coll
+        >>> comm = coll.world()
+        >>> x = np.arange(2 * comm.size, dtype=np.int64).reshape(comm.size, 2)   # the same on every rank
+        >>> mine = coll.reduce_scatter(x, op="sum")                            # block comm.rank of the sum
+        >>> mine.shape, mine.tolist() == [(comm.size * x[comm.rank]).tolist()]
+        ((1, 2), True)
+    """
+    return _resolve(comm).reduce_scatter(x, op)
+
+
+def alltoall(x, *, comm=None):
+    """Exchange blocks: block j of this rank's ``x`` goes to rank j; block i of the result came from rank i.
+
+    The leading dimension of ``x`` is split into ``size`` equal blocks. Every rank must call it with an
+    array of the same shape and dtype. Any dtype, bit for bit.
+
+    Args:
+        x: an array whose ``x.shape[0]`` is divisible by the communicator's size; left unchanged.
+        comm: a :class:`Communicator` or an mpi4py communicator (default: :func:`world`).
+
+    Returns:
+        A new array of x's shape, library, dtype and device.
+
+    Raises:
+        ValueError: ``x`` is 0-d or its leading dimension is not divisible by the size.
+
+    Example:
+        >>> import numpy as np, collectives as coll
+        >>> comm = coll.world()
+        >>> x = np.array([10 * comm.rank + j for j in range(comm.size)])   # block j: for rank j
+        >>> coll.alltoall(x).tolist() == [10 * i + comm.rank for i in range(comm.size)]
+        True
+    """
+    return _resolve(comm).alltoall(x)
 
 
 def barrier(*, comm=None) -> None:

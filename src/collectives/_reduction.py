@@ -125,20 +125,32 @@ def _minmax_flagged(values: np.ndarray, op: str, collective) -> None:
 
 
 def reduce_buffer(buf: np.ndarray, info: _dtypes.DType, op: str, size: int, collective, native, *,
-                  receives: bool = True) -> None:
+                  receives: bool = True, out: np.ndarray | None = None) -> None:
     """Reduce the contiguous ``buf`` (``info``'s storage dtype) over the ranks with ``op``.
 
-    ``collective(wire, op)`` reduces a buffer of a native dtype in place (an allreduce, or a reduce to a
-    root); ``native`` is the transport's ``reduces``. A rank with ``receives=False`` (not the root of a
-    reduce) only contributes: ``buf`` is left bit for bit as it was (it may be read-only).
+    ``collective(wire, op)`` reduces a buffer of a native dtype: in place, returning None (an allreduce,
+    or a reduce to a root), or into a new array it returns (a reduce-scatter: this rank's block, with
+    ``wire.size // size`` elements); ``native`` is the transport's ``reduces``. A rank with
+    ``receives=False`` (not the root of a reduce) only contributes: ``buf`` is left bit for bit as it was
+    (it may be read-only). With ``out`` (a contiguous array of ``info``'s storage dtype, the size of what
+    ``collective`` returns) the result goes there and ``buf`` is left as it was. The decoding (ordered
+    integers back to floats, mean's division, rounding back) runs on the result only.
     """
     with np.errstate(all="ignore"):
-        _reduce(buf, info, op, size, collective, native, receives)
+        _reduce(buf, info, op, size, collective, native, receives, out)
 
 
-def _reduce(buf, info, op, size, collective, native, receives) -> None:
+def scatters(info: _dtypes.DType, op: str) -> bool:
+    """Whether :func:`reduce_buffer` can run a reduce-scatter (``out=``) for this pair: every pair but
+    min/max of floats wider than 64 bits, whose flags travel in a second, whole-buffer call (the
+    Communicator composes those from an allreduce, with the same bits)."""
+    return not (op in MINMAX and info.kind == "f" and info.name != "bfloat16" and not ordered(info.storage))
+
+
+def _reduce(buf, info, op, size, collective, native, receives, out) -> None:
     value = value_dtype(info, op, native)
     bf16 = info.name == "bfloat16"
+    keep = not receives or out is not None  # buf must stay as it was
     if bf16:
         v = _dtypes.bf16_to_f32(buf)  # a new array
     elif value != buf.dtype or info.kind == "b":
@@ -146,27 +158,38 @@ def _reduce(buf, info, op, size, collective, native, receives) -> None:
     else:
         v = buf
     float_minmax = op in MINMAX and v.dtype.kind == "f"
-    if v is buf and not receives and float_minmax:
+    if v is buf and keep and float_minmax:
         v = buf.copy()  # the mapping works in place: not in a buffer that must stay as it was
     if float_minmax and ordered(v.dtype):
         ints = to_ordered(v, op)
-        collective(ints, op)
-        if receives:
-            from_ordered(ints, v.dtype)
+        r = collective(ints, op)
+        r = ints if r is None else r
+        if not receives:
+            return
+        r = from_ordered(r, v.dtype)
     elif float_minmax:
+        if out is not None:
+            raise AssertionError("reduce_buffer: a reduce-scatter of flagged floats (see scatters)")
         _minmax_flagged(v, op, collective)
+        r = v
     else:
-        collective(v, wire_op(op))
+        r = collective(v, wire_op(op))
+        r = v if r is None else r
         if not receives:
             return
         if op == "mean":
-            _dtypes.divide(v, size)
-    if not receives or v is buf or (info.kind == "b" and value == _U8):
-        return
+            _dtypes.divide(r, size)
+    if out is None:
+        if v is buf or (info.kind == "b" and value == _U8):
+            return  # the result is in buf's own memory
+        out = buf
+    flat, r = out.reshape(-1), r.reshape(-1)  # out is contiguous: a view
     if bf16:
-        _dtypes.f32_to_bf16(v, out=buf)
+        _dtypes.f32_to_bf16(r, out=flat)
+    elif info.kind == "b" and value == _U8:
+        flat.view(_U8)[...] = r
     else:
-        np.copyto(buf, v, casting="unsafe")  # round to nearest (floats), modulo 2**n (integers)
+        np.copyto(flat, r, casting="unsafe")  # round to nearest (floats), modulo 2**n (integers)
 
 
 def runner(transport, info: _dtypes.DType, op: str, size: int):

@@ -5,7 +5,8 @@ The paths: the cached hot path (a second call), the general path (a strided view
 small-leaf buckets and the solo leaves of ``allreduce_tree``, the shared-memory allreduce forced on (a tiny
 threshold) and off, the deadline transport, ``reduce``, torch tensors (hot and general path), and the two
 CUDA transports that do not need a GPU for their logic (host staging, CUDA-aware MPI), with CPU tensors
-standing in for device tensors. Every result is compared with a reference computed on every rank from all
+standing in for device tensors; and ``reduce_scatter`` through the same host paths and stand-ins (its
+block must hold the documented bits too). Every result is compared with a reference computed on every rank from all
 ranks' inputs (every rank can make every rank's inputs: they are seeded), under the documented rules:
 integers wrap (modulo 2**n), float min/max is a total order in which NaN wins and -0.0 < +0.0, mean is the
 sum divided once by the number of ranks. Values are small integers, zeros of both signs, infinities and
@@ -249,6 +250,34 @@ def device_stand_ins(comm):
     return made
 
 
+def scatter_input(x: np.ndarray, size: int) -> np.ndarray:
+    """``size`` blocks for reduce_scatter: block j is x rolled by j (the reference rolls alike)."""
+    return np.stack([np.roll(x, j) for j in range(size)])
+
+
+def reduce_scatter_paths(x, dtype, op, comm, comms):
+    """name -> this rank's block of reduce_scatter, for every host path and the device stand-ins."""
+    out = {}
+    xs = scatter_input(x, comm.size)
+    if dtype != "bfloat16":
+        out["reduce_scatter"] = coll.reduce_scatter(xs.copy(), op, comm=comm)[0]
+        base = np.zeros((2,) + xs.shape, xs.dtype)
+        base[:] = xs
+        out["reduce_scatter strided"] = coll.reduce_scatter(base.transpose(1, 0, 2)[:, 0], op, comm=comm)[0]
+        ro = xs.copy()
+        ro.flags.writeable = False
+        out["reduce_scatter read-only"] = comm.reduce_scatter(ro, op)[0]
+        for name, c in comms.items():
+            out[f"reduce_scatter {name}"] = c.reduce_scatter(xs.copy(), op)[0]
+    if dtype != "longdouble":
+        out["reduce_scatter torch"] = to_numpy(coll.reduce_scatter(as_lib(xs, dtype, "torch"), op, comm=comm)[0],
+                                               dtype)
+        for transport in device_stand_ins(comm):
+            got = transport.reduce_scatter(as_lib(xs, dtype, "torch"), None, op)
+            out[f"reduce_scatter {transport.name} (CPU tensors standing in)"] = to_numpy(got[0], dtype)
+    return {k: np.roll(v, -comm.rank) for k, v in out.items()}  # block r was x rolled by r
+
+
 @pytest.mark.parametrize(("dtype", "op"), pairs(), ids=[f"{d}-{o}" for d, o in pairs()])
 def test_every_path_gives_the_documented_bits(comm, comms, dtype, op):
     x = inputs(dtype, op, comm.rank)
@@ -258,6 +287,7 @@ def test_every_path_gives_the_documented_bits(comm, comms, dtype, op):
         results.update(numpy_paths(x, op, comm, comms))
     if dtype not in ("longdouble", "uint16"):
         results.update(torch_paths(x, dtype, op, comm))
+    results.update(reduce_scatter_paths(x, dtype, op, comm, comms))
     if dtype == "bfloat16":  # the reference is float32; bfloat16 rounds it (small integers: exactly)
         import torch
 

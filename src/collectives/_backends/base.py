@@ -72,6 +72,17 @@ class HostTransport(abc.ABC):
         """``recv[r]`` becomes rank r's ``send``; ``recv`` has shape ``(size, send.size)``."""
 
     @abc.abstractmethod
+    def reduce_scatter(self, send: np.ndarray, recv: np.ndarray, op: str) -> None:
+        """Reduce ``send`` across ranks; ``recv`` (``send.size // size`` elements, same dtype) becomes
+        this rank's block of the result (block r: elements ``r * recv.size`` to ``(r + 1) * recv.size``).
+        ``send`` is left as it was."""
+
+    @abc.abstractmethod
+    def alltoall(self, send: np.ndarray, recv: np.ndarray) -> None:
+        """Block j of ``send`` (shape ``(size, n)``, contiguous) goes to rank j; row i of ``recv`` (the same
+        shape and dtype) becomes rank i's block for this rank."""
+
+    @abc.abstractmethod
     def allgather_object(self, obj) -> list:
         """Every rank's picklable ``obj``, in rank order (used for agreement checks, not for data)."""
 

@@ -391,6 +391,37 @@ class MPITransport(HostTransport):
                 row[...] = send.reshape(-1)
             self.broadcast(row, r)
 
+    def _blocks(self, send, recv):
+        """Pieces ``(send part, recv part, write back)`` of a reduce-scatter or alltoall whose per-rank
+        block is longer than one MPI call takes: column slices of the ``(size, n)`` layout, copied to be
+        contiguous (``write back`` copies a received piece into place). One piece, no copy, otherwise.
+        ``send`` is ``(size, n)``, ``recv`` ``(rows, n)``."""
+        n, step = send.shape[1], self._max_count
+        if n <= step:
+            yield send, recv, None
+            return
+        s2, r2 = send, recv
+        for lo in range(0, n, step):
+            piece = np.ascontiguousarray(s2[:, lo:lo + step])
+            out = np.empty((r2.shape[0], piece.shape[1]), dtype=recv.dtype)
+            yield piece, out, (r2[:, lo:lo + step], out)
+
+    def reduce_scatter(self, send, recv, op):
+        datatype = self._types[send.dtype]
+        mop = self._ops[op]
+        for s, r, back in self._blocks(send.reshape(self.size, -1), recv.reshape(1, -1)):
+            self.comm.Reduce_scatter_block([s, datatype], [r, datatype], mop)
+            if back is not None:
+                back[0][...] = back[1]
+
+    def alltoall(self, send, recv):
+        raw_s = send.reshape(self.size, -1).view(np.uint8)
+        raw_r = recv.reshape(self.size, -1).view(np.uint8)
+        for s, r, back in self._blocks(raw_s, raw_r):
+            self.comm.Alltoall([s, self.MPI.BYTE], [r, self.MPI.BYTE])
+            if back is not None:
+                back[0][...] = back[1]
+
     def allgather_object(self, obj):
         return self.comm.allgather(obj)
 
@@ -535,6 +566,23 @@ class DeadlineMPITransport(MPITransport):
         self._run(("allgather", send, None), self.comm.Iallgather,
                   [send.reshape(-1).view(np.uint8), self.MPI.BYTE],
                   [recv.reshape(-1).view(np.uint8), self.MPI.BYTE])
+
+    def reduce_scatter(self, send, recv, op):
+        datatype = self._types[send.dtype]
+        mop = self._ops[op]
+        for s, r, back in self._blocks(send.reshape(self.size, -1), recv.reshape(1, -1)):
+            self._run(("reduce_scatter", s, f"op={op}"), self.comm.Ireduce_scatter_block, [s, datatype],
+                      [r, datatype], mop)
+            if back is not None:
+                back[0][...] = back[1]
+
+    def alltoall(self, send, recv):
+        raw_s = send.reshape(self.size, -1).view(np.uint8)
+        raw_r = recv.reshape(self.size, -1).view(np.uint8)
+        for s, r, back in self._blocks(raw_s, raw_r):
+            self._run(("alltoall", s, None), self.comm.Ialltoall, [s, self.MPI.BYTE], [r, self.MPI.BYTE])
+            if back is not None:
+                back[0][...] = back[1]
 
     def allgather_object(self, obj):
         data = np.frombuffer(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
