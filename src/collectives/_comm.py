@@ -16,6 +16,7 @@ How a call runs:
 from __future__ import annotations
 
 import atexit
+import pickle
 import sys
 import threading
 from collections import OrderedDict
@@ -262,6 +263,48 @@ class Communicator:
         out = np.empty(view.shape, dtype=view.dtype)
         transport.alltoall(send.reshape(self._size, -1), out.reshape(self._size, -1))
         return a.wrap(out, info, x)
+
+    # ---- Python objects ----
+    @translating("broadcast_object")
+    def broadcast_object(self, obj, root: int = 0):
+        """Root's picklable ``obj`` on every rank. See :func:`collectives.broadcast_object`."""
+        host = self._transport_for(_arrays.HOST)
+        try:
+            root = self._check_root(root)
+        except Exception as exc:
+            if self.check:
+                _agree.agree(host, "broadcast_object", (), None, exc)
+            raise
+        if self.check:
+            _agree.agree(host, "broadcast_object", (("root", root),))
+        header = np.zeros(2, dtype=np.int64)  # (bytes, whether root's object failed to pickle)
+        data = None
+        if self.rank == root:
+            data, failure = _pickled(obj, "broadcast_object", "root's obj")
+            header[:] = data.size, failure
+        host.broadcast(header, root)  # first: whether it pickled, so every rank raises alike
+        if self.rank != root:
+            data = np.empty(int(header[0]), dtype=np.uint8)
+        if data.size:
+            host.broadcast(data, root)
+        if header[1]:
+            raise TypeError(data.tobytes().decode())
+        return obj if self.rank == root else pickle.loads(data.tobytes())
+
+    @translating("allgather_object")
+    def allgather_object(self, obj) -> list:
+        """Every rank's picklable ``obj``, in rank order. See :func:`collectives.allgather_object`."""
+        host = self._transport_for(_arrays.HOST)
+        if self.check:
+            _agree.agree(host, "allgather_object")
+        data, failure = _pickled(obj, "allgather_object", f"rank {self.rank}'s obj")
+        flags = np.empty(self.size, dtype=np.uint8)
+        host.allgather(np.array([failure], dtype=np.uint8), flags.reshape(self.size, 1))
+        if flags.any():  # every rank learns who failed, then every rank raises the same TypeError
+            notes = host.allgather_object(data.tobytes().decode() if failure else None)
+            raise TypeError("; ".join(n for n in notes if n is not None))
+        blobs = host.allgather_object(data.tobytes())  # bytes travel as they are (no second pickling cost)
+        return [obj if r == self.rank else pickle.loads(b) for r, b in enumerate(blobs)]
 
     def _check_blocks(self, collective: str, x) -> None:
         """``x``'s leading dimension must split into ``size`` equal blocks (reduce_scatter, alltoall)."""
@@ -544,6 +587,18 @@ def finalize() -> None:
         c.close()
 
 
+def _pickled(obj, collective: str, whose: str) -> tuple[np.ndarray, bool]:
+    """``(bytes as uint8, False)``, or ``(the error message as uint8, True)`` when ``obj`` cannot be pickled."""
+    try:
+        data = pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:  # noqa: BLE001 - any pickling failure (PicklingError, TypeError, AttributeError) is reported on every rank
+        text = (f"{collective}: {whose} of type {type(obj).__module__}.{type(obj).__qualname__} cannot be "
+                f"pickled ({type(exc).__name__}: {exc}); send a picklable object (plain data, or an object "
+                f"whose class is importable at module level on every rank); nothing was sent")
+        return np.frombuffer(bytearray(text.encode()), dtype=np.uint8), True
+    return np.frombuffer(bytearray(data), dtype=np.uint8), False  # writable: MPI's broadcast asks for it
+
+
 def _resolve(comm) -> Communicator:
     if comm is None:
         w = _world
@@ -707,6 +762,48 @@ def alltoall(x, *, comm=None):
         True
     """
     return _resolve(comm).alltoall(x)
+
+
+def broadcast_object(obj, root: int = 0, *, comm=None):
+    """Root's ``obj`` (any picklable object) on every rank.
+
+    Every rank of ``comm`` must call it with the same ``root``; the other ranks' ``obj`` is ignored. The
+    root pickles first and tells every rank whether that worked, so an object that cannot be pickled
+    raises the same ``TypeError`` on every rank (and nothing else is sent).
+
+    Returns:
+        On root: ``obj`` itself. Elsewhere: a new object unpickled from root's bytes.
+
+    Raises:
+        TypeError: root's object cannot be pickled (on every rank), or ``root`` is not an integer.
+        ValueError: ``root`` is out of range.
+
+    Example:
+        >>> import collectives as coll
+        >>> comm = coll.world()
+        >>> cfg = coll.broadcast_object({"lr": 0.1, "rank": comm.rank}, root=0)
+        >>> cfg
+        {'lr': 0.1, 'rank': 0}
+    """
+    return _resolve(comm).broadcast_object(obj, root)
+
+
+def allgather_object(obj, *, comm=None) -> list:
+    """Every rank's ``obj`` (any picklable object), in rank order.
+
+    Every rank of ``comm`` must call it. If some rank's object cannot be pickled, every rank raises the
+    same ``TypeError`` naming that rank, and no object is exchanged.
+
+    Returns:
+        A list of ``size`` objects: entry r is rank r's (this rank's entry is ``obj`` itself).
+
+    Example:
+        >>> import collectives as coll
+        >>> comm = coll.world()
+        >>> coll.allgather_object(f"rank {comm.rank}") == [f"rank {r}" for r in range(comm.size)]
+        True
+    """
+    return _resolve(comm).allgather_object(obj)
 
 
 def barrier(*, comm=None) -> None:
