@@ -76,6 +76,7 @@ class Communicator:
         self._pool = _buckets.Pool()  # the fused collectives' flat buffers (_buckets)
         self._plans: OrderedDict = OrderedDict()  # tree structure -> (description, digest, plan) (_tree)
         self._size = host.size  # a plain attribute for the hot path
+        self._subs: list = []  # communicators made by split(), closed with this one
         self.check = bool(check)
 
     @property
@@ -264,6 +265,52 @@ class Communicator:
         transport.alltoall(send.reshape(self._size, -1), out.reshape(self._size, -1))
         return a.wrap(out, info, x)
 
+    # ---- sub-communicators ----
+    def split(self, color, key=0) -> Communicator | None:
+        """Split this communicator into groups of ranks with equal ``color`` (``MPI_Comm_split``).
+
+        Collective: every rank of this communicator calls it. Ranks with the same ``color`` form one new
+        communicator, ranked by ``(key, rank here)``; a rank with ``color=None`` joins none and gets None.
+        The new communicator has this one's settings (checked mode, ``COLLECTIVES_TIMEOUT``), its own
+        MPI communicator and, on first use of CUDA arrays, its own device transport (its own NCCL
+        communicator). ``close()`` releases it (collective over its ranks); closing this communicator
+        closes it too.
+
+        Args:
+            color: a non-negative integer, or None.
+            key: an integer ordering the ranks within a group (ties: by rank here).
+
+        Returns:
+            The new :class:`Communicator`, or None where ``color`` is None.
+
+        Raises:
+            TypeError, ValueError: this rank's ``color`` or ``key`` is invalid (raised there; every other
+                rank raises :class:`MismatchError` naming it, and no communicator is made).
+
+        Example:
+            >>> import collectives as coll
+            >>> comm = coll.world()
+            >>> sub = comm.split(color=comm.rank % 2, key=comm.rank)     # even and odd ranks
+            >>> sub.size == len(range(comm.rank % 2, comm.size, 2)) and sub.rank == comm.rank // 2
+            True
+            >>> sub.close()
+        """
+        host = self._transport_for(_arrays.HOST)
+        error = None
+        try:
+            color, key = _check_split(color, key)
+        except (TypeError, ValueError) as exc:
+            error = exc
+        # Every rank learns whether every other rank's arguments are valid before MPI splits (a rank that
+        # raised alone would leave the others in MPI_Comm_split): the refusal branch of _agree.
+        _agree.agree(host, "split", (), (), error, checked=self.check)
+        sub = host.split(color, key)
+        if sub is None:
+            return None
+        child = Communicator(sub, check=self.check)
+        self._subs.append(child)
+        return child
+
     # ---- Python objects ----
     @translating("broadcast_object")
     def broadcast_object(self, obj, root: int = 0):
@@ -441,6 +488,9 @@ class Communicator:
     def close(self) -> None:
         """Release this communicator's resources (its MPI duplicate, its shared-memory window, device
         communicators). Collective: every rank calls it (``finalize()`` and interpreter exit do). Idempotent."""
+        subs, self._subs = self._subs, []
+        for sub in subs:  # in the order they were made: the same on every rank of each
+            sub.close()
         host, self._host = self._host, None
         self._fast, self._fast_broadcast, self._runners = {}, {}, {}
         self._pool = _buckets.Pool()
@@ -585,6 +635,25 @@ def finalize() -> None:
         _by_comm.clear()
     for c in comms:
         c.close()
+
+
+def _check_split(color, key) -> tuple[int | None, int]:
+    """Validated ``(color, key)`` for :meth:`Communicator.split`."""
+    if color is not None:
+        if isinstance(color, (bool, np.bool_)) or not isinstance(color, (int, np.integer)):
+            raise TypeError(f"split: color must be a non-negative integer or None, got {type(color).__name__} "
+                            f"{color!r}")
+        color = int(color)
+        if not 0 <= color < 2**31:
+            raise ValueError(f"split: color must be a non-negative integer below 2**31 (or None: not a member), "
+                             f"got {color}")
+    if isinstance(key, (bool, np.bool_)) or not isinstance(key, (int, np.integer)):
+        raise TypeError(f"split: key must be an integer (it orders the ranks of a group), got "
+                        f"{type(key).__name__} {key!r}")
+    key = int(key)
+    if not -2**31 <= key < 2**31:
+        raise ValueError(f"split: key must fit a C int (-2**31 to 2**31-1), got {key}")
+    return color, key
 
 
 def _pickled(obj, collective: str, whose: str) -> tuple[np.ndarray, bool]:

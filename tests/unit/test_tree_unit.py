@@ -195,6 +195,9 @@ class Recorder(HostTransport):
     def alltoall(self, send, recv):
         raise AssertionError("not used")
 
+    def split(self, color, key):
+        raise AssertionError("not used")
+
     def broadcast(self, buf, root):
         if self.replay is not None:
             kind, data = self.replay.pop(0)

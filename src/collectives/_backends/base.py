@@ -94,5 +94,11 @@ class HostTransport(abc.ABC):
     def barrier(self) -> None:
         """Return once every rank has entered."""
 
+    @abc.abstractmethod
+    def split(self, color: int | None, key: int):
+        """A new transport for the ranks of equal ``color``, ordered by ``(key, rank)`` (MPI_Comm_split);
+        None for a rank whose ``color`` is None. Collective over this transport; the arguments were
+        validated (non-negative ``color`` or None, integer ``key``) and agreed valid on every rank."""
+
     def close(self) -> None:  # noqa: B027 - optional: a transport that holds nothing keeps this no-op
         """Release what the transport holds; idempotent."""

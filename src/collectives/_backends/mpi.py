@@ -431,6 +431,20 @@ class MPITransport(HostTransport):
     def barrier(self):
         self.comm.Barrier()
 
+    def split(self, color, key):
+        """``MPI_Comm_split`` of this transport's communicator, then a transport of the same kind (a
+        deadline too, with the same ``timeout``) on a duplicate of the part; None for ``color`` None."""
+        part = self.comm.Split(self.MPI.UNDEFINED if color is None else color, key)
+        if part == self.MPI.COMM_NULL:
+            return None
+        try:
+            child = MPITransport.__new__(type(self))
+            child.timeout = self.timeout
+            child.__init__(part)  # collective over the part: its own duplicate, node communicator, settings
+        finally:
+            part.Free()
+        return child
+
     def close(self):
         reducer, self._shm = getattr(self, "_shm", None), None
         if reducer is not None:
