@@ -103,7 +103,7 @@ def from_ordered(ints: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return ints.view(dtype)
 
 
-def _minmax_flagged(values: np.ndarray, op: str, collective) -> None:
+def _minmax_flagged(values: np.ndarray, op: str):
     """min/max of floats without an integer of their width (longdouble), exactly as :func:`to_ordered`
     would: NaN and the sign of zero travel as byte flags reduced with max beside the values, which are
     reduced with NaN replaced by the identity of ``op``."""
@@ -116,8 +116,8 @@ def _minmax_flagged(values: np.ndarray, op: str, collective) -> None:
     preferred &= np.signbit(values) == (op == "min")  # max prefers +0.0, min prefers -0.0
     flags[n:] = preferred
     values[nan] = -np.inf if op == "max" else np.inf
-    collective(values, op)
-    collective(flags, "max")
+    yield values, op  # two collectives, in place (see steps)
+    yield flags, "max"
     zero = values == 0
     values[zero] = np.copysign(0.0, -1.0 if op == "min" else 1.0)
     values[zero & ~flags[n:].astype(bool)] *= -1
@@ -136,8 +136,25 @@ def reduce_buffer(buf: np.ndarray, info: _dtypes.DType, op: str, size: int, coll
     ``collective`` returns) the result goes there and ``buf`` is left as it was. The decoding (ordered
     integers back to floats, mean's division, rounding back) runs on the result only.
     """
-    with np.errstate(all="ignore"):
-        _reduce(buf, info, op, size, collective, native, receives, out)
+    run = steps(buf, info, op, size, native, receives=receives, out=out)
+    result = None
+    while True:
+        with np.errstate(all="ignore"):
+            try:
+                wire, wire_op_ = run.send(result)
+            except StopIteration:
+                return
+        result = collective(wire, wire_op_)
+
+
+def steps(buf: np.ndarray, info: _dtypes.DType, op: str, size: int, native, *, receives: bool = True,
+          out: np.ndarray | None = None):
+    """:func:`reduce_buffer` as a generator, for callers that start the collective and finish later (the
+    asynchronous collectives): it yields ``(wire, op)`` for each collective it needs (one; two for the
+    flagged floats) and is sent what the collective returned (None for in place, else its result) once
+    that collective has completed. Run it with NumPy's floating-point errors ignored (as reduce_buffer
+    does), each step: the encoding before the first yield, the decoding after the last."""
+    return _reduce(buf, info, op, size, native, receives, out)
 
 
 def scatters(info: _dtypes.DType, op: str) -> bool:
@@ -147,7 +164,7 @@ def scatters(info: _dtypes.DType, op: str) -> bool:
     return not (op in MINMAX and info.kind == "f" and info.name != "bfloat16" and not ordered(info.storage))
 
 
-def _reduce(buf, info, op, size, collective, native, receives, out) -> None:
+def _reduce(buf, info, op, size, native, receives, out):
     value = value_dtype(info, op, native)
     bf16 = info.name == "bfloat16"
     keep = not receives or out is not None  # buf must stay as it was
@@ -162,7 +179,7 @@ def _reduce(buf, info, op, size, collective, native, receives, out) -> None:
         v = buf.copy()  # the mapping works in place: not in a buffer that must stay as it was
     if float_minmax and ordered(v.dtype):
         ints = to_ordered(v, op)
-        r = collective(ints, op)
+        r = yield ints, op
         r = ints if r is None else r
         if not receives:
             return
@@ -170,10 +187,10 @@ def _reduce(buf, info, op, size, collective, native, receives, out) -> None:
     elif float_minmax:
         if out is not None:
             raise AssertionError("reduce_buffer: a reduce-scatter of flagged floats (see scatters)")
-        _minmax_flagged(v, op, collective)
+        yield from _minmax_flagged(v, op)
         r = v
     else:
-        r = collective(v, wire_op(op))
+        r = yield v, wire_op(op)
         r = v if r is None else r
         if not receives:
             return
