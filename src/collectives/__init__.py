@@ -32,6 +32,7 @@ from ._errors import (
     MismatchError,
     NcclError,
 )
+from ._handles import Handle
 from ._optim import DistributedOptimizer
 from ._shard import shard
 from ._version import __version__
@@ -42,6 +43,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "Communicator",
     "DistributedOptimizer",
+    "Handle",
     "MismatchError",
     "NcclError",
     "__version__",

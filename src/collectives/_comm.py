@@ -26,7 +26,10 @@ import numpy as np
 from . import _agree, _arrays, _buckets, _config, _dtypes, _reduction, _tree
 from ._backends import factory
 from ._backends.base import HostTransport
-from ._errors import BackendUnavailableError, reraise, translating
+from ._errors import BackendUnavailableError, CollectiveError, reraise, transport_failure, translating
+from ._handles import Handle, settle_all
+
+CLOSE_WAIT_S = 30.0  # how long close() waits for handles not yet waited, without COLLECTIVES_TIMEOUT
 
 BACKENDS = ("auto", "mpi", "self")
 _ndarray = np.ndarray  # one global look-up on the hot path instead of two
@@ -77,6 +80,7 @@ class Communicator:
         self._plans: OrderedDict = OrderedDict()  # tree structure -> (description, digest, plan) (_tree)
         self._size = host.size  # a plain attribute for the hot path
         self._subs: list = []  # communicators made by split(), closed with this one
+        self._outstanding: dict = {}  # id -> Handle: asynchronous collectives not yet complete
         self.check = bool(check)
 
     @property
@@ -153,8 +157,10 @@ class Communicator:
         return root
 
     # ---- the array collectives ----
-    def broadcast(self, x, root: int = 0):
+    def broadcast(self, x, root: int = 0, *, async_op: bool = False):
         """Root's ``x`` on every rank. See :func:`collectives.broadcast`."""
+        if async_op:
+            return self._async("broadcast", self._broadcast_steps, x, root)
         try:
             cls = x.__class__
             if cls is _ndarray:  # the hot path (see _fast_path): a cached call, no validation
@@ -176,8 +182,10 @@ class Communicator:
         except Exception as exc:  # noqa: BLE001 - re-raised; costs nothing unless raised: MPI's own errors become CollectiveError
             reraise(exc, "broadcast")
 
-    def allreduce(self, x, op: str = "sum"):
+    def allreduce(self, x, op: str = "sum", *, async_op: bool = False):
         """Reduce ``x`` over all ranks, result on every rank. See :func:`collectives.allreduce`."""
+        if async_op:
+            return self._async("allreduce", self._allreduce_steps, x, op)
         try:
             cls = x.__class__
             if cls is _ndarray:  # the hot path (see _fast_path)
@@ -199,9 +207,14 @@ class Communicator:
         except Exception as exc:  # noqa: BLE001 - re-raised (MPI errors as CollectiveError)
             reraise(exc, "allreduce")
 
-    @translating("reduce")
-    def reduce(self, x, op: str = "sum", root: int = 0):
+    def reduce(self, x, op: str = "sum", root: int = 0, *, async_op: bool = False):
         """Reduce ``x`` over all ranks, result on ``root``. See :func:`collectives.reduce`."""
+        if async_op:
+            return self._async("reduce", self._reduce_steps, x, op, root)
+        return self._reduce_now(x, op, root)
+
+    @translating("reduce")
+    def _reduce_now(self, x, op, root):
         a, transport, view, info, op, root = self._prepare("reduce", x, op=op, root=root)
         if transport.array_level:
             return transport.reduce(x, a, op, root)
@@ -215,9 +228,14 @@ class Communicator:
             return x
         return self._in_place(x, a, view, info, run)
 
-    @translating("allgather")
-    def allgather(self, x):
+    def allgather(self, x, *, async_op: bool = False):
         """Every rank's ``x``, stacked along a new leading axis. See :func:`collectives.allgather`."""
+        if async_op:
+            return self._async("allgather", self._allgather_steps, x)
+        return self._allgather_now(x)
+
+    @translating("allgather")
+    def _allgather_now(self, x):
         a, transport, view, info, _, _ = self._prepare("allgather", x)
         if transport.array_level:
             return transport.allgather(x, a)
@@ -226,9 +244,14 @@ class Communicator:
         transport.allgather(send, out.reshape(self.size, -1))
         return a.wrap(out, info, x)
 
-    @translating("reduce_scatter")
-    def reduce_scatter(self, x, op: str = "sum"):
+    def reduce_scatter(self, x, op: str = "sum", *, async_op: bool = False):
         """This rank's block of the reduction of ``x``. See :func:`collectives.reduce_scatter`."""
+        if async_op:
+            return self._async("reduce_scatter", self._reduce_scatter_steps, x, op)
+        return self._reduce_scatter_now(x, op)
+
+    @translating("reduce_scatter")
+    def _reduce_scatter_now(self, x, op):
         a, transport, view, info, op, _ = self._prepare("reduce_scatter", x, op=op, blocks=True)
         if transport.array_level:
             return transport.reduce_scatter(x, a, op)
@@ -254,9 +277,14 @@ class Communicator:
 
         _reduction.reduce_buffer(send, info, op, size, collective, transport.reduces, out=out)
 
-    @translating("alltoall")
-    def alltoall(self, x):
+    def alltoall(self, x, *, async_op: bool = False):
         """Block j of ``x`` to rank j, block i of the result from rank i. See :func:`collectives.alltoall`."""
+        if async_op:
+            return self._async("alltoall", self._alltoall_steps, x)
+        return self._alltoall_now(x)
+
+    @translating("alltoall")
+    def _alltoall_now(self, x):
         a, transport, view, info, _, _ = self._prepare("alltoall", x, blocks=True)
         if transport.array_level:
             return transport.alltoall(x, a)
@@ -264,6 +292,138 @@ class Communicator:
         out = np.empty(view.shape, dtype=view.dtype)
         transport.alltoall(send.reshape(self._size, -1), out.reshape(self._size, -1))
         return a.wrap(out, info, x)
+
+    # ---- asynchronous collectives (async_op=True) ----
+    def _async(self, what: str, make, *args) -> Handle:
+        """A :class:`Handle` for ``make(*args)``: validation (and checked mode's agreement) runs here and
+        a TypeError/ValueError is raised here; ``make`` returns the collective's steps (a generator, see
+        ``_handles``), or a finished Handle. Errors of the collective itself are raised by ``wait()``."""
+        try:
+            steps = make(*args)
+        except Exception as exc:
+            err = exc if isinstance(exc, CollectiveError) else transport_failure(exc, what)
+            if err is None:
+                raise
+            return Handle.completed(what, error=err)
+        if isinstance(steps, Handle):
+            return steps
+        return Handle(what, steps, self._outstanding)
+
+    @staticmethod
+    def _placing(x, a, view, info):
+        """``(buf, place)``: a contiguous writable buffer holding x's elements (x's own memory where it
+        can be), and ``place()``, which puts the result where :meth:`_in_place` would and returns it."""
+        can_write = a.writable(x, view)
+        if can_write and view.flags.writeable and view.flags.c_contiguous:
+            return view, lambda: x
+        buf = np.array(view, order="C")
+
+        def place():
+            if can_write:
+                a.write_back(x, view, buf)
+                return x
+            return a.wrap(buf, info, x)
+
+        return buf, place
+
+    def _reducing(self, transport, operation, buf, info, op, extra, finish, *, receives=True, out=None):
+        """The steps of a reduction under the host rules (``_reduction.steps``), each transfer started
+        with ``transport.start``; returns ``finish()``."""
+        run = _reduction.steps(buf, info, op, self._size, transport.reduces, receives=receives, out=out)
+        result = None
+        while True:
+            with np.errstate(all="ignore"):
+                try:
+                    wire, wire_op = run.send(result)
+                except StopIteration:
+                    break
+            if operation == "reduce_scatter":
+                result = np.empty(wire.size // self._size, dtype=wire.dtype)
+                yield transport.start(operation, wire, result, wire_op)
+            else:
+                result = None
+                yield transport.start(operation, wire, wire_op, *extra)
+        return finish()
+
+    @staticmethod
+    def _device_done(what: str, result) -> Handle:
+        """CUDA arrays: the device transport has run (NCCL: enqueued on the array's current stream, so
+        later work on that stream is ordered after it; staging and CUDA-aware MPI: complete)."""
+        return Handle.completed(what, result)
+
+    def _allreduce_steps(self, x, op):
+        a, transport, view, info, op, _ = self._prepare("allreduce", x, op=op, asynchronous=True)
+        if transport.array_level:
+            return self._device_done("allreduce", transport.allreduce(x, a, op))
+        buf, place = self._placing(x, a, view, info)
+        return self._reducing(transport, "allreduce", buf, info, op, (), place)
+
+    def _broadcast_steps(self, x, root):
+        a, transport, view, info, _, root = self._prepare("broadcast", x, root=root, asynchronous=True)
+        if transport.array_level:
+            return self._device_done("broadcast", transport.broadcast(x, a, root))
+        buf, place = self._placing(x, a, view, info)
+
+        def steps():
+            yield transport.start("broadcast", buf, root)
+            return place()
+
+        return steps()
+
+    def _reduce_steps(self, x, op, root):
+        a, transport, view, info, op, root = self._prepare("reduce", x, op=op, root=root, asynchronous=True)
+        if transport.array_level:
+            return self._device_done("reduce", transport.reduce(x, a, op, root))
+        if self.rank != root:  # contributes x; gets it back unchanged
+            buf = view if view.flags.c_contiguous else np.array(view, order="C")
+            return self._reducing(transport, "reduce", buf, info, op, (root,), lambda: x, receives=False)
+        buf, place = self._placing(x, a, view, info)
+        return self._reducing(transport, "reduce", buf, info, op, (root,), place)
+
+    def _allgather_steps(self, x):
+        a, transport, view, info, _, _ = self._prepare("allgather", x, asynchronous=True)
+        if transport.array_level:
+            return self._device_done("allgather", transport.allgather(x, a))
+        send = view if view.flags.c_contiguous else np.array(view, order="C")
+        out = np.empty((self.size,) + view.shape, dtype=view.dtype)
+
+        def steps():
+            yield transport.start("allgather", send, out.reshape(self.size, -1))
+            return a.wrap(out, info, x)
+
+        return steps()
+
+    def _reduce_scatter_steps(self, x, op):
+        a, transport, view, info, op, _ = self._prepare("reduce_scatter", x, op=op, blocks=True,
+                                                        asynchronous=True)
+        if transport.array_level:
+            return self._device_done("reduce_scatter", transport.reduce_scatter(x, a, op))
+        size = self._size
+        out = np.empty((view.shape[0] // size,) + view.shape[1:], dtype=view.dtype)
+        if not _reduction.scatters(info, op):  # longdouble min/max: the block of an allreduce (as blocking)
+            buf = np.array(view, order="C")
+
+            def block():
+                out.reshape(-1)[...] = buf.reshape(size, -1)[self.rank]
+                return a.wrap(out, info, x)
+
+            return self._reducing(transport, "allreduce", buf, info, op, (), block)
+        send = view if view.flags.c_contiguous else np.array(view, order="C")
+        return self._reducing(transport, "reduce_scatter", send, info, op, (), lambda: a.wrap(out, info, x),
+                              out=out)
+
+    def _alltoall_steps(self, x):
+        a, transport, view, info, _, _ = self._prepare("alltoall", x, blocks=True, asynchronous=True)
+        if transport.array_level:
+            return self._device_done("alltoall", transport.alltoall(x, a))
+        send = view if view.flags.c_contiguous else np.array(view, order="C")
+        out = np.empty(view.shape, dtype=view.dtype)
+
+        def steps():
+            yield transport.start("alltoall", send.reshape(self._size, -1), out.reshape(self._size, -1))
+            return a.wrap(out, info, x)
+
+        return steps()
 
     # ---- sub-communicators ----
     def split(self, color, key=0) -> Communicator | None:
@@ -364,15 +524,18 @@ class Communicator:
                              f"communicator's size {self.size}, got {shape[0]}; pad x to a multiple of "
                              f"{self.size} rows")
 
-    def _prepare(self, collective: str, x, op=_UNSET, root=_UNSET, blocks: bool = False):
+    def _prepare(self, collective: str, x, op=_UNSET, root=_UNSET, blocks: bool = False,
+                 asynchronous: bool = False):
         """Validate a call, choose its transport and, in checked mode, agree on it with the other ranks.
 
         Every check runs before any communication. In checked mode a rank whose own arguments are invalid
         first tells the others (they wait in the agreement step and raise MismatchError), then raises its
         TypeError/ValueError. Returns ``(adapter, transport, view, info, op, root)``; ``view`` and
         ``info`` (the NumPy view of x's memory and its dtype entry) are None for device transports.
+        ``asynchronous`` (``async_op=True``) is part of what the ranks agree on: MPI does not match a
+        non-blocking collective with a blocking one.
         """
-        args = {}
+        args = {"async_op": True} if asynchronous else {}
         view = info = None
         try:
             a = _arrays.adapter(x)
@@ -487,7 +650,20 @@ class Communicator:
 
     def close(self) -> None:
         """Release this communicator's resources (its MPI duplicate, its shared-memory window, device
-        communicators). Collective: every rank calls it (``finalize()`` and interpreter exit do). Idempotent."""
+        communicators, the communicators :meth:`split` made). Collective: every rank calls it
+        (``finalize()`` and interpreter exit do). Idempotent.
+
+        Asynchronous collectives not yet waited are completed first (their results land where
+        ``wait()`` would have put them), for at most ``COLLECTIVES_TIMEOUT`` (else 30) seconds; if some
+        cannot complete (a rank never issued the matching call), the rest is released and
+        :class:`CollectiveError` names them (the MPI communicator is then left to the end of the process)."""
+        failure = None
+        pending, self._outstanding = list(self._outstanding.values()), {}
+        if pending and self._host is not None:  # complete them first (their buffers are in use), bounded
+            try:
+                settle_all(pending, self._host.timeout or CLOSE_WAIT_S, "close()")
+            except CollectiveError as exc:
+                failure = exc
         subs, self._subs = self._subs, []
         for sub in subs:  # in the order they were made: the same on every rank of each
             sub.close()
@@ -498,16 +674,27 @@ class Communicator:
         devices, self._devices = list(self._devices.values()), {}
         for d in devices:  # device transports first: NCCL communicators were set up over the host one
             d.close()
-        if host is not None:
+        if host is not None and failure is None:  # not under a request still pending on it
             host.close()
+        if failure is not None:
+            raise failure
 
     # ---- the tree collectives ----
     def synchronize(self, tree, root: int = 0, *, bucket_bytes: int | None = None):
         """Root's values for every leaf of ``tree``. See :func:`collectives.synchronize`."""
         return _tree.synchronize(self, tree, root, bucket_bytes)
 
-    def allreduce_tree(self, tree, op: str = "mean", *, bucket_bytes: int | None = None):
-        """Reduce every array leaf of ``tree``, fused. See :func:`collectives.allreduce_tree`."""
+    def allreduce_tree(self, tree, op: str = "mean", *, bucket_bytes: int | None = None, async_op: bool = False):
+        """Reduce every array leaf of ``tree``, fused. See :func:`collectives.allreduce_tree`.
+
+        With ``async_op=True`` the tree is reduced at the call (a completed :class:`Handle`): its many
+        fused collectives are not yet started as non-blocking ones."""
+        if async_op:
+            try:
+                result = _tree.allreduce_tree(self, tree, op, bucket_bytes)
+            except CollectiveError as exc:
+                return Handle.completed("allreduce_tree", error=exc)
+            return Handle.completed("allreduce_tree", result)
         return _tree.allreduce_tree(self, tree, op, bucket_bytes)
 
 
@@ -633,8 +820,14 @@ def finalize() -> None:
             comms.append(_world)
         _world = None
         _by_comm.clear()
+    failures = []
     for c in comms:
-        c.close()
+        try:
+            c.close()
+        except CollectiveError as exc:  # asynchronous collectives left pending: close the others first
+            failures.append(exc)
+    if failures:
+        raise failures[0]
 
 
 def _check_split(color, key) -> tuple[int | None, int]:
@@ -680,7 +873,7 @@ def _resolve(comm) -> Communicator:
 # ---------------------------------------------------------------------------------------------------------
 # the collectives as functions
 
-def broadcast(x, root: int = 0, *, comm=None):
+def broadcast(x, root: int = 0, *, comm=None, async_op: bool = False):
     """Make every rank's ``x`` equal to root's.
 
     Every rank of ``comm`` must call it with the same ``root`` and an array of the same shape and dtype.
@@ -704,10 +897,12 @@ def broadcast(x, root: int = 0, *, comm=None):
         [0, 1, 2, 3]
     """
     c = (_world or init()) if comm is None else _resolve(comm)
+    if async_op:
+        return c.broadcast(x, root, async_op=True)
     return c.broadcast(x, root)
 
 
-def allreduce(x, op: str = "sum", *, comm=None):
+def allreduce(x, op: str = "sum", *, comm=None, async_op: bool = False):
     """Combine ``x`` element-wise over all ranks; every rank gets the result.
 
     Every rank must call it with the same ``op`` and an array of the same shape and dtype.
@@ -718,6 +913,9 @@ def allreduce(x, op: str = "sum", *, comm=None):
             floating and complex; min/max on integers, floating and bool (max = any, min = all); mean on
             floating and complex only. Other pairs raise ``TypeError`` before any communication.
         comm: a :class:`Communicator` or an mpi4py communicator (default: :func:`world`).
+        async_op: return a :class:`Handle` at once instead of the result; ``handle.wait()`` returns the
+            result (the same bits). Also on :func:`broadcast`, :func:`reduce`, :func:`allgather`,
+            :func:`reduce_scatter`, :func:`alltoall` and :func:`allreduce_tree`; see docs/semantics.md.
 
     Returns:
         The result, in ``x`` itself when it is writable (see :func:`broadcast`), else a new array.
@@ -731,10 +929,12 @@ def allreduce(x, op: str = "sum", *, comm=None):
         True
     """
     c = (_world or init()) if comm is None else _resolve(comm)
+    if async_op:
+        return c.allreduce(x, op, async_op=True)
     return c.allreduce(x, op)
 
 
-def reduce(x, op: str = "sum", root: int = 0, *, comm=None):
+def reduce(x, op: str = "sum", root: int = 0, *, comm=None, async_op: bool = False):
     """Combine ``x`` element-wise over all ranks; only ``root`` gets the result.
 
     Every rank must call it with the same ``op``, ``root``, shape and dtype. Same op/dtype rules as
@@ -752,10 +952,10 @@ def reduce(x, op: str = "sum", root: int = 0, *, comm=None):
         >>> y.tolist() == ([comm.size] * 2 if comm.rank == 0 else [1, 1])
         True
     """
-    return _resolve(comm).reduce(x, op, root)
+    return _resolve(comm).reduce(x, op, root, async_op=async_op)
 
 
-def allgather(x, *, comm=None):
+def allgather(x, *, comm=None, async_op: bool = False):
     """Every rank's ``x``, stacked: ``result[r]`` is rank r's ``x``.
 
     Every rank must call it with an array of the same shape and dtype.
@@ -770,10 +970,10 @@ def allgather(x, *, comm=None):
         >>> g.shape == (comm.size, 1) and g[:, 0].tolist() == list(range(comm.size))
         True
     """
-    return _resolve(comm).allgather(x)
+    return _resolve(comm).allgather(x, async_op=async_op)
 
 
-def reduce_scatter(x, op: str = "sum", *, comm=None):
+def reduce_scatter(x, op: str = "sum", *, comm=None, async_op: bool = False):
     """Reduce ``x`` over all ranks and give each rank one block of the result.
 
     The leading dimension of ``x`` is split into ``size`` equal blocks; rank r gets block r of the
@@ -804,10 +1004,10 @@ def reduce_scatter(x, op: str = "sum", *, comm=None):
         >>> mine.shape, mine.tolist() == [(comm.size * x[comm.rank]).tolist()]
         ((1, 2), True)
     """
-    return _resolve(comm).reduce_scatter(x, op)
+    return _resolve(comm).reduce_scatter(x, op, async_op=async_op)
 
 
-def alltoall(x, *, comm=None):
+def alltoall(x, *, comm=None, async_op: bool = False):
     """Exchange blocks: block j of this rank's ``x`` goes to rank j; block i of the result came from rank i.
 
     The leading dimension of ``x`` is split into ``size`` equal blocks. Every rank must call it with an
@@ -830,7 +1030,7 @@ def alltoall(x, *, comm=None):
         >>> coll.alltoall(x).tolist() == [10 * i + comm.rank for i in range(comm.size)]
         True
     """
-    return _resolve(comm).alltoall(x)
+    return _resolve(comm).alltoall(x, async_op=async_op)
 
 
 def broadcast_object(obj, root: int = 0, *, comm=None):
@@ -938,7 +1138,7 @@ def synchronize(tree, root: int = 0, *, comm=None, bucket_bytes: int | None = No
     return _tree.synchronize(_resolve(comm), tree, root, bucket_bytes)
 
 
-def allreduce_tree(tree, op: str = "mean", *, comm=None, bucket_bytes: int | None = None):
+def allreduce_tree(tree, op: str = "mean", *, comm=None, bucket_bytes: int | None = None, async_op: bool = False):
     """Reduce every array leaf of ``tree`` over all ranks, fused into few collectives.
 
     Every rank must call it with the same ``op`` and a tree of the same structure (checked first, with
@@ -982,4 +1182,4 @@ def allreduce_tree(tree, op: str = "mean", *, comm=None, bucket_bytes: int | Non
         >>> bool((out["w"] == mean).all()) and out["b"].tolist() == [1.0, 1.0] and out["loss"] == mean
         True
     """
-    return _tree.allreduce_tree(_resolve(comm), tree, op, bucket_bytes)
+    return _resolve(comm).allreduce_tree(tree, op, bucket_bytes=bucket_bytes, async_op=async_op)

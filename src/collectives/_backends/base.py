@@ -15,6 +15,9 @@ Optional capabilities, declared here with their defaults (a transport overrides 
 - :meth:`reduces`: which (dtype, op) pairs it reduces correctly itself (default: all but float16 where
   ``_float16`` is False).
 
+- :meth:`start`: begin an operation and return a :class:`Request` (default: run the blocking operation
+  now and return a completed request); the asynchronous collectives (``async_op=True``) use it.
+
 Every rank must call every operation, in the same order (they are collective).
 """
 
@@ -27,6 +30,21 @@ import numpy as np
 _F16 = np.dtype(np.float16)
 
 
+class Request:
+    """A started operation. :meth:`test` never blocks; :meth:`wait` returns once it is complete (or raises:
+    a timeout, an MPI error). This one is complete from the start."""
+
+    def test(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        pass
+
+
+DONE = Request()
+OPERATIONS = ("allreduce", "reduce", "broadcast", "allgather", "reduce_scatter", "alltoall")
+
+
 class HostTransport(abc.ABC):
     name: str = "abstract"
     array_level = False  # host transports take NumPy buffers; device transports (device.py) take arrays
@@ -35,6 +53,7 @@ class HostTransport(abc.ABC):
     local_rank: int = 0
     local_size: int = 1
     can_broadcast_many = False
+    timeout: float | None = None  # seconds a wait may last (COLLECTIVES_TIMEOUT), where the transport has one
     _float16 = True
 
     def reduces(self, dtype: np.dtype, op: str) -> bool:
@@ -48,6 +67,13 @@ class HostTransport(abc.ABC):
         ``op="broadcast"``; or None to use the general operations below. Only asked for pairs that
         :meth:`reduces` accepts and that need no conversion."""
         return None
+
+    def start(self, operation: str, *args) -> Request:
+        """Begin ``operation`` (one of :data:`OPERATIONS`, with the arguments its blocking method takes)
+        and return its :class:`Request`; the buffers must stay alive and untouched until it completes.
+        Default: run the blocking operation now and return a completed request."""
+        getattr(self, operation)(*args)
+        return DONE
 
     @abc.abstractmethod
     def allreduce(self, buf: np.ndarray, op: str) -> None:

@@ -22,7 +22,7 @@ from .. import _config
 from .._dtypes import divide
 from .._errors import BackendUnavailableError, CollectiveError, CollectiveTimeoutError
 from . import shm  # large allreduces through a node-shared window (made at first use), issue 7
-from .base import HostTransport
+from .base import DONE, HostTransport, Request
 
 
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
@@ -252,6 +252,59 @@ class MPITransport(HostTransport):
         for piece in self._chunks(raw):
             self.comm.Bcast([piece, self.MPI.BYTE], root)
 
+    # ---- non-blocking starts (async_op=True) ----
+    def start(self, operation, *args):
+        """Begin ``operation`` as MPI's non-blocking collective (``Iallreduce``, ``Ireduce``, ``Ibcast``,
+        ``Iallgather``, ``Ireduce_scatter_block``, ``Ialltoall``) and return its request. Never the
+        shared-memory allreduce (synchronous by design: it would finish here, with nothing to overlap;
+        see docs/semantics.md). Counts past the limit of one MPI call run blocking now (a completed
+        request): the piecewise loops need each piece's result before the next."""
+        begin = getattr(self, "_i" + operation)(*args)
+        if begin is None:
+            getattr(self, operation)(*args)
+            return DONE
+        return _MPIRequest(self, begin, (operation, args[0] if args else None, None))
+
+    def _iallreduce(self, buf, op):
+        if buf.size > self._max_count:
+            return None
+        return self.comm.Iallreduce(self._in_place, [buf, self._types[buf.dtype]], self._ops[op])
+
+    def _ireduce(self, buf, op, root):
+        if buf.size > self._max_count:
+            return None
+        spec = [buf, self._types[buf.dtype]]
+        if self.rank == root:
+            return self.comm.Ireduce(self._in_place, spec, self._ops[op], root)
+        return self.comm.Ireduce(spec, None, self._ops[op], root)
+
+    def _ibroadcast(self, buf, root):
+        if buf.nbytes > self._max_count:
+            return None
+        return self.comm.Ibcast([buf.reshape(-1).view(np.uint8), self.MPI.BYTE], root)
+
+    def _iallgather(self, send, recv):
+        if send.nbytes > self._max_count:
+            return None
+        return self.comm.Iallgather([send.reshape(-1).view(np.uint8), self.MPI.BYTE],
+                                    [recv.reshape(-1).view(np.uint8), self.MPI.BYTE])
+
+    def _ireduce_scatter(self, send, recv, op):
+        if recv.size > self._max_count:
+            return None
+        datatype = self._types[send.dtype]
+        return self.comm.Ireduce_scatter_block([send, datatype], [recv, datatype], self._ops[op])
+
+    def _ialltoall(self, send, recv):
+        if send.nbytes // self.size > self._max_count:
+            return None
+        return self.comm.Ialltoall([send.reshape(-1).view(np.uint8), self.MPI.BYTE],
+                                   [recv.reshape(-1).view(np.uint8), self.MPI.BYTE])
+
+    def _wait(self, what, req) -> None:
+        """Wait for ``req`` (no deadline on this transport)."""
+        req.Wait()
+
     # ---- many buffers, one broadcast (synchronize) ----
     PIPE_CHUNK = 1 << 20  # bytes per message of broadcast_many
     MIN_PIPE_CHUNK = 4096  # ... and the least, for a tiny bucket_bytes
@@ -472,6 +525,25 @@ def _overlapping(addresses: tuple, lengths: tuple) -> list[int]:
     return sorted(later)
 
 
+class _MPIRequest(Request):
+    """An MPI request of a transport: :meth:`test` is ``MPI_Test`` (which also lets MPI progress it);
+    :meth:`wait` is the transport's wait (``MPI_Wait``, or polling under the deadline)."""
+
+    def __init__(self, transport, req, what):
+        self._transport, self._req, self._what = transport, req, what
+        self._done = False
+
+    def test(self) -> bool:
+        if not self._done:
+            self._done = self._req.Test()
+        return self._done
+
+    def wait(self) -> None:
+        if not self._done:
+            self._transport._wait(self._what, self._req)
+            self._done = True
+
+
 class DeadlineMPITransport(MPITransport):
     """:class:`MPITransport` with a deadline on every collective (``COLLECTIVES_TIMEOUT`` seconds).
 
@@ -501,11 +573,21 @@ class DeadlineMPITransport(MPITransport):
     # ---- waiting ----
     def _run(self, what, start, *args) -> None:
         """Start a non-blocking collective with ``start(*args)`` and wait for it under the deadline."""
+        self._usable()
+        self._wait(what, start(*args))
+
+    def _usable(self) -> None:
         if self._failed is not None:
             raise CollectiveError(f"this communicator is unusable: {self._failed}; the job cannot continue "
                                   f"(other ranks may still be waiting in that collective)")
+
+    def start(self, operation, *args):
+        self._usable()
+        return super().start(operation, *args)
+
+    def _wait(self, what, req) -> None:
+        """Poll ``req`` until it completes or ``timeout`` seconds from now have passed (then raise)."""
         t0 = time.monotonic()
-        req = start(*args)
         if req.Test():
             return
         deadline = t0 + self.timeout
