@@ -5,7 +5,7 @@ The paths: the cached hot path (a second call), the general path (a strided view
 small-leaf buckets and the solo leaves of ``allreduce_tree``, the shared-memory allreduce forced on (a tiny
 threshold) and off, the deadline transport, ``reduce``, torch tensors (hot and general path), and the two
 CUDA transports that do not need a GPU for their logic (host staging, CUDA-aware MPI), with CPU tensors
-standing in for device tensors; and ``reduce_scatter`` through the same host paths and stand-ins (its
+standing in for device tensors; the asynchronous calls (``async_op=True``) on those host paths; and ``reduce_scatter`` through the same host paths and stand-ins (its
 block must hold the documented bits too). Every result is compared with a reference computed on every rank from all
 ranks' inputs (every rank can make every rank's inputs: they are seeded), under the documented rules:
 integers wrap (modulo 2**n), float min/max is a total order in which NaN wins and -0.0 < +0.0, mean is the
@@ -176,8 +176,11 @@ def numpy_paths(x, op, comm, comms):
     small = {"a": x.copy(), "pad": np.ones(3, x.dtype)}
     out["tree small leaves"] = coll.allreduce_tree(small, op, comm=comm)["a"]
     out["tree solo leaf"] = coll.allreduce_tree({"a": x.copy()}, op, comm=comm, bucket_bytes=64)["a"]
+    out["async"] = coll.allreduce(x.copy(), op, comm=comm, async_op=True).wait()
+    out["async strided"] = comm.allreduce(base.T[:, 1], op, async_op=True).wait().copy()
     for name, c in comms.items():
         out[name] = c.allreduce(x.copy(), op)
+        out[f"{name} async"] = c.allreduce(x.copy(), op, async_op=True).wait()
         out[f"{name} tree solo leaf"] = c.allreduce_tree({"a": x.copy()}, op, bucket_bytes=64)["a"]
         out[f"{name} tree small leaves"] = c.allreduce_tree({"a": x.copy(), "b": np.ones(2, x.dtype)}, op)["a"]
     for root in range(comm.size):
@@ -185,6 +188,13 @@ def numpy_paths(x, op, comm, comms):
         got = coll.reduce(r, op, root, comm=comm)
         if comm.rank == root:
             out[f"reduce to {root}"] = got
+        r = x.copy()
+        got = coll.reduce(r, op, root, comm=comm, async_op=True).wait()
+        if comm.rank == root:
+            out[f"async reduce to {root}"] = got
+        got = comms["deadline"].reduce(x.copy(), op, root)
+        if comm.rank == root:
+            out[f"deadline reduce to {root}"] = got
         else:
             assert same_bits(got, x) is None, "a non-root rank's array changed"
     return out
@@ -201,6 +211,7 @@ def torch_paths(x, dtype, op, comm):
     view = wide[::2]
     coll.allreduce(view, op, comm=comm)
     out["torch general"] = to_numpy(view.contiguous(), dtype)
+    out["torch async"] = to_numpy(comm.allreduce(as_lib(x, dtype, "torch"), op, async_op=True).wait(), dtype)
     out["torch tree"] = to_numpy(coll.allreduce_tree({"a": as_lib(x, dtype, "torch")}, op, comm=comm)["a"], dtype)
     for transport in device_stand_ins(comm):
         t = as_lib(x, dtype, "torch")
@@ -267,8 +278,10 @@ def reduce_scatter_paths(x, dtype, op, comm, comms):
         ro = xs.copy()
         ro.flags.writeable = False
         out["reduce_scatter read-only"] = comm.reduce_scatter(ro, op)[0]
+        out["reduce_scatter async"] = comm.reduce_scatter(xs, op, async_op=True).wait()[0]
         for name, c in comms.items():
             out[f"reduce_scatter {name}"] = c.reduce_scatter(xs.copy(), op)[0]
+            out[f"reduce_scatter {name} async"] = c.reduce_scatter(xs, op, async_op=True).wait()[0]
     if dtype != "longdouble":
         out["reduce_scatter torch"] = to_numpy(coll.reduce_scatter(as_lib(xs, dtype, "torch"), op, comm=comm)[0],
                                                dtype)
