@@ -271,7 +271,7 @@ class Communicator:
             return
 
         def collective(wire, o):
-            block = np.empty(wire.size // size, dtype=wire.dtype)
+            block = _block_for(wire, out, size)
             transport.reduce_scatter(wire, block, o)
             return block
 
@@ -338,7 +338,7 @@ class Communicator:
                 except StopIteration:
                     break
             if operation == "reduce_scatter":
-                result = np.empty(wire.size // self._size, dtype=wire.dtype)
+                result = _block_for(wire, out, self._size)
                 yield transport.start(operation, wire, result, wire_op)
             else:
                 result = None
@@ -828,6 +828,15 @@ def finalize() -> None:
             failures.append(exc)
     if failures:
         raise failures[0]
+
+
+def _block_for(wire: np.ndarray, out: np.ndarray, size: int) -> np.ndarray:
+    """Where a reduce-scatter of ``wire`` receives this rank's block: ``out``'s own memory when the wire
+    dtype has out's item size (the values travel as they are, or as ordered integers, decoded in place),
+    else a new array of the wire dtype (widened values, rounded back into ``out`` afterwards)."""
+    if wire.dtype.itemsize == out.dtype.itemsize:
+        return out.reshape(-1).view(wire.dtype)
+    return np.empty(wire.size // size, dtype=wire.dtype)
 
 
 def _check_split(color, key) -> tuple[int | None, int]:
