@@ -166,3 +166,18 @@ def test_checked_mode_mismatch_between_collectives(comm):
             with pytest.raises(coll.MismatchError, match="refused"):
                 c.reduce_scatter(bad)
         assert c.reduce_scatter(x).tolist() == [[comm.size] * 2]  # still usable
+
+
+def test_alltoall_through_the_device_stand_ins(comm):
+    """Host staging and CUDA-aware MPI's alltoall (CPU tensors standing in, as in test_paths.py)."""
+    torch = pytest.importorskip("torch")
+    from test_paths import device_stand_ins
+
+    n = comm.size
+    x = torch.tensor([[100 * comm.rank + 10 * j + k for k in range(2)] for j in range(n)], dtype=torch.int16)
+    want = [[100 * i + 10 * comm.rank + k for k in range(2)] for i in range(n)]
+    for transport in device_stand_ins(comm):
+        before = x.clone()
+        y = transport.alltoall(x, None)
+        assert y.tolist() == want, transport.name
+        assert torch.equal(x, before) and y.dtype == x.dtype
