@@ -300,6 +300,8 @@ class Communicator:
         ``_handles``), or a finished Handle. Errors of the collective itself are raised by ``wait()``."""
         try:
             steps = make(*args)
+        except BackendUnavailableError:  # no transport for the array, a closed communicator: nothing started
+            raise
         except Exception as exc:
             err = exc if isinstance(exc, CollectiveError) else transport_failure(exc, what)
             if err is None:

@@ -192,6 +192,8 @@ def test_close_completes_outstanding_handles(comm):
         g = c.alltoall(np.arange(comm.size), async_op=True)
     assert c.closed and h.done() and (x == sum(range(comm.size))).all()
     assert g.wait().tolist() == [comm.rank] * comm.size
+    with pytest.raises(coll.BackendUnavailableError):  # raised by the call: nothing can start
+        c.allreduce(x, "sum", async_op=True)
 
 
 def test_close_with_a_handle_that_cannot_complete_raises(comm):
