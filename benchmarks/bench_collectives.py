@@ -13,7 +13,11 @@ row             ours                                           raw mpi4py (on a 
 ``allreduce``   ``collectives.allreduce(x, op="sum")``         ``comm.Allreduce(MPI.IN_PLACE, x, MPI.SUM)``
 ``broadcast``   ``collectives.broadcast(x, root=0)``           ``comm.Bcast(x, root=0)``
 ``mean``        ``collectives.allreduce(x, op="mean")``        ``Allreduce(IN_PLACE, x, SUM)`` + ``np.divide(x, size, out=x)``
+``rscatter``    ``collectives.reduce_scatter(x, op="sum")``    ``np.empty`` of the block + ``comm.Reduce_scatter_block(x, out, MPI.SUM)``
+``alltoall``    ``collectives.alltoall(x)``                    ``np.empty_like(x)`` + ``comm.Alltoall(x, out)``
 ==============  =============================================  ====================================================
+
+(``rscatter`` and ``alltoall`` only with ``--ops``; their sizes are rounded down to a multiple of the ranks.)
 
 How it is measured, so that the machine's noise (shared cores, frequency changes) hits both sides alike:
 
@@ -50,6 +54,7 @@ import collectives
 TARGET_SMALL = 1.5  # ours/raw at the smallest size (issue 7: at the same MPI thread level)
 TARGET_LARGE = 1.05  # ours/raw from 1 MiB up
 LARGE = 2**20
+ROWS = ("allreduce", "broadcast", "mean", "rscatter", "alltoall")
 
 
 def main() -> int:
@@ -60,7 +65,7 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=None,
                     help="calls per side per size (default: scaled by size, under 90 s in all at 2 ranks)")
     ap.add_argument("--ops", default="allreduce,broadcast,mean",
-                    help="rows to run, comma-separated from allreduce, broadcast, mean")
+                    help="rows to run, comma-separated from allreduce, broadcast, mean, rscatter, alltoall")
     ap.add_argument("--json", metavar="PATH", help="also write the results (rank 0) as JSON here")
     ap.add_argument("--array", choices=("numpy", "torch"), default="numpy",
                     help="what ours is handed: NumPy arrays, or CPU torch tensors (raw mpi4py then gets "
@@ -71,8 +76,10 @@ def main() -> int:
     sizes = parse_sizes(args.sizes, args.factor)
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     for o in ops:
-        if o not in ("allreduce", "broadcast", "mean"):
-            ap.error(f"--ops: unknown {o!r}; expected allreduce, broadcast or mean")
+        if o not in ROWS:
+            ap.error(f"--ops: unknown {o!r}; expected one of {', '.join(ROWS)}")
+        if args.array == "torch" and o in ("rscatter", "alltoall"):
+            ap.error(f"--ops {o} compares NumPy arrays only")
 
     ours_comm = collectives.init()  # first, so that *we* choose MPI's thread level, as in an application
     if ours_comm.backend != "mpi":
@@ -110,6 +117,11 @@ def main() -> int:
         if op == "broadcast":
             return (lambda: collectives.broadcast(x, root=0),
                     lambda: raw.Bcast(x, root=0))
+        if op == "rscatter":  # both sides allocate their result, as a caller of either would
+            return (lambda: collectives.reduce_scatter(x, op="sum"),
+                    lambda: raw.Reduce_scatter_block(x, np.empty(x.size // size, x.dtype), MPI.SUM))
+        if op == "alltoall":
+            return (lambda: collectives.alltoall(x), lambda: raw.Alltoall(x, np.empty_like(x)))
 
         def raw_mean():
             raw.Allreduce(MPI.IN_PLACE, x, MPI.SUM)
@@ -141,7 +153,10 @@ def main() -> int:
         rounds, k = plan(nbytes, args.iters)
         for op in ops:
             # zeros for sum (stays finite however often it runs), ones for mean (a fixed point)
-            x = np.ones(nbytes // 4, np.float32) if op == "mean" else np.zeros(nbytes // 4, np.float32)
+            count = nbytes // 4 - (nbytes // 4) % size if op in ("rscatter", "alltoall") else nbytes // 4
+            if count == 0:
+                continue
+            x = np.ones(count, np.float32) if op == "mean" else np.zeros(count, np.float32)
             times = measure(raw.Barrier, sides_for(op, x), rounds, k)
             # every block starts after a barrier, so the slowest rank's block time is the collective's
             raw.Allreduce(MPI.IN_PLACE, times, MPI.MAX)
@@ -185,9 +200,11 @@ def print_table(header: dict, results: list[dict], elapsed: float) -> None:
           f"run took {elapsed:.1f} s")
     print(f"  targets: smallest size ours/raw <= {TARGET_SMALL}x; from {human(LARGE)} up <= {TARGET_LARGE}x")
     smallest = min(r["bytes"] for r in results)
-    names = {"allreduce": "allreduce sum", "broadcast": "broadcast", "mean": "allreduce mean"}
-    raw_names = {"allreduce": "Allreduce", "broadcast": "Bcast", "mean": "Allreduce+divide"}
-    for op in ("allreduce", "broadcast", "mean"):
+    names = {"allreduce": "allreduce sum", "broadcast": "broadcast", "mean": "allreduce mean",
+             "rscatter": "reduce_scatter sum", "alltoall": "alltoall"}
+    raw_names = {"allreduce": "Allreduce", "broadcast": "Bcast", "mean": "Allreduce+divide",
+                 "rscatter": "Reduce_scatter_block", "alltoall": "Alltoall"}
+    for op in ROWS:
         rows = [r for r in results if r["op"] == op]
         if not rows:
             continue

@@ -16,13 +16,16 @@ Required names (the suite fails at start-up without them):
 Optional names (their tests are skipped, with the reason, when a name is missing):
 
 - ``synchronize``, ``allreduce_tree`` (trees), ``DistributedOptimizer``, ``shard``;
-- ``MismatchError`` (what trees raise when ranks disagree; default: any ``Exception``).
+- ``MismatchError`` (what trees raise when ranks disagree; default: any ``Exception``);
+- ``reduce_scatter(x, op="sum")``, ``alltoall(x)``, ``broadcast_object(obj, root=0)``,
+  ``allgather_object(obj)``.
 """
 
 import collectives as _collectives
 
 REQUIRED = ("init", "broadcast", "allreduce", "reduce", "allgather", "barrier")
-OPTIONAL = ("synchronize", "allreduce_tree", "DistributedOptimizer", "shard", "MismatchError")
+OPTIONAL = ("synchronize", "allreduce_tree", "DistributedOptimizer", "shard", "MismatchError", "reduce_scatter",
+            "alltoall", "broadcast_object", "allgather_object")
 
 # Re-export what the installed collectives has: an older one without trees still runs the suite.
 for _name in REQUIRED + OPTIONAL:

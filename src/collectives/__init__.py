@@ -11,13 +11,17 @@ Host arrays travel over MPI (mpi4py); the transport is chosen from the array's d
 from ._comm import (
     Communicator,
     allgather,
+    allgather_object,
     allreduce,
     allreduce_tree,
+    alltoall,
     barrier,
     broadcast,
+    broadcast_object,
     finalize,
     init,
     reduce,
+    reduce_scatter,
     synchronize,
     world,
 )
@@ -28,6 +32,7 @@ from ._errors import (
     MismatchError,
     NcclError,
 )
+from ._handles import Handle
 from ._optim import DistributedOptimizer
 from ._shard import shard
 from ._version import __version__
@@ -38,17 +43,22 @@ __all__ = [
     "CollectiveTimeoutError",
     "Communicator",
     "DistributedOptimizer",
+    "Handle",
     "MismatchError",
     "NcclError",
     "__version__",
     "allgather",
+    "allgather_object",
     "allreduce",
     "allreduce_tree",
+    "alltoall",
     "barrier",
     "broadcast",
+    "broadcast_object",
     "finalize",
     "init",
     "reduce",
+    "reduce_scatter",
     "shard",
     "synchronize",
     "world",

@@ -11,12 +11,13 @@ warm-up calls; a barrier between calls, outside the timed region, as the OSU ben
 median of its own times, and the table shows the median over ranks of these per-rank medians ("time")
 with their smallest and largest ("min", "max": the spread across ranks).
 
-Sizes are bytes per rank (the buffer each rank passes). Bandwidths follow nccl-tests
+Sizes are bytes per rank (the buffer each rank passes: for reduce_scatter and alltoall the whole input of
+``n`` blocks, as nccl-tests counts them; the element count is rounded down to a multiple of ``n``). Bandwidths follow nccl-tests
 (https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md), with ``n`` ranks:
 
 * ``algbw = bytes / time`` (for allgather, the gathered bytes: ``n * size``);
 * ``busbw = algbw * factor``: ``2(n-1)/n`` for allreduce and allreduce_tree, ``(n-1)/n`` for allgather,
-  ``1`` for broadcast, reduce and synchronize. busbw is what each rank's link must carry with an optimal
+  reduce_scatter and alltoall, ``1`` for broadcast, reduce and synchronize. busbw is what each rank's link must carry with an optimal
   algorithm, so it can be compared with the hardware's bandwidth (memory bandwidth on one node) and
   across rank counts.
 
@@ -36,8 +37,10 @@ import time
 
 import numpy as np
 
-COLLECTIVES = ("allreduce", "broadcast", "reduce", "allgather", "synchronize", "allreduce_tree")
-REDUCING = ("allreduce", "reduce", "allreduce_tree")
+COLLECTIVES = ("allreduce", "broadcast", "reduce", "allgather", "synchronize", "allreduce_tree",
+               "reduce_scatter", "alltoall")
+REDUCING = ("allreduce", "reduce", "allreduce_tree", "reduce_scatter")
+BLOCKS = ("reduce_scatter", "alltoall")  # the input is split into n blocks
 TREE = ("synchronize", "allreduce_tree")
 OPS = ("sum", "prod", "min", "max", "mean")
 ARRAYS = ("numpy", "torch", "cupy", "torch-cuda")
@@ -84,7 +87,7 @@ def sizes_from(begin: int, end: int, factor: float) -> list[int]:
 def bus_factor(collective: str, n: int) -> float:
     if collective in ("allreduce", "allreduce_tree"):
         return 2 * (n - 1) / n
-    if collective == "allgather":
+    if collective in ("allgather", "reduce_scatter", "alltoall"):
         return (n - 1) / n
     return 1.0
 
@@ -221,11 +224,15 @@ def expected(collective: str, op: str, count: int, rank: int, n: int, root: int,
         return np.stack(inputs)
     if collective == "reduce" and rank != root:
         return inputs[rank]
+    block = slice(count // n * rank, count // n * (rank + 1))
+    if collective == "alltoall":
+        return np.concatenate([x[block] for x in inputs])
     ufunc = {"sum": np.add, "mean": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}[op]
     out = inputs[0]
     for x in inputs[1:]:
         out = ufunc(out, x)
-    return out / n if op == "mean" else out
+    out = out / n if op == "mean" else out
+    return out[block] if collective == "reduce_scatter" else out
 
 
 def tolerance(kind: str, dtype_name: str) -> float:
@@ -256,6 +263,12 @@ def make_call(coll, comm, collective: str, op: str, root: int, x, leaves: int):
     if collective == "allgather":
         box = [None]
         return (lambda: box.__setitem__(0, coll.allgather(x, comm=comm))), (lambda: box[0])
+    if collective == "reduce_scatter":
+        box = [None]
+        return (lambda: box.__setitem__(0, coll.reduce_scatter(x, op=op, comm=comm))), (lambda: box[0])
+    if collective == "alltoall":
+        box = [None]
+        return (lambda: box.__setitem__(0, coll.alltoall(x, comm=comm))), (lambda: box[0])
     # tree collectives: ``leaves`` views of x (a model's parameters, as far as the library can tell)
     count = x.shape[0]
     bounds = [count * i // leaves for i in range(leaves + 1)]
@@ -406,6 +419,9 @@ def main(argv=None) -> int:
         for nbytes in sizes:
             step += 1
             count = nbytes // arrays.itemsize
+            if collective in BLOCKS:
+                count -= count % n
+                nbytes = count * arrays.itemsize
             if count == 0 or (collective in TREE and count < args.leaves):
                 continue
             if show and time.monotonic() - started > 3:
@@ -458,8 +474,8 @@ def print_table(info: dict, collective: str, op, rows: list[dict], check: bool) 
             print(f"# {info['mpi_library']}, mpi4py {info['mpi4py']}, thread level {info['thread_level']}")
         print("# time: median over ranks of each rank's median call time; min/max: spread of those "
               "medians across ranks")
-        print("# algbw = bytes/time; busbw = algbw * 2(n-1)/n (allreduce), (n-1)/n (allgather), "
-              "1 (broadcast, reduce); GB = 1e9 B")
+        print("# algbw = bytes/time; busbw = algbw * 2(n-1)/n (allreduce), (n-1)/n (allgather, "
+              "reduce_scatter, alltoall), 1 (broadcast, reduce); GB = 1e9 B")
     title = collective + (f" op={op}" if op else "") + f" dtype={info['dtype']}"
     print(f"#\n# {title}")
     cols = f"{'size':>10} {'count':>11} {'iters':>5} {'time(us)':>11} {'min(us)':>11} {'max(us)':>11} " \

@@ -16,6 +16,7 @@ How a call runs:
 from __future__ import annotations
 
 import atexit
+import pickle
 import sys
 import threading
 from collections import OrderedDict
@@ -27,9 +28,12 @@ from ._backends import closed as _closed
 from ._backends import factory
 from ._backends.base import HostTransport
 from ._backends.closed import CLOSED
-from ._errors import BackendUnavailableError, reraise
+from ._errors import BackendUnavailableError, CollectiveError, reraise, transport_failure
+from ._handles import Handle, settle_all
 from ._threads import collective
 from ._threads import enter as _enter, leave as _leave, refuse as _refuse_thread
+
+CLOSE_WAIT_S = 30.0  # how long close() waits for handles not yet waited, without COLLECTIVES_TIMEOUT
 
 BACKENDS = ("auto", "mpi", "self")
 _ndarray = np.ndarray  # one global look-up on the hot path instead of two
@@ -79,6 +83,8 @@ class Communicator:
         self._pool = _buckets.Pool()  # the fused collectives' flat buffers (_buckets)
         self._plans: OrderedDict = OrderedDict()  # tree structure -> (description, digest, plan) (_tree)
         self._size = host.size  # a plain attribute for the hot path
+        self._subs: list = []  # communicators made by split(), closed with this one
+        self._outstanding: dict = {}  # id -> Handle: asynchronous collectives not yet complete
         self.check = bool(check)
 
     @property
@@ -155,8 +161,10 @@ class Communicator:
         return root
 
     # ---- the array collectives ----
-    def broadcast(self, x, root: int = 0):
+    def broadcast(self, x, root: int = 0, *, async_op: bool = False):
         """Root's ``x`` on every rank. See :func:`collectives.broadcast`."""
+        if async_op:
+            return self._async("broadcast", self._broadcast_steps, x, root)
         if not _enter(False):  # another thread is inside a collective: refused (_threads)
             _refuse_thread("broadcast")
         try:
@@ -183,8 +191,10 @@ class Communicator:
         finally:
             _leave()
 
-    def allreduce(self, x, op: str = "sum"):
+    def allreduce(self, x, op: str = "sum", *, async_op: bool = False):
         """Reduce ``x`` over all ranks, result on every rank. See :func:`collectives.allreduce`."""
+        if async_op:
+            return self._async("allreduce", self._allreduce_steps, x, op)
         if not _enter(False):  # another thread is inside a collective: refused (_threads)
             _refuse_thread("allreduce")
         try:
@@ -212,8 +222,14 @@ class Communicator:
             _leave()
 
     @collective("reduce")
-    def reduce(self, x, op: str = "sum", root: int = 0):
+    def reduce(self, x, op: str = "sum", root: int = 0, *, async_op: bool = False):
         """Reduce ``x`` over all ranks, result on ``root``. See :func:`collectives.reduce`."""
+        if async_op:
+            return self._async("reduce", self._reduce_steps, x, op, root)
+        return self._reduce_now(x, op, root)
+
+    @collective("reduce")
+    def _reduce_now(self, x, op, root):
         a, transport, view, info, op, root = self._prepare("reduce", x, op=op, root=root)
         if transport.array_level:
             return a.written(x, transport.reduce(x, a, op, root)) if self.rank == root else x
@@ -228,8 +244,14 @@ class Communicator:
         return self._in_place(x, a, view, info, run)
 
     @collective("allgather")
-    def allgather(self, x):
+    def allgather(self, x, *, async_op: bool = False):
         """Every rank's ``x``, stacked along a new leading axis. See :func:`collectives.allgather`."""
+        if async_op:
+            return self._async("allgather", self._allgather_steps, x)
+        return self._allgather_now(x)
+
+    @collective("allgather")
+    def _allgather_now(self, x):
         a, transport, view, info, _, _ = self._prepare("allgather", x)
         if transport.array_level:
             return transport.allgather(x, a)
@@ -238,15 +260,304 @@ class Communicator:
         transport.allgather(send, out.reshape(self.size, -1))
         return a.wrap(out, info, x)
 
-    def _prepare(self, collective: str, x, op=_UNSET, root=_UNSET):
+    def reduce_scatter(self, x, op: str = "sum", *, async_op: bool = False):
+        """This rank's block of the reduction of ``x``. See :func:`collectives.reduce_scatter`."""
+        if async_op:
+            return self._async("reduce_scatter", self._reduce_scatter_steps, x, op)
+        return self._reduce_scatter_now(x, op)
+
+    @collective("reduce_scatter")
+    def _reduce_scatter_now(self, x, op):
+        a, transport, view, info, op, _ = self._prepare("reduce_scatter", x, op=op, blocks=True)
+        if transport.array_level:
+            return transport.reduce_scatter(x, a, op)
+        send = view if view.flags.c_contiguous else np.array(view, order="C")
+        out = np.empty((view.shape[0] // self._size,) + view.shape[1:], dtype=view.dtype)
+        self._reduce_scatter_into(transport, send, out, info, op)
+        return a.wrap(out, info, x)
+
+    def _reduce_scatter_into(self, transport, send, out, info, op) -> None:
+        """Reduce-scatter the contiguous host buffer ``send`` into ``out`` (this rank's block) under the
+        host rules; ``send`` is left as it was."""
+        size = self._size
+        if not _reduction.scatters(info, op):  # longdouble min/max: the block of an allreduce, same bits
+            buf = send.copy()
+            self._runner(transport, info, op)(buf)
+            out.reshape(-1)[...] = buf.reshape(size, -1)[self.rank]
+            return
+
+        def collective(wire, o):
+            block = _block_for(wire, out, size)
+            transport.reduce_scatter(wire, block, o)
+            return block
+
+        _reduction.reduce_buffer(send, info, op, size, collective, transport.reduces, out=out)
+
+    def alltoall(self, x, *, async_op: bool = False):
+        """Block j of ``x`` to rank j, block i of the result from rank i. See :func:`collectives.alltoall`."""
+        if async_op:
+            return self._async("alltoall", self._alltoall_steps, x)
+        return self._alltoall_now(x)
+
+    @collective("alltoall")
+    def _alltoall_now(self, x):
+        a, transport, view, info, _, _ = self._prepare("alltoall", x, blocks=True)
+        if transport.array_level:
+            return transport.alltoall(x, a)
+        send = view if view.flags.c_contiguous else np.array(view, order="C")
+        out = np.empty(view.shape, dtype=view.dtype)
+        transport.alltoall(send.reshape(self._size, -1), out.reshape(self._size, -1))
+        return a.wrap(out, info, x)
+
+    # ---- asynchronous collectives (async_op=True) ----
+    def _async(self, what: str, make, *args) -> Handle:
+        """A :class:`Handle` for ``make(*args)``: validation (and checked mode's agreement) runs here and
+        a TypeError/ValueError is raised here; ``make`` returns the collective's steps (a generator, see
+        ``_handles``), or a finished Handle. Errors of the collective itself are raised by ``wait()``."""
+        if not _enter(False):  # another thread is inside a collective: refused (_threads)
+            _refuse_thread(what)
+        try:
+            steps = make(*args)
+        except BackendUnavailableError:  # no transport for the array, a closed communicator: nothing started
+            raise
+        except Exception as exc:
+            err = exc if isinstance(exc, CollectiveError) else transport_failure(exc, what)
+            if err is None:
+                raise
+            return Handle.completed(what, error=err)
+        finally:
+            _leave()
+        if isinstance(steps, Handle):
+            return steps
+        return Handle(what, steps, self._outstanding)
+
+    @staticmethod
+    def _placing(x, a, view, info):
+        """``(buf, place)``: a contiguous writable buffer holding x's elements (x's own memory where it
+        can be), and ``place()``, which puts the result where :meth:`_in_place` would and returns it."""
+        can_write = a.writable(x, view)
+        if can_write and view.flags.writeable and view.flags.c_contiguous:
+            return view, lambda: x
+        buf = np.array(view, order="C")
+
+        def place():
+            if can_write:
+                a.write_back(x, view, buf)
+                return x
+            return a.wrap(buf, info, x)
+
+        return buf, place
+
+    def _reducing(self, transport, operation, buf, info, op, extra, finish, *, receives=True, out=None):
+        """The steps of a reduction under the host rules (``_reduction.steps``), each transfer started
+        with ``transport.start``; returns ``finish()``."""
+        run = _reduction.steps(buf, info, op, self._size, transport.reduces, receives=receives, out=out)
+        result = None
+        while True:
+            with np.errstate(all="ignore"):
+                try:
+                    wire, wire_op = run.send(result)
+                except StopIteration:
+                    break
+            if operation == "reduce_scatter":
+                result = _block_for(wire, out, self._size)
+                yield transport.start(operation, wire, result, wire_op)
+            else:
+                result = None
+                yield transport.start(operation, wire, wire_op, *extra)
+        return finish()
+
+    @staticmethod
+    def _device_done(what: str, result) -> Handle:
+        """CUDA arrays: the device transport has run (NCCL: enqueued on the array's current stream, so
+        later work on that stream is ordered after it; staging and CUDA-aware MPI: complete)."""
+        return Handle.completed(what, result)
+
+    def _allreduce_steps(self, x, op):
+        a, transport, view, info, op, _ = self._prepare("allreduce", x, op=op, asynchronous=True)
+        if transport.array_level:
+            return self._device_done("allreduce", transport.allreduce(x, a, op))
+        buf, place = self._placing(x, a, view, info)
+        return self._reducing(transport, "allreduce", buf, info, op, (), place)
+
+    def _broadcast_steps(self, x, root):
+        a, transport, view, info, _, root = self._prepare("broadcast", x, root=root, asynchronous=True)
+        if transport.array_level:
+            return self._device_done("broadcast", transport.broadcast(x, a, root))
+        buf, place = self._placing(x, a, view, info)
+
+        def steps():
+            yield transport.start("broadcast", buf, root)
+            return place()
+
+        return steps()
+
+    def _reduce_steps(self, x, op, root):
+        a, transport, view, info, op, root = self._prepare("reduce", x, op=op, root=root, asynchronous=True)
+        if transport.array_level:
+            return self._device_done("reduce", transport.reduce(x, a, op, root))
+        if self.rank != root:  # contributes x; gets it back unchanged
+            buf = view if view.flags.c_contiguous else np.array(view, order="C")
+            return self._reducing(transport, "reduce", buf, info, op, (root,), lambda: x, receives=False)
+        buf, place = self._placing(x, a, view, info)
+        return self._reducing(transport, "reduce", buf, info, op, (root,), place)
+
+    def _allgather_steps(self, x):
+        a, transport, view, info, _, _ = self._prepare("allgather", x, asynchronous=True)
+        if transport.array_level:
+            return self._device_done("allgather", transport.allgather(x, a))
+        send = view if view.flags.c_contiguous else np.array(view, order="C")
+        out = np.empty((self.size,) + view.shape, dtype=view.dtype)
+
+        def steps():
+            yield transport.start("allgather", send, out.reshape(self.size, -1))
+            return a.wrap(out, info, x)
+
+        return steps()
+
+    def _reduce_scatter_steps(self, x, op):
+        a, transport, view, info, op, _ = self._prepare("reduce_scatter", x, op=op, blocks=True,
+                                                        asynchronous=True)
+        if transport.array_level:
+            return self._device_done("reduce_scatter", transport.reduce_scatter(x, a, op))
+        size = self._size
+        out = np.empty((view.shape[0] // size,) + view.shape[1:], dtype=view.dtype)
+        if not _reduction.scatters(info, op):  # longdouble min/max: the block of an allreduce (as blocking)
+            buf = np.array(view, order="C")
+
+            def block():
+                out.reshape(-1)[...] = buf.reshape(size, -1)[self.rank]
+                return a.wrap(out, info, x)
+
+            return self._reducing(transport, "allreduce", buf, info, op, (), block)
+        send = view if view.flags.c_contiguous else np.array(view, order="C")
+        return self._reducing(transport, "reduce_scatter", send, info, op, (), lambda: a.wrap(out, info, x),
+                              out=out)
+
+    def _alltoall_steps(self, x):
+        a, transport, view, info, _, _ = self._prepare("alltoall", x, blocks=True, asynchronous=True)
+        if transport.array_level:
+            return self._device_done("alltoall", transport.alltoall(x, a))
+        send = view if view.flags.c_contiguous else np.array(view, order="C")
+        out = np.empty(view.shape, dtype=view.dtype)
+
+        def steps():
+            yield transport.start("alltoall", send.reshape(self._size, -1), out.reshape(self._size, -1))
+            return a.wrap(out, info, x)
+
+        return steps()
+
+    # ---- sub-communicators ----
+    def split(self, color, key=0) -> Communicator | None:
+        """Split this communicator into groups of ranks with equal ``color`` (``MPI_Comm_split``).
+
+        Collective: every rank of this communicator calls it. Ranks with the same ``color`` form one new
+        communicator, ranked by ``(key, rank here)``; a rank with ``color=None`` joins none and gets None.
+        The new communicator has this one's settings (checked mode, ``COLLECTIVES_TIMEOUT``), its own
+        MPI communicator and, on first use of CUDA arrays, its own device transport (its own NCCL
+        communicator). ``close()`` releases it (collective over its ranks); closing this communicator
+        closes it too.
+
+        Args:
+            color: a non-negative integer, or None.
+            key: an integer ordering the ranks within a group (ties: by rank here).
+
+        Returns:
+            The new :class:`Communicator`, or None where ``color`` is None.
+
+        Raises:
+            TypeError, ValueError: this rank's ``color`` or ``key`` is invalid (raised there; every other
+                rank raises :class:`MismatchError` naming it, and no communicator is made).
+
+        Example:
+            >>> import collectives as coll
+            >>> comm = coll.world()
+            >>> sub = comm.split(color=comm.rank % 2, key=comm.rank)     # even and odd ranks
+            >>> sub.size == len(range(comm.rank % 2, comm.size, 2)) and sub.rank == comm.rank // 2
+            True
+            >>> sub.close()
+        """
+        host = self._transport_for(_arrays.HOST)
+        error = None
+        try:
+            color, key = _check_split(color, key)
+        except (TypeError, ValueError) as exc:
+            error = exc
+        # Every rank learns whether every other rank's arguments are valid before MPI splits (a rank that
+        # raised alone would leave the others in MPI_Comm_split): the refusal branch of _agree.
+        _agree.agree(host, "split", (), (), error, checked=self.check)
+        sub = host.split(color, key)
+        if sub is None:
+            return None
+        child = Communicator(sub, check=self.check)
+        self._subs.append(child)
+        return child
+
+    # ---- Python objects ----
+    @collective("broadcast_object")
+    def broadcast_object(self, obj, root: int = 0):
+        """Root's picklable ``obj`` on every rank. See :func:`collectives.broadcast_object`."""
+        host = self._transport_for(_arrays.HOST)
+        try:
+            root = self._check_root(root)
+        except Exception as exc:
+            if self.check:
+                _agree.agree(host, "broadcast_object", (), None, exc)
+            raise
+        if self.check:
+            _agree.agree(host, "broadcast_object", (("root", root),))
+        header = np.zeros(2, dtype=np.int64)  # (bytes, whether root's object failed to pickle)
+        data = None
+        if self.rank == root:
+            data, failure = _pickled(obj, "broadcast_object", "root's obj")
+            header[:] = data.size, failure
+        host.broadcast(header, root)  # first: whether it pickled, so every rank raises alike
+        if self.rank != root:
+            data = np.empty(int(header[0]), dtype=np.uint8)
+        if data.size:
+            host.broadcast(data, root)
+        if header[1]:
+            raise TypeError(data.tobytes().decode())
+        return obj if self.rank == root else pickle.loads(data.tobytes())
+
+    @collective("allgather_object")
+    def allgather_object(self, obj) -> list:
+        """Every rank's picklable ``obj``, in rank order. See :func:`collectives.allgather_object`."""
+        host = self._transport_for(_arrays.HOST)
+        if self.check:
+            _agree.agree(host, "allgather_object")
+        data, failure = _pickled(obj, "allgather_object", f"rank {self.rank}'s obj")
+        flags = np.empty(self.size, dtype=np.uint8)
+        host.allgather(np.array([failure], dtype=np.uint8), flags.reshape(self.size, 1))
+        if flags.any():  # every rank learns who failed, then every rank raises the same TypeError
+            notes = host.allgather_object(data.tobytes().decode() if failure else None)
+            raise TypeError("; ".join(n for n in notes if n is not None))
+        blobs = host.allgather_object(data.tobytes())  # bytes travel as they are (no second pickling cost)
+        return [obj if r == self.rank else pickle.loads(b) for r, b in enumerate(blobs)]
+
+    def _check_blocks(self, collective: str, x) -> None:
+        """``x``'s leading dimension must split into ``size`` equal blocks (reduce_scatter, alltoall)."""
+        shape = tuple(getattr(x, "shape", ()))
+        if not shape:
+            raise ValueError(f"{collective} needs an array with at least one dimension (its leading dimension "
+                             f"is split into {self.size} blocks, one per rank), got a 0-d array; reshape it")
+        if shape[0] % self.size:
+            raise ValueError(f"{collective}: the leading dimension of x (shape {shape}) must be divisible by the "
+                             f"communicator's size {self.size}, got {shape[0]}; pad x to a multiple of "
+                             f"{self.size} rows")
+
+    def _prepare(self, collective: str, x, op=_UNSET, root=_UNSET, blocks: bool = False,
+                 asynchronous: bool = False):
         """Validate a call, choose its transport and, in checked mode, agree on it with the other ranks.
 
         Every check runs before any communication. In checked mode a rank whose own arguments are invalid
         first tells the others (they wait in the agreement step and raise MismatchError), then raises its
         TypeError/ValueError. Returns ``(adapter, transport, view, info, op, root)``; ``view`` and
         ``info`` (the NumPy view of x's memory and its dtype entry) are None for device transports.
+        ``asynchronous`` (``async_op=True``) is part of what the ranks agree on: MPI does not match a
+        non-blocking collective with a blocking one.
         """
-        args = {}
+        args = {"async_op": True} if asynchronous else {}
         view = info = None
         try:
             a = _arrays.adapter(x)
@@ -255,6 +566,8 @@ class Communicator:
                 op = args["op"] = _dtypes.check_op(op)
             if root is not _UNSET:
                 root = args["root"] = self._check_root(root)
+            if blocks:
+                self._check_blocks(collective, x)
             transport = self._local_transport(device)
             if transport is not None and not transport.array_level:
                 view, info = a.host_view(x)
@@ -360,7 +673,23 @@ class Communicator:
 
     def close(self) -> None:
         """Release this communicator's resources (its MPI duplicate, its shared-memory window, device
-        communicators). Collective: every rank calls it (``finalize()`` and interpreter exit do). Idempotent."""
+        communicators, the communicators :meth:`split` made). Collective: every rank calls it
+        (``finalize()`` and interpreter exit do). Idempotent.
+
+        Asynchronous collectives not yet waited are completed first (their results land where
+        ``wait()`` would have put them), for at most ``COLLECTIVES_TIMEOUT`` (else 30) seconds; if some
+        cannot complete (a rank never issued the matching call), the rest is released and
+        :class:`CollectiveError` names them (the MPI communicator is then left to the end of the process)."""
+        failure = None
+        pending, self._outstanding = list(self._outstanding.values()), {}
+        if pending and self._host is not CLOSED:  # complete them first (their buffers are in use), bounded
+            try:
+                settle_all(pending, self._host.timeout or CLOSE_WAIT_S, "close()")
+            except CollectiveError as exc:
+                failure = exc
+        subs, self._subs = self._subs, []
+        for sub in subs:  # in the order they were made: the same on every rank of each
+            sub.close()
         host, self._host = self._host, CLOSED  # every later use raises BackendUnavailableError (_closed)
         self._fast, self._fast_broadcast, self._runners = {}, {}, {}
         self._pool = _buckets.Pool()
@@ -368,16 +697,27 @@ class Communicator:
         devices, self._devices = list(self._devices.values()), {}
         for d in devices:  # device transports first: NCCL communicators were set up over the host one
             d.close()
-        if host is not CLOSED:
+        if host is not CLOSED and failure is None:  # not under a request still pending on it
             host.close()
+        if failure is not None:
+            raise failure
 
     # ---- the tree collectives ----
     def synchronize(self, tree, root: int = 0, *, bucket_bytes: int | None = None):
         """Root's values for every leaf of ``tree``. See :func:`collectives.synchronize`."""
         return _tree.synchronize(self, tree, root, bucket_bytes)
 
-    def allreduce_tree(self, tree, op: str = "mean", *, bucket_bytes: int | None = None):
-        """Reduce every array leaf of ``tree``, fused. See :func:`collectives.allreduce_tree`."""
+    def allreduce_tree(self, tree, op: str = "mean", *, bucket_bytes: int | None = None, async_op: bool = False):
+        """Reduce every array leaf of ``tree``, fused. See :func:`collectives.allreduce_tree`.
+
+        With ``async_op=True`` the tree is reduced at the call (a completed :class:`Handle`): its many
+        fused collectives are not yet started as non-blocking ones."""
+        if async_op:
+            try:
+                result = _tree.allreduce_tree(self, tree, op, bucket_bytes)
+            except CollectiveError as exc:
+                return Handle.completed("allreduce_tree", error=exc)
+            return Handle.completed("allreduce_tree", result)
         return _tree.allreduce_tree(self, tree, op, bucket_bytes)
 
 
@@ -501,8 +841,54 @@ def finalize() -> None:
         if _world is not None:
             comms.append(_world)
         _world = None
+    failures = []
     for c in comms:
-        c.close()
+        try:
+            c.close()
+        except CollectiveError as exc:  # asynchronous collectives left pending: close the others first
+            failures.append(exc)
+    if failures:
+        raise failures[0]
+
+
+def _block_for(wire: np.ndarray, out: np.ndarray, size: int) -> np.ndarray:
+    """Where a reduce-scatter of ``wire`` receives this rank's block: ``out``'s own memory when the wire
+    dtype has out's item size (the values travel as they are, or as ordered integers, decoded in place),
+    else a new array of the wire dtype (widened values, rounded back into ``out`` afterwards)."""
+    if wire.dtype.itemsize == out.dtype.itemsize:
+        return out.reshape(-1).view(wire.dtype)
+    return np.empty(wire.size // size, dtype=wire.dtype)
+
+
+def _check_split(color, key) -> tuple[int | None, int]:
+    """Validated ``(color, key)`` for :meth:`Communicator.split`."""
+    if color is not None:
+        if isinstance(color, (bool, np.bool_)) or not isinstance(color, (int, np.integer)):
+            raise TypeError(f"split: color must be a non-negative integer or None, got {type(color).__name__} "
+                            f"{color!r}")
+        color = int(color)
+        if not 0 <= color < 2**31:
+            raise ValueError(f"split: color must be a non-negative integer below 2**31 (or None: not a member), "
+                             f"got {color}")
+    if isinstance(key, (bool, np.bool_)) or not isinstance(key, (int, np.integer)):
+        raise TypeError(f"split: key must be an integer (it orders the ranks of a group), got "
+                        f"{type(key).__name__} {key!r}")
+    key = int(key)
+    if not -2**31 <= key < 2**31:
+        raise ValueError(f"split: key must fit a C int (-2**31 to 2**31-1), got {key}")
+    return color, key
+
+
+def _pickled(obj, collective: str, whose: str) -> tuple[np.ndarray, bool]:
+    """``(bytes as uint8, False)``, or ``(the error message as uint8, True)`` when ``obj`` cannot be pickled."""
+    try:
+        data = pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:  # noqa: BLE001 - any pickling failure (PicklingError, TypeError, AttributeError) is reported on every rank
+        text = (f"{collective}: {whose} of type {type(obj).__module__}.{type(obj).__qualname__} cannot be "
+                f"pickled ({type(exc).__name__}: {exc}); send a picklable object (plain data, or an object "
+                f"whose class is importable at module level on every rank); nothing was sent")
+        return np.frombuffer(bytearray(text.encode()), dtype=np.uint8), True
+    return np.frombuffer(bytearray(data), dtype=np.uint8), False  # writable: MPI's broadcast asks for it
 
 
 def _resolve(comm) -> Communicator:
@@ -517,7 +903,7 @@ def _resolve(comm) -> Communicator:
 # ---------------------------------------------------------------------------------------------------------
 # the collectives as functions
 
-def broadcast(x, root: int = 0, *, comm=None):
+def broadcast(x, root: int = 0, *, comm=None, async_op: bool = False):
     """Make every rank's ``x`` equal to root's.
 
     Every rank of ``comm`` must call it with the same ``root`` and an array of the same shape and dtype.
@@ -541,10 +927,12 @@ def broadcast(x, root: int = 0, *, comm=None):
         [0, 1, 2, 3]
     """
     c = (_world or init()) if comm is None else _resolve(comm)
+    if async_op:
+        return c.broadcast(x, root, async_op=True)
     return c.broadcast(x, root)
 
 
-def allreduce(x, op: str = "sum", *, comm=None):
+def allreduce(x, op: str = "sum", *, comm=None, async_op: bool = False):
     """Combine ``x`` element-wise over all ranks; every rank gets the result.
 
     Every rank must call it with the same ``op`` and an array of the same shape and dtype.
@@ -555,6 +943,9 @@ def allreduce(x, op: str = "sum", *, comm=None):
             floating and complex; min/max on integers, floating and bool (max = any, min = all); mean on
             floating and complex only. Other pairs raise ``TypeError`` before any communication.
         comm: a :class:`Communicator` or an mpi4py communicator (default: :func:`world`).
+        async_op: return a :class:`Handle` at once instead of the result; ``handle.wait()`` returns the
+            result (the same bits). Also on :func:`broadcast`, :func:`reduce`, :func:`allgather`,
+            :func:`reduce_scatter`, :func:`alltoall` and :func:`allreduce_tree`; see docs/semantics.md.
 
     Returns:
         The result, in ``x`` itself when it is writable (see :func:`broadcast`), else a new array.
@@ -568,10 +959,12 @@ def allreduce(x, op: str = "sum", *, comm=None):
         True
     """
     c = (_world or init()) if comm is None else _resolve(comm)
+    if async_op:
+        return c.allreduce(x, op, async_op=True)
     return c.allreduce(x, op)
 
 
-def reduce(x, op: str = "sum", root: int = 0, *, comm=None):
+def reduce(x, op: str = "sum", root: int = 0, *, comm=None, async_op: bool = False):
     """Combine ``x`` element-wise over all ranks; only ``root`` gets the result.
 
     Every rank must call it with the same ``op``, ``root``, shape and dtype. Same op/dtype rules as
@@ -589,10 +982,10 @@ def reduce(x, op: str = "sum", root: int = 0, *, comm=None):
         >>> y.tolist() == ([comm.size] * 2 if comm.rank == 0 else [1, 1])
         True
     """
-    return _resolve(comm).reduce(x, op, root)
+    return _resolve(comm).reduce(x, op, root, async_op=async_op)
 
 
-def allgather(x, *, comm=None):
+def allgather(x, *, comm=None, async_op: bool = False):
     """Every rank's ``x``, stacked: ``result[r]`` is rank r's ``x``.
 
     Every rank must call it with an array of the same shape and dtype.
@@ -607,7 +1000,109 @@ def allgather(x, *, comm=None):
         >>> g.shape == (comm.size, 1) and g[:, 0].tolist() == list(range(comm.size))
         True
     """
-    return _resolve(comm).allgather(x)
+    return _resolve(comm).allgather(x, async_op=async_op)
+
+
+def reduce_scatter(x, op: str = "sum", *, comm=None, async_op: bool = False):
+    """Reduce ``x`` over all ranks and give each rank one block of the result.
+
+    The leading dimension of ``x`` is split into ``size`` equal blocks; rank r gets block r of the
+    element-wise reduction (what ``allreduce(x, op)[r * n : (r + 1) * n]`` would hold, bit for bit, with
+    ``n = x.shape[0] // size``). Every rank must call it with the same ``op`` and an array of the same
+    shape and dtype. Same op/dtype rules as :func:`allreduce` (mean, float16/bfloat16 accumulated in
+    float32, float min/max with NaN winning and -0.0 < +0.0).
+
+    Args:
+        x: an array (host memory, or CUDA memory of torch/CuPy) whose ``x.shape[0]`` is divisible by the
+            communicator's size; left unchanged.
+        op: ``"sum"``, ``"prod"``, ``"min"``, ``"max"`` or ``"mean"``.
+        comm: a :class:`Communicator` or an mpi4py communicator (default: :func:`world`).
+
+    Returns:
+        A new array of shape ``(x.shape[0] // size, *x.shape[1:])``, of x's library, dtype and device.
+
+    Raises:
+        ValueError: ``x`` is 0-d or its leading dimension is not divisible by the size (before any
+            communication, on every rank that made such a call).
+        TypeError: an illegal op/dtype pair.
+
+    Example:
+        >>> import numpy as np, collectives as coll
+        >>> comm = coll.world()
+        >>> x = np.arange(2 * comm.size, dtype=np.int64).reshape(comm.size, 2)   # the same on every rank
+        >>> mine = coll.reduce_scatter(x, op="sum")                            # block comm.rank of the sum
+        >>> mine.shape, mine.tolist() == [(comm.size * x[comm.rank]).tolist()]
+        ((1, 2), True)
+    """
+    return _resolve(comm).reduce_scatter(x, op, async_op=async_op)
+
+
+def alltoall(x, *, comm=None, async_op: bool = False):
+    """Exchange blocks: block j of this rank's ``x`` goes to rank j; block i of the result came from rank i.
+
+    The leading dimension of ``x`` is split into ``size`` equal blocks. Every rank must call it with an
+    array of the same shape and dtype. Any dtype, bit for bit.
+
+    Args:
+        x: an array whose ``x.shape[0]`` is divisible by the communicator's size; left unchanged.
+        comm: a :class:`Communicator` or an mpi4py communicator (default: :func:`world`).
+
+    Returns:
+        A new array of x's shape, library, dtype and device.
+
+    Raises:
+        ValueError: ``x`` is 0-d or its leading dimension is not divisible by the size.
+
+    Example:
+        >>> import numpy as np, collectives as coll
+        >>> comm = coll.world()
+        >>> x = np.array([10 * comm.rank + j for j in range(comm.size)])   # block j: for rank j
+        >>> coll.alltoall(x).tolist() == [10 * i + comm.rank for i in range(comm.size)]
+        True
+    """
+    return _resolve(comm).alltoall(x, async_op=async_op)
+
+
+def broadcast_object(obj, root: int = 0, *, comm=None):
+    """Root's ``obj`` (any picklable object) on every rank.
+
+    Every rank of ``comm`` must call it with the same ``root``; the other ranks' ``obj`` is ignored. The
+    root pickles first and tells every rank whether that worked, so an object that cannot be pickled
+    raises the same ``TypeError`` on every rank (and nothing else is sent).
+
+    Returns:
+        On root: ``obj`` itself. Elsewhere: a new object unpickled from root's bytes.
+
+    Raises:
+        TypeError: root's object cannot be pickled (on every rank), or ``root`` is not an integer.
+        ValueError: ``root`` is out of range.
+
+    Example:
+        >>> import collectives as coll
+        >>> comm = coll.world()
+        >>> cfg = coll.broadcast_object({"lr": 0.1, "rank": comm.rank}, root=0)
+        >>> cfg
+        {'lr': 0.1, 'rank': 0}
+    """
+    return _resolve(comm).broadcast_object(obj, root)
+
+
+def allgather_object(obj, *, comm=None) -> list:
+    """Every rank's ``obj`` (any picklable object), in rank order.
+
+    Every rank of ``comm`` must call it. If some rank's object cannot be pickled, every rank raises the
+    same ``TypeError`` naming that rank, and no object is exchanged.
+
+    Returns:
+        A list of ``size`` objects: entry r is rank r's (this rank's entry is ``obj`` itself).
+
+    Example:
+        >>> import collectives as coll
+        >>> comm = coll.world()
+        >>> coll.allgather_object(f"rank {comm.rank}") == [f"rank {r}" for r in range(comm.size)]
+        True
+    """
+    return _resolve(comm).allgather_object(obj)
 
 
 def barrier(*, comm=None) -> None:
@@ -673,7 +1168,7 @@ def synchronize(tree, root: int = 0, *, comm=None, bucket_bytes: int | None = No
     return _tree.synchronize(_resolve(comm), tree, root, bucket_bytes)
 
 
-def allreduce_tree(tree, op: str = "mean", *, comm=None, bucket_bytes: int | None = None):
+def allreduce_tree(tree, op: str = "mean", *, comm=None, bucket_bytes: int | None = None, async_op: bool = False):
     """Reduce every array leaf of ``tree`` over all ranks, fused into few collectives.
 
     Every rank must call it with the same ``op`` and a tree of the same structure (checked first, with
@@ -717,4 +1212,4 @@ def allreduce_tree(tree, op: str = "mean", *, comm=None, bucket_bytes: int | Non
         >>> bool((out["w"] == mean).all()) and out["b"].tolist() == [1.0, 1.0] and out["loss"] == mean
         True
     """
-    return _tree.allreduce_tree(_resolve(comm), tree, op, bucket_bytes)
+    return _resolve(comm).allreduce_tree(tree, op, bucket_bytes=bucket_bytes, async_op=async_op)

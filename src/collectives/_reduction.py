@@ -103,7 +103,7 @@ def from_ordered(ints: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return ints.view(dtype)
 
 
-def _minmax_flagged(values: np.ndarray, op: str, collective) -> None:
+def _minmax_flagged(values: np.ndarray, op: str):
     """min/max of floats without an integer of their width (longdouble), exactly as :func:`to_ordered`
     would: NaN and the sign of zero travel as byte flags reduced with max beside the values, which are
     reduced with NaN replaced by the identity of ``op``."""
@@ -116,8 +116,8 @@ def _minmax_flagged(values: np.ndarray, op: str, collective) -> None:
     preferred &= np.signbit(values) == (op == "min")  # max prefers +0.0, min prefers -0.0
     flags[n:] = preferred
     values[nan] = -np.inf if op == "max" else np.inf
-    collective(values, op)
-    collective(flags, "max")
+    yield values, op  # two collectives, in place (see steps)
+    yield flags, "max"
     zero = values == 0
     values[zero] = np.copysign(0.0, -1.0 if op == "min" else 1.0)
     values[zero & ~flags[n:].astype(bool)] *= -1
@@ -125,20 +125,49 @@ def _minmax_flagged(values: np.ndarray, op: str, collective) -> None:
 
 
 def reduce_buffer(buf: np.ndarray, info: _dtypes.DType, op: str, size: int, collective, native, *,
-                  receives: bool = True) -> None:
+                  receives: bool = True, out: np.ndarray | None = None) -> None:
     """Reduce the contiguous ``buf`` (``info``'s storage dtype) over the ranks with ``op``.
 
-    ``collective(wire, op)`` reduces a buffer of a native dtype in place (an allreduce, or a reduce to a
-    root); ``native`` is the transport's ``reduces``. A rank with ``receives=False`` (not the root of a
-    reduce) only contributes: ``buf`` is left bit for bit as it was (it may be read-only).
+    ``collective(wire, op)`` reduces a buffer of a native dtype: in place, returning None (an allreduce,
+    or a reduce to a root), or into a new array it returns (a reduce-scatter: this rank's block, with
+    ``wire.size // size`` elements); ``native`` is the transport's ``reduces``. A rank with
+    ``receives=False`` (not the root of a reduce) only contributes: ``buf`` is left bit for bit as it was
+    (it may be read-only). With ``out`` (a contiguous array of ``info``'s storage dtype, the size of what
+    ``collective`` returns) the result goes there and ``buf`` is left as it was. The decoding (ordered
+    integers back to floats, mean's division, rounding back) runs on the result only.
     """
-    with np.errstate(all="ignore"):
-        _reduce(buf, info, op, size, collective, native, receives)
+    run = steps(buf, info, op, size, native, receives=receives, out=out)
+    result = None
+    while True:
+        with np.errstate(all="ignore"):
+            try:
+                wire, wire_op_ = run.send(result)
+            except StopIteration:
+                return
+        result = collective(wire, wire_op_)
 
 
-def _reduce(buf, info, op, size, collective, native, receives) -> None:
+def steps(buf: np.ndarray, info: _dtypes.DType, op: str, size: int, native, *, receives: bool = True,
+          out: np.ndarray | None = None):
+    """:func:`reduce_buffer` as a generator, for callers that start the collective and finish later (the
+    asynchronous collectives): it yields ``(wire, op)`` for each collective it needs (one; two for the
+    flagged floats) and is sent what the collective returned (None for in place, else its result) once
+    that collective has completed. Run it with NumPy's floating-point errors ignored (as reduce_buffer
+    does), each step: the encoding before the first yield, the decoding after the last."""
+    return _reduce(buf, info, op, size, native, receives, out)
+
+
+def scatters(info: _dtypes.DType, op: str) -> bool:
+    """Whether :func:`reduce_buffer` can run a reduce-scatter (``out=``) for this pair: every pair but
+    min/max of floats wider than 64 bits, whose flags travel in a second, whole-buffer call (the
+    Communicator composes those from an allreduce, with the same bits)."""
+    return not (op in MINMAX and info.kind == "f" and info.name != "bfloat16" and not ordered(info.storage))
+
+
+def _reduce(buf, info, op, size, native, receives, out):
     value = value_dtype(info, op, native)
     bf16 = info.name == "bfloat16"
+    keep = not receives or out is not None  # buf must stay as it was
     if bf16:
         v = _dtypes.bf16_to_f32(buf)  # a new array
     elif value != buf.dtype or info.kind == "b":
@@ -146,27 +175,40 @@ def _reduce(buf, info, op, size, collective, native, receives) -> None:
     else:
         v = buf
     float_minmax = op in MINMAX and v.dtype.kind == "f"
-    if v is buf and not receives and float_minmax:
+    if v is buf and keep and float_minmax:
         v = buf.copy()  # the mapping works in place: not in a buffer that must stay as it was
     if float_minmax and ordered(v.dtype):
         ints = to_ordered(v, op)
-        collective(ints, op)
-        if receives:
-            from_ordered(ints, v.dtype)
+        r = yield ints, op
+        r = ints if r is None else r
+        if not receives:
+            return
+        r = from_ordered(r, v.dtype)
     elif float_minmax:
-        _minmax_flagged(v, op, collective)
+        if out is not None:
+            raise AssertionError("reduce_buffer: a reduce-scatter of flagged floats (see scatters)")
+        yield from _minmax_flagged(v, op)
+        r = v
     else:
-        collective(v, wire_op(op))
+        r = yield v, wire_op(op)
+        r = v if r is None else r
         if not receives:
             return
         if op == "mean":
-            _dtypes.divide(v, size)
-    if not receives or v is buf or (info.kind == "b" and value == _U8):
-        return
+            _dtypes.divide(r, size)
+    if out is None:
+        if v is buf or (info.kind == "b" and value == _U8):
+            return  # the result is in buf's own memory
+        out = buf
+    flat, r = out.reshape(-1), r.reshape(-1)  # out is contiguous: a view
+    if r.dtype == flat.dtype and r.__array_interface__["data"][0] == flat.__array_interface__["data"][0]:
+        return  # the collective received into out itself
     if bf16:
-        _dtypes.f32_to_bf16(v, out=buf)
+        _dtypes.f32_to_bf16(r, out=flat)
+    elif info.kind == "b" and value == _U8:
+        flat.view(_U8)[...] = r
     else:
-        np.copyto(buf, v, casting="unsafe")  # round to nearest (floats), modulo 2**n (integers)
+        np.copyto(flat, r, casting="unsafe")  # round to nearest (floats), modulo 2**n (integers)
 
 
 def runner(transport, info: _dtypes.DType, op: str, size: int):

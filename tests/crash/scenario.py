@@ -148,6 +148,14 @@ def main(name: str) -> None:
             mark(name)
         comm.allreduce(x)
 
+    elif name == "async-never-issued":  # one rank never issues the matching async call: wait()'s deadline
+        if comm.rank == last:
+            time.sleep(120)
+        else:
+            h = comm.allreduce(x, async_op=True)
+            mark(name)
+            h.wait()
+
     elif name == "deadline-checked":  # the same, caught in checked mode's agreement step
         if comm.rank == last:
             time.sleep(120)

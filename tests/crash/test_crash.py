@@ -158,6 +158,15 @@ def test_deadline_ends_a_job_with_a_rank_that_never_arrives(n):
 
 
 @pytest.mark.parametrize("n", SIZES)
+def test_deadline_in_wait_ends_a_job_whose_rank_never_issues_the_async_call(n):
+    job = run("async-never-issued", n, COLLECTIVES_TIMEOUT=DEADLINE_S)
+    ended_promptly(job, within=DEADLINE_S + PROMPT_S)
+    assert job.after_failure >= DEADLINE_S - 0.1, job
+    assert "CollectiveTimeoutError" in job.err, job
+    assert re.search(rf"allreduce of 4 x float64 .*did not complete on rank \d of {n}", job.err), job
+
+
+@pytest.mark.parametrize("n", SIZES)
 def test_deadline_covers_the_agreement_step(n):
     job = run("deadline-checked", n, COLLECTIVES_TIMEOUT=DEADLINE_S, COLLECTIVES_CHECK=1)
     ended_promptly(job, within=DEADLINE_S + PROMPT_S)

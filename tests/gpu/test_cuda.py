@@ -285,3 +285,52 @@ def test_nccl_eager_sets_up_the_device_at_init(comm, dev, monkeypatch):
     finally:
         fresh.close()
         mine.Free()
+
+
+# ---- issue 14: reduce_scatter, alltoall, split, async ----
+
+@pytest.mark.parametrize("dtype, op", [("float32", "sum"), ("float32", "max"), ("int64", "min"), ("float64", "mean"),
+                                       ("bfloat16", "sum"), ("float16", "mean"), ("bool", "max")])
+def test_reduce_scatter_is_allreduce_block(comm, dev, dtype, op):
+    if not dev.has(dtype):
+        pytest.skip(f"{dev.name} has no {dtype}")
+    shape = (2 * comm.size, 3)
+    x = dev.make(rank_values(comm.rank, shape, dtype, op), dtype)
+    before = dev.to_numpy(x).copy()
+    y = coll.reduce_scatter(x, op=op, comm=comm)
+    assert dev.is_array(y) and dev.device_of(y) == dev.index and tuple(y.shape) == (2, 3) and y.dtype == x.dtype
+    np.testing.assert_array_equal(dev.to_numpy(x), before)  # x unchanged
+    full = dev.to_numpy(coll.allreduce(dev.make(rank_values(comm.rank, shape, dtype, op), dtype), op=op, comm=comm))
+    assert_reduced(dev.to_numpy(y), full[2 * comm.rank:2 * comm.rank + 2], dtype, op)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "bfloat16", "float64", "complex64"])
+def test_alltoall_bit_for_bit(comm, dev, dtype):
+    if not dev.has(dtype):
+        pytest.skip(f"{dev.name} has no {dtype}")
+    n = comm.size
+    sent = [rank_values(r, (2 * n, 3), dtype) for r in range(n)]
+    y = coll.alltoall(dev.make(sent[comm.rank], dtype), comm=comm)
+    assert dev.is_array(y) and dev.device_of(y) == dev.index
+    want = np.concatenate([dev.to_numpy(dev.make(sent[i], dtype))[2 * comm.rank:2 * comm.rank + 2] for i in range(n)])
+    np.testing.assert_array_equal(dev.to_numpy(y), want)
+
+
+def test_split_gets_its_own_device_transport(comm, dev):
+    coll.allreduce(dev.make(np.ones(1), "float32"), comm=comm)  # the parent's device transport exists
+    sub = comm.split(comm.rank % 2)
+    try:
+        x = dev.make(np.ones(4), "float32")
+        coll.allreduce(x, comm=sub)
+        assert (dev.to_numpy(x) == sub.size).all()
+        assert transport_of(sub, dev) is not transport_of(comm, dev)
+    finally:
+        sub.close()
+
+
+def test_async_on_cuda_arrays(comm, dev):
+    x = dev.make(np.full(6, float(comm.rank)), "float32")
+    h = coll.allreduce(x, op="sum", async_op=True, comm=comm)
+    assert h.wait() is x and (dev.to_numpy(x) == sum(range(comm.size))).all() and h.done()
+    rs = coll.reduce_scatter(dev.make(np.ones(2 * comm.size), "float32"), async_op=True, comm=comm).wait()
+    assert (dev.to_numpy(rs) == comm.size).all()

@@ -5,7 +5,8 @@ The paths: the cached hot path (a second call), the general path (a strided view
 small-leaf buckets and the solo leaves of ``allreduce_tree``, the shared-memory allreduce forced on (a tiny
 threshold) and off, the deadline transport, ``reduce``, torch tensors (hot and general path), and the two
 CUDA transports that do not need a GPU for their logic (host staging, CUDA-aware MPI), with CPU tensors
-standing in for device tensors. Every result is compared with a reference computed on every rank from all
+standing in for device tensors; the asynchronous calls (``async_op=True``) on those host paths; and ``reduce_scatter`` through the same host paths and stand-ins (its
+block must hold the documented bits too). Every result is compared with a reference computed on every rank from all
 ranks' inputs (every rank can make every rank's inputs: they are seeded), under the documented rules:
 integers wrap (modulo 2**n), float min/max is a total order in which NaN wins and -0.0 < +0.0, mean is the
 sum divided once by the number of ranks. Values are small integers, zeros of both signs, infinities and
@@ -175,8 +176,11 @@ def numpy_paths(x, op, comm, comms):
     small = {"a": x.copy(), "pad": np.ones(3, x.dtype)}
     out["tree small leaves"] = coll.allreduce_tree(small, op, comm=comm)["a"]
     out["tree solo leaf"] = coll.allreduce_tree({"a": x.copy()}, op, comm=comm, bucket_bytes=64)["a"]
+    out["async"] = coll.allreduce(x.copy(), op, comm=comm, async_op=True).wait()
+    out["async strided"] = comm.allreduce(base.T[:, 1], op, async_op=True).wait().copy()
     for name, c in comms.items():
         out[name] = c.allreduce(x.copy(), op)
+        out[f"{name} async"] = c.allreduce(x.copy(), op, async_op=True).wait()
         out[f"{name} tree solo leaf"] = c.allreduce_tree({"a": x.copy()}, op, bucket_bytes=64)["a"]
         out[f"{name} tree small leaves"] = c.allreduce_tree({"a": x.copy(), "b": np.ones(2, x.dtype)}, op)["a"]
     for root in range(comm.size):
@@ -184,6 +188,13 @@ def numpy_paths(x, op, comm, comms):
         got = coll.reduce(r, op, root, comm=comm)
         if comm.rank == root:
             out[f"reduce to {root}"] = got
+        r = x.copy()
+        got = coll.reduce(r, op, root, comm=comm, async_op=True).wait()
+        if comm.rank == root:
+            out[f"async reduce to {root}"] = got
+        got = comms["deadline"].reduce(x.copy(), op, root)
+        if comm.rank == root:
+            out[f"deadline reduce to {root}"] = got
         else:
             assert same_bits(got, x) is None, "a non-root rank's array changed"
     return out
@@ -200,6 +211,7 @@ def torch_paths(x, dtype, op, comm):
     view = wide[::2]
     coll.allreduce(view, op, comm=comm)
     out["torch general"] = to_numpy(view.contiguous(), dtype)
+    out["torch async"] = to_numpy(comm.allreduce(as_lib(x, dtype, "torch"), op, async_op=True).wait(), dtype)
     out["torch tree"] = to_numpy(coll.allreduce_tree({"a": as_lib(x, dtype, "torch")}, op, comm=comm)["a"], dtype)
     for transport in device_stand_ins(comm):
         t = as_lib(x, dtype, "torch")
@@ -249,6 +261,36 @@ def device_stand_ins(comm):
     return made
 
 
+def scatter_input(x: np.ndarray, size: int) -> np.ndarray:
+    """``size`` blocks for reduce_scatter: block j is x rolled by j (the reference rolls alike)."""
+    return np.stack([np.roll(x, j) for j in range(size)])
+
+
+def reduce_scatter_paths(x, dtype, op, comm, comms):
+    """name -> this rank's block of reduce_scatter, for every host path and the device stand-ins."""
+    out = {}
+    xs = scatter_input(x, comm.size)
+    if dtype != "bfloat16":
+        out["reduce_scatter"] = coll.reduce_scatter(xs.copy(), op, comm=comm)[0]
+        base = np.zeros((2,) + xs.shape, xs.dtype)
+        base[:] = xs
+        out["reduce_scatter strided"] = coll.reduce_scatter(base.transpose(1, 0, 2)[:, 0], op, comm=comm)[0]
+        ro = xs.copy()
+        ro.flags.writeable = False
+        out["reduce_scatter read-only"] = comm.reduce_scatter(ro, op)[0]
+        out["reduce_scatter async"] = comm.reduce_scatter(xs, op, async_op=True).wait()[0]
+        for name, c in comms.items():
+            out[f"reduce_scatter {name}"] = c.reduce_scatter(xs.copy(), op)[0]
+            out[f"reduce_scatter {name} async"] = c.reduce_scatter(xs, op, async_op=True).wait()[0]
+    if dtype != "longdouble":
+        out["reduce_scatter torch"] = to_numpy(coll.reduce_scatter(as_lib(xs, dtype, "torch"), op, comm=comm)[0],
+                                               dtype)
+        for transport in device_stand_ins(comm):
+            got = transport.reduce_scatter(as_lib(xs, dtype, "torch"), None, op)
+            out[f"reduce_scatter {transport.name} (CPU tensors standing in)"] = to_numpy(got[0], dtype)
+    return {k: np.roll(v, -comm.rank) for k, v in out.items()}  # block r was x rolled by r
+
+
 @pytest.mark.parametrize(("dtype", "op"), pairs(), ids=[f"{d}-{o}" for d, o in pairs()])
 def test_every_path_gives_the_documented_bits(comm, comms, dtype, op):
     x = inputs(dtype, op, comm.rank)
@@ -258,6 +300,7 @@ def test_every_path_gives_the_documented_bits(comm, comms, dtype, op):
         results.update(numpy_paths(x, op, comm, comms))
     if dtype not in ("longdouble", "uint16"):
         results.update(torch_paths(x, dtype, op, comm))
+    results.update(reduce_scatter_paths(x, dtype, op, comm, comms))
     if dtype == "bfloat16":  # the reference is float32; bfloat16 rounds it (small integers: exactly)
         import torch
 

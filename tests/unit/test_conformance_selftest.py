@@ -53,6 +53,27 @@ def allreduce(x, op="sum", *, comm=None):
 """
 
 
+# A reduce_scatter that returns the next rank's block, and an alltoall that sends block i to rank i but
+# puts what it receives from rank i at the wrong place (the blocks of the whole job transposed wrongly).
+BROKEN_BLOCKS = HEADER + """
+import numpy as _np
+
+
+def reduce_scatter(x, op="sum", *, comm=None):
+    c = _c.world()
+    full = _np.asarray(_c.allreduce(_np.array(x, copy=True), op=op))
+    n = full.shape[0] // c.size
+    r = (c.rank + 1) % c.size                          # BUG: the next rank's block
+    return full[r * n:(r + 1) * n].copy()
+
+
+def alltoall(x, *, comm=None):
+    y = _np.asarray(_c.alltoall(x))
+    n = y.shape[0] // _c.world().size
+    return _np.concatenate([y[n:], y[:n]])             # BUG: block i holds rank i+1's block
+"""
+
+
 
 def _run(tmp_path: Path, source: str, ranks: int, select: str, *extra: str, libs: str = "numpy") -> tuple[int, str]:
     sut = tmp_path / "sut_under_test.py"
@@ -114,6 +135,17 @@ def test_broadcast_ignoring_root_and_mean_without_division_are_caught(tmp_path):
     assert "test_allreduce[numpy-float64-mean-nd-odd]" in failed, failed
     assert "root=1" in out, "the failure names the root that went wrong"
     assert not any("-sum-" in name or "-max-" in name for name in failed), f"only the broken calls fail: {failed}"
+
+
+def test_wrong_reduce_scatter_block_and_wrong_alltoall_are_caught(tmp_path):
+    _need_mpi()
+    rc, out = _run(tmp_path, BROKEN_BLOCKS, 2, "(test_reduce_scatter or test_alltoall) and numpy and (float64 or int32)")
+    assert rc != 0, "the suite passed a reduce_scatter returning the wrong block:\n" + out[-4000:]
+    failed = _failed(out)
+    assert "test_reduce_scatter[numpy-float64-sum]" in failed, (failed, out[-4000:])
+    assert "test_alltoall[numpy-int32]" in failed, failed
+    assert "it is block 1" in out or "it is block 0" in out, "the failure names the block it got"
+    assert "it is rank" in out, "the failure names whose block it got"
 
 
 def test_size_1_mean_shortcut_is_caught(tmp_path):

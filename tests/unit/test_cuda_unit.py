@@ -371,6 +371,28 @@ class FakeNCCL:
 
     def group_end(self):
         self.calls.append(("group_end",))
+        for ptr, count, _peer in self._recvs:  # every peer holds this rank's data: what peer sends us is
+            memory(ptr, count, np.uint8)[...] = memory(self._sends[self.rank], count, np.uint8)  # our block
+        self._recvs, self._sends = (), {}
+        return self.status
+
+    _recvs: tuple = ()  # (pointer, count, peer) of the receives of the open group
+    _sends: dict = {}  # noqa: RUF012 - peer -> pointer of the open group's sends; replaced, never mutated
+
+    def send(self, ptr, count, dtype, peer, comm, stream):
+        self.calls.append(("send", ptr, count, dtype, peer, comm, stream))
+        self._sends = {**self._sends, peer: ptr}
+        return 0
+
+    def recv(self, ptr, count, dtype, peer, comm, stream):
+        self.calls.append(("recv", ptr, count, dtype, peer, comm, stream))
+        self._recvs = (*self._recvs, (ptr, count, peer))
+        return 0
+
+    def reduce_scatter(self, send, recv, count, dtype, op, comm, stream):
+        self.calls.append(("reduce_scatter", send, recv, count, dtype, op, comm, stream))
+        block = send + self.rank * count * np.dtype(NP_OF_NCCL[dtype]).itemsize
+        self._reduce(block, recv, count, dtype, op)
         return self.status
 
     def _reduce(self, send, recv, count, dtype, op):
@@ -448,7 +470,8 @@ def nccl_transport(lib=None, *, size=3, rank=0, timeout=5.0, check=False):
 
 
 def collective_calls(lib):
-    return [c for c in lib.calls if c[0] in ("all_reduce", "reduce", "broadcast", "all_gather")]
+    return [c for c in lib.calls if c[0] in ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter",
+                                             "send", "recv")]
 
 
 @needs_torch
@@ -622,6 +645,48 @@ def test_nccl_empty_and_zero_d():
     s = torch.tensor(2.0)
     t.allreduce(s, None, "sum")
     assert s.item() == 6.0
+
+
+@needs_torch
+@pytest.mark.parametrize("op, nop", [("sum", _libnccl.ncclSum), ("mean", _libnccl.ncclAvg)])
+def test_nccl_reduce_scatter_gives_this_ranks_block(op, nop):
+    t, lib = nccl_transport(FakeNCCL(3, rank=1))  # the fake library plays rank 1 (the block it returns)
+    x = torch.arange(12, dtype=torch.float32).reshape(6, 2)
+    before = x.clone()
+    out = t.reduce_scatter(x, None, op)
+    assert torch.equal(x, before), "x is left unchanged"
+    want = before[2:4] * (3 if op == "sum" else 1)
+    assert out.shape == (2, 2) and torch.equal(out, want)
+    (call,) = collective_calls(lib)
+    assert call[0] == "reduce_scatter" and call[1] == x.data_ptr() and call[2] == out.data_ptr()
+    assert call[3:6] == (4, _libnccl.ncclFloat32, nop)  # recvcount: one rank's block
+
+
+@needs_torch
+def test_nccl_reduce_scatter_complex_counts_pairs_and_non_contiguous_input():
+    t, lib = nccl_transport(FakeNCCL(3, rank=2))
+    x = torch.ones(4, 3, dtype=torch.complex64).t()  # (3, 4), non-contiguous
+    out = t.reduce_scatter(x, None, "sum")
+    assert out.shape == (1, 4) and (out == 3).all()
+    assert collective_calls(lib)[0][3] == 8  # 4 complex values: 8 floats
+
+
+@needs_torch
+def test_nccl_alltoall_is_one_group_of_sends_and_receives():
+    t, lib = nccl_transport(FakeNCCL(3, rank=1))
+    x = torch.arange(12, dtype=torch.int16).reshape(6, 2)  # any dtype: bytes
+    before = x.clone()
+    out = t.alltoall(x, None)
+    assert torch.equal(x, before) and out.shape == x.shape and out.dtype == x.dtype
+    for i in range(3):  # every (fake) rank holds x: block i of the result is rank i's block 1
+        assert torch.equal(out[2 * i:2 * i + 2], before[2:4])
+    names = [c[0] for c in lib.calls if c[0] != "init"]
+    assert names == ["group_start"] + ["send", "recv"] * 3 + ["group_end"]
+    sends = [c for c in lib.calls if c[0] == "send"]
+    recvs = [c for c in lib.calls if c[0] == "recv"]
+    assert [c[1] - x.data_ptr() for c in sends] == [0, 8, 16] and [c[4] for c in sends] == [0, 1, 2]
+    assert [c[1] - out.data_ptr() for c in recvs] == [0, 8, 16] and [c[2] for c in recvs] == [8] * 3
+    assert t.alltoall(torch.zeros(0, 3), None).shape == (0, 3)
 
 
 @needs_torch

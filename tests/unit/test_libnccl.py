@@ -530,7 +530,7 @@ def test_function_table_matches_header_prototypes():
     wanted = {"ncclGetVersion", "ncclGetUniqueId", "ncclCommInitRank", "ncclCommInitRankConfig",
               "ncclCommDestroy", "ncclCommFinalize", "ncclCommAbort", "ncclCommGetAsyncError",
               "ncclCommCount", "ncclCommCuDevice", "ncclCommUserRank", "ncclAllReduce", "ncclBroadcast",
-              "ncclReduce", "ncclAllGather", "ncclReduceScatter", "ncclGroupStart", "ncclGroupEnd",
+              "ncclReduce", "ncclAllGather", "ncclReduceScatter", "ncclSend", "ncclRecv", "ncclGroupStart", "ncclGroupEnd",
               "ncclGetErrorString", "ncclGetLastError"}
     assert {e.name for e in m._FUNCTIONS} == wanted
     for entry in m._FUNCTIONS:

@@ -189,6 +189,15 @@ class Recorder(HostTransport):
     def reduce(self, buf, op, root):
         raise AssertionError("not used")
 
+    def reduce_scatter(self, send, recv, op):
+        raise AssertionError("not used")
+
+    def alltoall(self, send, recv):
+        raise AssertionError("not used")
+
+    def split(self, color, key):
+        raise AssertionError("not used")
+
     def broadcast(self, buf, root):
         if self.replay is not None:
             kind, data = self.replay.pop(0)

@@ -432,6 +432,22 @@ _FUNCTIONS: list[_Fn] = [
         (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, _ncclDataType_t, _ncclRedOp_t, _ncclComm_t,
          _cudaStream_t),
     ),
+    # ncclResult_t ncclSend(const void* sendbuff, size_t count, ncclDataType_t datatype, int peer,
+    #                       ncclComm_t comm, cudaStream_t stream);
+    _Fn(
+        "ncclSend",
+        _ncclResult_t,
+        (ctypes.c_void_p, ctypes.c_size_t, _ncclDataType_t, ctypes.c_int, _ncclComm_t, _cudaStream_t),
+        (2, 7, 0),
+    ),
+    # ncclResult_t ncclRecv(void* recvbuff, size_t count, ncclDataType_t datatype, int peer,
+    #                       ncclComm_t comm, cudaStream_t stream);
+    _Fn(
+        "ncclRecv",
+        _ncclResult_t,
+        (ctypes.c_void_p, ctypes.c_size_t, _ncclDataType_t, ctypes.c_int, _ncclComm_t, _cudaStream_t),
+        (2, 7, 0),
+    ),
     # ncclResult_t ncclGroupStart();
     _Fn("ncclGroupStart", _ncclResult_t, ()),
     # ncclResult_t ncclGroupEnd();
@@ -837,6 +853,16 @@ class NCCLLibrary:
         """``ncclReduceScatter``; ``sendptr`` holds ``nranks * recvcount`` elements."""
         return self._call("ncclReduceScatter", sendptr, recvptr, _count(recvcount), datatype, op, comm,
                           stream, allow_in_progress=True)
+
+    def send(self, sendptr: int, count: int, datatype: int, peer: int, comm: int, stream: int | None) -> int:
+        """``ncclSend`` (inside a group, with the matching ``ncclRecv`` on ``peer``)."""
+        return self._call("ncclSend", sendptr, _count(count), datatype, peer, comm, stream,
+                          allow_in_progress=True)
+
+    def recv(self, recvptr: int, count: int, datatype: int, peer: int, comm: int, stream: int | None) -> int:
+        """``ncclRecv`` (inside a group, with the matching ``ncclSend`` on ``peer``)."""
+        return self._call("ncclRecv", recvptr, _count(count), datatype, peer, comm, stream,
+                          allow_in_progress=True)
 
     def group_start(self) -> int:
         """``ncclGroupStart``."""

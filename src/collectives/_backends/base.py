@@ -15,6 +15,9 @@ Optional capabilities, declared here with their defaults (a transport overrides 
 - :meth:`reduces`: which (dtype, op) pairs it reduces correctly itself (default: all but float16 where
   ``_float16`` is False).
 
+- :meth:`start`: begin an operation and return a :class:`Request` (default: run the blocking operation
+  now and return a completed request); the asynchronous collectives (``async_op=True``) use it.
+
 Every rank must call every operation, in the same order (they are collective).
 """
 
@@ -27,6 +30,21 @@ import numpy as np
 _F16 = np.dtype(np.float16)
 
 
+class Request:
+    """A started operation. :meth:`test` never blocks; :meth:`wait` returns once it is complete (or raises:
+    a timeout, an MPI error). This one is complete from the start."""
+
+    def test(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        pass
+
+
+DONE = Request()
+OPERATIONS = ("allreduce", "reduce", "broadcast", "allgather", "reduce_scatter", "alltoall")
+
+
 class HostTransport(abc.ABC):
     name: str = "abstract"
     array_level = False  # host transports take NumPy buffers; device transports (device.py) take arrays
@@ -35,6 +53,7 @@ class HostTransport(abc.ABC):
     local_rank: int = 0
     local_size: int = 1
     can_broadcast_many = False
+    timeout: float | None = None  # seconds a wait may last (COLLECTIVES_TIMEOUT), where the transport has one
     _float16 = True
 
     def reduces(self, dtype: np.dtype, op: str) -> bool:
@@ -48,6 +67,13 @@ class HostTransport(abc.ABC):
         ``op="broadcast"``; or None to use the general operations below. Only asked for pairs that
         :meth:`reduces` accepts and that need no conversion."""
         return None
+
+    def start(self, operation: str, *args) -> Request:
+        """Begin ``operation`` (one of :data:`OPERATIONS`, with the arguments its blocking method takes)
+        and return its :class:`Request`; the buffers must stay alive and untouched until it completes.
+        Default: run the blocking operation now and return a completed request."""
+        getattr(self, operation)(*args)
+        return DONE
 
     @abc.abstractmethod
     def allreduce(self, buf: np.ndarray, op: str) -> None:
@@ -72,6 +98,17 @@ class HostTransport(abc.ABC):
         """``recv[r]`` becomes rank r's ``send``; ``recv`` has shape ``(size, send.size)``."""
 
     @abc.abstractmethod
+    def reduce_scatter(self, send: np.ndarray, recv: np.ndarray, op: str) -> None:
+        """Reduce ``send`` across ranks; ``recv`` (``send.size // size`` elements, same dtype) becomes
+        this rank's block of the result (block r: elements ``r * recv.size`` to ``(r + 1) * recv.size``).
+        ``send`` is left as it was."""
+
+    @abc.abstractmethod
+    def alltoall(self, send: np.ndarray, recv: np.ndarray) -> None:
+        """Block j of ``send`` (shape ``(size, n)``, contiguous) goes to rank j; row i of ``recv`` (the same
+        shape and dtype) becomes rank i's block for this rank."""
+
+    @abc.abstractmethod
     def allgather_object(self, obj) -> list:
         """Every rank's picklable ``obj``, in rank order (used for agreement checks, not for data)."""
 
@@ -82,6 +119,12 @@ class HostTransport(abc.ABC):
     @abc.abstractmethod
     def barrier(self) -> None:
         """Return once every rank has entered."""
+
+    @abc.abstractmethod
+    def split(self, color: int | None, key: int):
+        """A new transport for the ranks of equal ``color``, ordered by ``(key, rank)`` (MPI_Comm_split);
+        None for a rank whose ``color`` is None. Collective over this transport; the arguments were
+        validated (non-negative ``color`` or None, integer ``key``) and agreed valid on every rank."""
 
     def close(self) -> None:  # noqa: B027 - optional: a transport that holds nothing keeps this no-op
         """Release what the transport holds; idempotent."""

@@ -312,6 +312,14 @@ class HostStagingTransport(DeviceTransport):
         xp, _ = self._prepare(x)
         return xp.to_device(self._comm.allgather(xp.to_host(x)), x)
 
+    def reduce_scatter(self, x, a, op):
+        _, info = self._prepare(x)
+        _dtypes.check_reduction(info, op)
+        return self._staged_scatter(x, op)
+
+    def alltoall(self, x, a):
+        return self._staged_alltoall(x)
+
 
 def _pieces(total: int, step: int):
     """``(offset, count)`` pieces of ``total`` elements, each at most ``step``."""
@@ -415,3 +423,40 @@ class CudaAwareMPITransport(DeviceTransport):
                     self._mpi.Bcast([self._mem(base + r * nbytes + off, n), self._MPI.BYTE], r)
         return out
 
+    def reduce_scatter(self, x, a, op):
+        xp, info = self._prepare(x)
+        _dtypes.check_reduction(info, op)
+        n = xp.numel(x) // self.size  # elements of one rank's block
+        if self._host_rules(info, op) or n > self._max:
+            return self._staged_scatter(x, op)
+        self._agree("reduce_scatter", xp, x, info, op=op)
+        shape = xp.shape(x)
+        send, _ = xp.contiguous(x)
+        out = xp.empty((shape[0] // self.size,) + shape[1:], like=x)
+        wire, dt = self._wire(xp, send, info)
+        recv, _ = self._wire(xp, out, info)  # widened dtypes: a float32 temporary
+        xp.synchronize(x)
+        datatype, mop = self._types[dt], self._ops["sum" if op == "mean" else op]
+        if n:
+            size = dt.itemsize
+            self._mpi.Reduce_scatter_block([self._mem(xp.ptr(wire), n * self.size * size), n, datatype],  # per block
+                                           [self._mem(xp.ptr(recv), n * size), n, datatype], mop)
+        if op == "mean":
+            xp.divide_(recv, self.size)
+        if recv is not out:
+            xp.copy_back(out, recv)  # float32 -> bfloat16/float16, rounding to nearest
+        return out
+
+    def alltoall(self, x, a):
+        xp, info = self._prepare(x)
+        nbytes = xp.numel(x) * xp.itemsize(x)
+        if nbytes // self.size > self._max:
+            return self._staged_alltoall(x)
+        self._agree("alltoall", xp, x, info)
+        send, _ = xp.contiguous(x)
+        out = xp.empty(xp.shape(x), like=x)
+        if nbytes:
+            xp.synchronize(x)
+            self._mpi.Alltoall([self._mem(xp.ptr(send), nbytes), self._MPI.BYTE],
+                               [self._mem(xp.ptr(out), nbytes), self._MPI.BYTE])
+        return out

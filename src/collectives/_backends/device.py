@@ -66,6 +66,15 @@ class DeviceTransport(abc.ABC):
     def allgather(self, x, a):
         """A new ``(size, *x.shape)`` array on x's device, row r holding rank r's ``x``."""
 
+    @abc.abstractmethod
+    def reduce_scatter(self, x, a, op: str):
+        """A new ``(x.shape[0] // size, *x.shape[1:])`` array on x's device: this rank's block of the
+        reduction of ``x`` (``op`` includes ``mean``); ``x`` unchanged. The leading dimension was checked."""
+
+    @abc.abstractmethod
+    def alltoall(self, x, a):
+        """A new array of x's shape on x's device: block i from rank i's block ``rank``; ``x`` unchanged."""
+
     def allreduce_many(self, arrays, a, op: str):
         """Reduce each array of ``arrays`` in place (fused where :attr:`fuses`)."""
         for x in arrays:
@@ -94,6 +103,17 @@ class DeviceTransport(abc.ABC):
         if self.rank == root:
             xp.from_host(x, host)
         return x
+
+    def _staged_scatter(self, x, op: str):
+        """:meth:`reduce_scatter` through host memory and the host path (every host rule holds): the
+        host-staging transport's, and every device transport's float min/max."""
+        xp, _ = self._prepare(x)
+        return xp.to_device(self._comm.reduce_scatter(xp.to_host(x), op), x)
+
+    def _staged_alltoall(self, x):
+        """:meth:`alltoall` through host memory and the host path."""
+        xp, _ = self._prepare(x)
+        return xp.to_device(self._comm.alltoall(xp.to_host(x)), x)
 
     def _prepare(self, x):
         xp = self._library_of(x)

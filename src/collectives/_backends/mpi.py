@@ -24,7 +24,7 @@ from .. import _config
 from .._dtypes import divide
 from .._errors import BackendUnavailableError, CollectiveError, CollectiveTimeoutError
 from . import shm  # large allreduces through a node-shared window (made at first use), issue 7
-from .base import HostTransport
+from .base import DONE, HostTransport, Request
 
 
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
@@ -349,6 +349,60 @@ class MPITransport(HostTransport):
         for piece in self._chunks(raw):
             self.comm.Bcast([piece, self.MPI.BYTE], root)
 
+    # ---- non-blocking starts (async_op=True) ----
+    def start(self, operation, *args):
+        """Begin ``operation`` as MPI's non-blocking collective (``Iallreduce``, ``Ireduce``, ``Ibcast``,
+        ``Iallgather``, ``Ireduce_scatter_block``, ``Ialltoall``) and return its request. Never the
+        shared-memory allreduce (synchronous by design: it would finish here, with nothing to overlap;
+        see docs/semantics.md). Counts past the limit of one MPI call run blocking now (a completed
+        request): the piecewise loops need each piece's result before the next."""
+        begin = getattr(self, "_i" + operation)(*args)
+        if begin is None:
+            getattr(self, operation)(*args)
+            return DONE
+        return _MPIRequest(self, begin, (operation, args[0] if args else None, None))
+
+    def _iallreduce(self, buf, op):
+        if buf.size > self._max_count:
+            return None
+        return self.comm.Iallreduce(self._in_place, [buf, self._types[buf.dtype]], self._ops[op])
+
+    def _ireduce(self, buf, op, root):
+        if buf.size > self._max_count or (op == "prod" and buf.dtype.kind == "c"):
+            return None  # complex products: MPICH's Ireduce multiplies in another order than Reduce, and
+            # the sign of a zero part depends on that order (tests/mpi/test_paths.py); blocking instead
+        spec = [buf, self._types[buf.dtype]]
+        if self.rank == root:
+            return self.comm.Ireduce(self._in_place, spec, self._ops[op], root)
+        return self.comm.Ireduce(spec, None, self._ops[op], root)
+
+    def _ibroadcast(self, buf, root):
+        if buf.nbytes > self._max_count:
+            return None
+        return self.comm.Ibcast([buf.reshape(-1).view(np.uint8), self.MPI.BYTE], root)
+
+    def _iallgather(self, send, recv):
+        if send.nbytes > self._max_count:
+            return None
+        return self.comm.Iallgather([send.reshape(-1).view(np.uint8), self.MPI.BYTE],
+                                    [recv.reshape(-1).view(np.uint8), self.MPI.BYTE])
+
+    def _ireduce_scatter(self, send, recv, op):
+        if recv.size > self._max_count:
+            return None
+        datatype = self._types[send.dtype]
+        return self.comm.Ireduce_scatter_block([send, datatype], [recv, datatype], self._ops[op])
+
+    def _ialltoall(self, send, recv):
+        if send.nbytes // self.size > self._max_count:
+            return None
+        return self.comm.Ialltoall([send.reshape(-1).view(np.uint8), self.MPI.BYTE],
+                                   [recv.reshape(-1).view(np.uint8), self.MPI.BYTE])
+
+    def _wait(self, what, req) -> None:
+        """Wait for ``req`` (no deadline on this transport)."""
+        req.Wait()
+
     # ---- many buffers, one broadcast (synchronize) ----
     PIPE_CHUNK = 1 << 20  # bytes per message of broadcast_many
     MIN_PIPE_CHUNK = 4096  # ... and the least, for a tiny bucket_bytes
@@ -488,6 +542,37 @@ class MPITransport(HostTransport):
                 row[...] = send.reshape(-1)
             self.broadcast(row, r)
 
+    def _blocks(self, send, recv):
+        """Pieces ``(send part, recv part, write back)`` of a reduce-scatter or alltoall whose per-rank
+        block is longer than one MPI call takes: column slices of the ``(size, n)`` layout, copied to be
+        contiguous (``write back`` copies a received piece into place). One piece, no copy, otherwise.
+        ``send`` is ``(size, n)``, ``recv`` ``(rows, n)``."""
+        n, step = send.shape[1], self._max_count
+        if n <= step:
+            yield send, recv, None
+            return
+        s2, r2 = send, recv
+        for lo in range(0, n, step):
+            piece = np.ascontiguousarray(s2[:, lo:lo + step])
+            out = np.empty((r2.shape[0], piece.shape[1]), dtype=recv.dtype)
+            yield piece, out, (r2[:, lo:lo + step], out)
+
+    def reduce_scatter(self, send, recv, op):
+        datatype = self._types[send.dtype]
+        mop = self._ops[op]
+        for s, r, back in self._blocks(send.reshape(self.size, -1), recv.reshape(1, -1)):
+            self.comm.Reduce_scatter_block([s, datatype], [r, datatype], mop)
+            if back is not None:
+                back[0][...] = back[1]
+
+    def alltoall(self, send, recv):
+        raw_s = send.reshape(self.size, -1).view(np.uint8)
+        raw_r = recv.reshape(self.size, -1).view(np.uint8)
+        for s, r, back in self._blocks(raw_s, raw_r):
+            self.comm.Alltoall([s, self.MPI.BYTE], [r, self.MPI.BYTE])
+            if back is not None:
+                back[0][...] = back[1]
+
     def allgather_object(self, obj):
         return self.comm.allgather(obj)
 
@@ -496,6 +581,20 @@ class MPITransport(HostTransport):
 
     def barrier(self):
         self.comm.Barrier()
+
+    def split(self, color, key):
+        """``MPI_Comm_split`` of this transport's communicator, then a transport of the same kind (a
+        deadline too, with the same ``timeout``) on a duplicate of the part; None for ``color`` None."""
+        part = self.comm.Split(self.MPI.UNDEFINED if color is None else color, key)
+        if part == self.MPI.COMM_NULL:
+            return None
+        try:
+            child = MPITransport.__new__(type(self))
+            child.timeout = self.timeout
+            child.__init__(part)  # collective over the part: its own duplicate, node communicator, settings
+        finally:
+            part.Free()
+        return child
 
     def close(self):
         reducer, self._shm = getattr(self, "_shm", None), None
@@ -541,6 +640,25 @@ def _overlapping(addresses: tuple, lengths: tuple) -> list[int]:
     return sorted(later)
 
 
+class _MPIRequest(Request):
+    """An MPI request of a transport: :meth:`test` is ``MPI_Test`` (which also lets MPI progress it);
+    :meth:`wait` is the transport's wait (``MPI_Wait``, or polling under the deadline)."""
+
+    def __init__(self, transport, req, what):
+        self._transport, self._req, self._what = transport, req, what
+        self._done = False
+
+    def test(self) -> bool:
+        if not self._done:
+            self._done = self._req.Test()
+        return self._done
+
+    def wait(self) -> None:
+        if not self._done:
+            self._transport._wait(self._what, self._req)
+            self._done = True
+
+
 class DeadlineMPITransport(MPITransport):
     """:class:`MPITransport` with a deadline on every collective (``COLLECTIVES_TIMEOUT`` seconds).
 
@@ -570,11 +688,21 @@ class DeadlineMPITransport(MPITransport):
     # ---- waiting ----
     def _run(self, what, start, *args) -> None:
         """Start a non-blocking collective with ``start(*args)`` and wait for it under the deadline."""
+        self._usable()
+        self._wait(what, start(*args))
+
+    def _usable(self) -> None:
         if self._failed is not None:
             raise CollectiveError(f"this communicator is unusable: {self._failed}; the job cannot continue "
                                   f"(other ranks may still be waiting in that collective)")
+
+    def start(self, operation, *args):
+        self._usable()
+        return super().start(operation, *args)
+
+    def _wait(self, what, req) -> None:
+        """Poll ``req`` until it completes or ``timeout`` seconds from now have passed (then raise)."""
         t0 = time.monotonic()
-        req = start(*args)
         if req.Test():
             return
         deadline = t0 + self.timeout
@@ -629,6 +757,9 @@ class DeadlineMPITransport(MPITransport):
                       [piece, datatype], mop)
 
     def reduce(self, buf, op, root):
+        if op == "prod" and buf.dtype.kind == "c":  # Ireduce's order of complex products gives other signs
+            # of zero parts than Reduce's (see MPITransport._ireduce); Iallreduce's agrees with Reduce's
+            return self.allreduce(buf if self.rank == root else buf.copy(), op)
         datatype = self._types[buf.dtype]
         mop = self._ops[op]
         what = ("reduce", buf, f"op={op}, root={root}")
@@ -649,6 +780,23 @@ class DeadlineMPITransport(MPITransport):
         self._run(("allgather", send, None), self.comm.Iallgather,
                   [send.reshape(-1).view(np.uint8), self.MPI.BYTE],
                   [recv.reshape(-1).view(np.uint8), self.MPI.BYTE])
+
+    def reduce_scatter(self, send, recv, op):
+        datatype = self._types[send.dtype]
+        mop = self._ops[op]
+        for s, r, back in self._blocks(send.reshape(self.size, -1), recv.reshape(1, -1)):
+            self._run(("reduce_scatter", s, f"op={op}"), self.comm.Ireduce_scatter_block, [s, datatype],
+                      [r, datatype], mop)
+            if back is not None:
+                back[0][...] = back[1]
+
+    def alltoall(self, send, recv):
+        raw_s = send.reshape(self.size, -1).view(np.uint8)
+        raw_r = recv.reshape(self.size, -1).view(np.uint8)
+        for s, r, back in self._blocks(raw_s, raw_r):
+            self._run(("alltoall", s, None), self.comm.Ialltoall, [s, self.MPI.BYTE], [r, self.MPI.BYTE])
+            if back is not None:
+                back[0][...] = back[1]
 
     def allgather_object(self, obj):
         data = np.frombuffer(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL), dtype=np.uint8)

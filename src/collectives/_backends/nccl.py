@@ -253,13 +253,59 @@ class NCCLTransport(DeviceTransport):
         if not any(count for *_, count in plans):
             return arrays
         lib = self._lib
+
+        def issue():
+            for (x, xp, dtype, nop, count), (buf, _) in zip(plans, bufs):
+                if count:
+                    p = xp.ptr(buf)
+                    lib.all_reduce(p, p, count, dtype, nop, self._handle, xp.stream(x))
+
+        self._group(issue)
+        for (x, xp, *_), (buf, in_place) in zip(plans, bufs):
+            if not in_place:
+                xp.copy_back(x, buf)
+        return arrays
+
+    def reduce_scatter(self, x, a, op):
+        xp, info = self._prepare(x)
+        dtype, nop, mult = self._reduction(info, op)
+        if self._host_rules(info, op):
+            return self._staged_scatter(x, op)
+        self._agree("reduce_scatter", xp, x, info, op=op)
+        shape = xp.shape(x)
+        send, _ = xp.contiguous(x)
+        out = xp.empty((shape[0] // self.size,) + shape[1:], like=x)
+        count = xp.numel(x) // self.size * mult  # of one rank's block
+        if count:
+            self._issue("ncclReduceScatter", self._lib.reduce_scatter, xp.ptr(send), xp.ptr(out), count, dtype,
+                        nop, self._handle, xp.stream(x))
+        return out
+
+    def alltoall(self, x, a):
+        """One NCCL group of a ``ncclSend`` and a ``ncclRecv`` per peer (NCCL has no alltoall call)."""
+        xp, info = self._prepare(x)
+        self._agree("alltoall", xp, x, info)
+        send, _ = xp.contiguous(x)
+        out = xp.empty(xp.shape(x), like=x)
+        block = xp.numel(x) * xp.itemsize(x) // self.size
+        if block:
+            lib, handle, stream, s, r = self._lib, self._handle, xp.stream(x), xp.ptr(send), xp.ptr(out)
+
+            def issue():
+                for peer in range(self.size):
+                    lib.send(s + peer * block, block, _libnccl.ncclUint8, peer, handle, stream)
+                    lib.recv(r + peer * block, block, _libnccl.ncclUint8, peer, handle, stream)
+
+            self._group(issue)
+        return out
+
+    def _group(self, issue) -> None:
+        """Run ``issue()`` (NCCL calls) between ``ncclGroupStart`` and ``ncclGroupEnd``; settle the group."""
+        lib = self._lib
         try:
             lib.group_start()
             try:
-                for (x, xp, dtype, nop, count), (buf, _) in zip(plans, bufs):
-                    if count:
-                        p = xp.ptr(buf)
-                        lib.all_reduce(p, p, count, dtype, nop, self._handle, xp.stream(x))
+                issue()
             finally:
                 status = lib.group_end()
         except NcclError:
@@ -267,7 +313,3 @@ class NCCLTransport(DeviceTransport):
             raise
         if status != _libnccl.ncclSuccess:
             self._settle("ncclGroupEnd")
-        for (x, xp, *_), (buf, in_place) in zip(plans, bufs):
-            if not in_place:
-                xp.copy_back(x, buf)
-        return arrays

@@ -1,0 +1,223 @@
+"""Asynchronous collectives (async_op=True) at any world size: the same bits as the blocking calls, many
+handles outstanding and waited in any order, done() never blocks, errors and the deadline in wait(),
+close() with handles not yet waited."""
+
+import time
+
+import numpy as np
+import pytest
+
+import collectives as coll
+from support.comms import communicator, gather_objects
+
+
+def same(a, b) -> bool:
+    """Equal bit for bit (longdouble: values, signs and NaN, not its padding bytes)."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.dtype.kind == "f" and a.dtype.itemsize > 8:
+        an, bn = np.isnan(a), np.isnan(b)
+        return bool((an == bn).all() and (a[~an] == b[~bn]).all() and (np.signbit(a) == np.signbit(b))[~an].all())
+    return a.tobytes() == b.tobytes()
+
+
+def tricky(rank, dtype, shape):
+    """Signed zeros, infinities, NaN on some ranks: every rule of the reductions shows."""
+    rng = np.random.default_rng(rank)
+    if np.dtype(dtype).kind in "iu":
+        return rng.integers(-50, 50, shape).astype(dtype)
+    if np.dtype(dtype).kind == "b":
+        return rng.random(shape) < 0.5
+    v = rng.choice([-2.0, -0.0, 0.0, 1.0, 3.0, np.inf, -np.inf], shape)
+    v.reshape(-1)[rank % v.size] = np.nan
+    return v.astype(dtype)
+
+
+@pytest.fixture(params=["plain", "deadline"])
+def c(request, comm):
+    if request.param == "plain":
+        yield comm
+        return
+    if comm.backend != "mpi":
+        pytest.skip("needs the MPI backend")
+    with communicator(COLLECTIVES_TIMEOUT=300) as d:
+        yield d
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float16", "float32", "float64", "longdouble", "bool"])
+@pytest.mark.parametrize("op", ["sum", "min", "max", "mean"])
+def test_async_reductions_are_the_blocking_bits(c, dtype, op):
+    if (op == "mean" and np.dtype(dtype).kind in "biu") or (op in ("sum",) and dtype == "bool"):
+        pytest.skip("illegal pair")
+    n = c.size
+    x = tricky(c.rank, dtype, (2 * n, 3))
+    want = c.allreduce(x.copy(), op)
+    y = x.copy()
+    h = c.allreduce(y, op, async_op=True)
+    assert isinstance(h, coll.Handle)
+    assert h.wait() is y and same(y, want) and h.done()
+    assert h.wait() is y  # again: the same result
+    rs = c.reduce_scatter(x, op, async_op=True).wait()
+    assert same(rs, want[2 * c.rank:2 * c.rank + 2])
+    for root in range(n):
+        r = x.copy()
+        got = c.reduce(r, op, root, async_op=True).wait()
+        assert got is r and same(r, want if c.rank == root else x)
+
+
+def test_async_movement_and_trees(c):
+    n = c.size
+    x = np.arange(2 * n * 3, dtype=np.int32).reshape(2 * n, 3) + 100 * c.rank
+    b = x.copy()
+    assert c.broadcast(b, root=n - 1, async_op=True).wait() is b
+    assert same(b, np.arange(2 * n * 3, dtype=np.int32).reshape(2 * n, 3) + 100 * (n - 1))
+    assert same(c.allgather(x, async_op=True).wait(), c.allgather(x))
+    assert same(c.alltoall(x, async_op=True).wait(), c.alltoall(x))
+    tree = {"w": np.full(3, float(c.rank)), "s": 2.0}
+    out = c.allreduce_tree(tree, "sum", async_op=True).wait()
+    assert out["w"].tolist() == [float(sum(range(n)))] * 3 and out["s"] == 2.0 * n
+
+
+def test_general_path_write_back_and_new_arrays(comm):
+    n = comm.size
+    base = np.zeros((4, 3))
+    view = base[:, 1]  # strided: reduced in a copy, written back by wait()
+    view[:] = comm.rank + 1
+    h = comm.allreduce(view, "sum", async_op=True)
+    assert h.wait() is view and (base[:, 1] == n * (n + 1) / 2).all() and (base[:, 0] == 0).all()
+    ro = np.ones(4)
+    ro.flags.writeable = False
+    got = comm.allreduce(ro, "sum", async_op=True).wait()
+    assert got is not ro and (got == n).all() and (ro == 1).all()
+
+
+def test_torch(comm):
+    torch = pytest.importorskip("torch")
+    t = torch.full((comm.size * 2,), float(comm.rank), dtype=torch.bfloat16)
+    want = comm.allreduce(t.clone(), "mean")
+    h = comm.allreduce(t, "mean", async_op=True)
+    assert h.wait() is t and torch.equal(t, want)
+    rs = comm.reduce_scatter(torch.arange(comm.size * 2), "sum", async_op=True).wait()
+    assert isinstance(rs, torch.Tensor) and rs.tolist() == [comm.size * (2 * comm.rank), comm.size * (2 * comm.rank + 1)]
+
+
+def test_many_outstanding_waited_in_reverse(c):
+    n = c.size
+    xs = [np.full(5, float(c.rank + i)) for i in range(4)]
+    handles = [c.allreduce(xs[0], "sum", async_op=True),
+               c.broadcast(xs[1], root=0, async_op=True),
+               c.reduce_scatter(np.tile(xs[2], (n, 1)), "max", async_op=True),
+               c.alltoall(np.tile(xs[3], (n, 1)), async_op=True),
+               c.allgather(np.array([c.rank]), async_op=True),
+               c.reduce(np.array([1.0]), "sum", 0, async_op=True)]
+    results = [h.wait() for h in reversed(handles)][::-1]
+    assert (results[0] == sum(r for r in range(n))).all()
+    assert (results[1] == 1.0).all()
+    assert (results[2] == n - 1 + 2).all()
+    assert [row[0] for row in results[3]] == [i + 3.0 for i in range(n)]
+    assert results[4].tolist() == [[r] for r in range(n)]
+    assert results[5].tolist() == ([float(n)] if c.rank == 0 else [1.0])
+    assert all(h.done() for h in handles)
+
+
+def test_done_never_blocks(comm):
+    if comm.size < 2:
+        pytest.skip("needs two ranks")
+    x = np.ones(8)
+    if comm.rank == 0:
+        h = comm.allreduce(x, "sum", async_op=True)
+        t0 = time.monotonic()
+        early = h.done()
+        assert time.monotonic() - t0 < 0.2 and early is False  # the others have not issued it yet
+        gather_objects(None)  # now they may
+        h.wait()
+    else:
+        gather_objects(None)
+        comm.allreduce(x, "sum", async_op=True).wait()  # async on every rank: MPI does not match a
+    assert (x == comm.size).all()                        # non-blocking collective with a blocking one
+
+
+def test_errors(comm):
+    with pytest.raises(TypeError, match="op="):  # validation: raised by the call, nothing started
+        comm.allreduce(np.ones(2, dtype=np.int64), "mean", async_op=True)
+    with pytest.raises(ValueError, match="divisible|at least one dimension"):
+        comm.reduce_scatter(np.ones(comm.size + 1) if comm.size > 1 else np.ones(()), async_op=True)
+    if comm.size < 2 or comm.backend != "mpi":
+        return
+    with communicator() as c:
+        c.check = True
+        h = c.allreduce(np.ones(2 if c.rank else 3), "sum", async_op=True)
+        with pytest.raises(coll.MismatchError):  # checked mode agreed at the call; wait() raises
+            h.wait()
+        assert h.done()
+        y = np.ones(2)
+        with pytest.raises(coll.MismatchError, match="async_op"):  # blocking on some ranks only
+            if c.rank == 0:
+                c.allreduce(y, "sum", async_op=True).wait()
+            else:
+                c.allreduce(y, "sum")
+
+
+def test_deadline_fires_in_wait(comm):
+    """One rank issues an allreduce that the others issue only after its wait() gave up."""
+    if comm.size < 2 or comm.backend != "mpi":
+        pytest.skip("needs two MPI ranks")
+    with communicator(COLLECTIVES_TIMEOUT=0.5) as d:
+        x = np.ones(4)
+        if comm.rank == 0:
+            h = d.allreduce(x, "sum", async_op=True)
+            time.sleep(0.7)  # longer than the timeout: the deadline counts the time spent in wait()
+            assert not h.done()
+            t0 = time.monotonic()
+            with pytest.raises(coll.CollectiveTimeoutError, match="allreduce"):
+                h.wait()
+            assert 0.4 < time.monotonic() - t0 < 5
+            with pytest.raises(coll.CollectiveTimeoutError):
+                h.wait()  # the same error again
+            gather_objects(None)
+            gather_objects(None)  # MPI progresses rank 0's pending request while the others match it
+        else:
+            gather_objects(None)
+            d.allreduce(x, "sum")
+            gather_objects(None)
+
+
+def test_close_completes_outstanding_handles(comm):
+    if comm.backend != "mpi":
+        pytest.skip("needs the MPI backend")
+    with communicator() as c:
+        x = np.full(6, float(comm.rank))
+        h = c.allreduce(x, "sum", async_op=True)
+        g = c.alltoall(np.arange(comm.size), async_op=True)
+    assert c.closed and h.done() and (x == sum(range(comm.size))).all()
+    assert g.wait().tolist() == [comm.rank] * comm.size
+    with pytest.raises(coll.BackendUnavailableError):  # raised by the call: nothing can start
+        c.allreduce(x, "sum", async_op=True)
+
+
+def test_close_with_a_handle_that_cannot_complete_raises(comm):
+    if comm.size < 2 or comm.backend != "mpi":
+        pytest.skip("needs two MPI ranks")
+    user = __import__("mpi4py").MPI.COMM_WORLD.Dup()
+    import os
+
+    os.environ["COLLECTIVES_TIMEOUT"] = "0.5"
+    try:
+        c = coll.init(comm=user)
+    finally:
+        del os.environ["COLLECTIVES_TIMEOUT"]
+    x = np.ones(3)
+    if comm.rank == 0:
+        h = c.allreduce(x, "sum", async_op=True)
+        t0 = time.monotonic()
+        with pytest.raises(coll.CollectiveError, match=r"close\(\): 1 asynchronous collective"):
+            c.close()
+        assert time.monotonic() - t0 < 5 and c.closed and not h.done()
+        gather_objects(None)
+        gather_objects(None)  # progress: the others match the pending allreduce
+    else:
+        gather_objects(None)
+        c.allreduce(x, "sum")
+        c.close()
+        gather_objects(None)
