@@ -23,9 +23,10 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+import collectives as coll  # noqa: E402
 from collectives import MismatchError  # noqa: E402
 from support.arrays import reduce_reference, to_numpy  # noqa: E402
-from support.comms import deadline_communicator  # noqa: E402
+from support.comms import communicator, deadline_communicator  # noqa: E402
 
 SETTINGS = settings(max_examples=50, deadline=None, derandomize=True, database=None,
                     suppress_health_check=list(HealthCheck), report_multiple_bugs=False, print_blob=False)
@@ -217,10 +218,18 @@ def test_collectives_match_numpy(comm, deadline_comm):
     prop()
 
 
-def test_deadline_transport_chunked_and_object_paths(deadline_comm, monkeypatch):
-    """The polled operations past the per-call count limit, and the object gathers of the agreement."""
-    c = deadline_comm
-    monkeypatch.setattr(c._host, "_max_count", 7)
+@pytest.fixture
+def small_deadline_comm(comm):
+    """A communicator with a deadline and a per-call count limit of 7 (both set at its init)."""
+    if comm.backend != "mpi":
+        pytest.skip("needs the MPI backend")
+    with communicator(COLLECTIVES_TIMEOUT=300, COLLECTIVES_MAX_COUNT=7) as c:
+        yield c
+
+
+def test_deadline_transport_chunked_and_object_paths(small_deadline_comm):
+    """The polled operations past the per-call count limit, and the object collectives."""
+    c = small_deadline_comm
     x = np.arange(50, dtype=np.int64) * (c.rank + 1)
     c.allreduce(x)
     np.testing.assert_array_equal(x, np.arange(50) * c.size * (c.size + 1) // 2)
@@ -234,9 +243,9 @@ def test_deadline_transport_chunked_and_object_paths(deadline_comm, monkeypatch)
     for i in range(c.size):
         np.testing.assert_array_equal(g[i], np.arange(9) + i)
     mine = {"rank": c.rank, "blob": "x" * (100 * c.rank)}
-    assert c._host.allgather_object(mine) == [{"rank": r, "blob": "x" * (100 * r)} for r in range(c.size)]
+    assert coll.allgather_object(mine, comm=c) == [{"rank": r, "blob": "x" * (100 * r)} for r in range(c.size)]
     last = c.size - 1
-    assert c._host.broadcast_object(mine, last) == {"rank": last, "blob": "x" * (100 * last)}
+    assert coll.broadcast_object(mine, last, comm=c) == {"rank": last, "blob": "x" * (100 * last)}
     c.barrier()
 
 
