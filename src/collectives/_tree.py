@@ -31,6 +31,7 @@ they are recognised through ``sys.modules``.
 from __future__ import annotations
 
 import copy
+import math
 import dataclasses
 import pickle
 import sys
@@ -38,7 +39,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _agree, _arrays, _buckets, _config, _dtypes
+from . import _agree, _arrays, _buckets, _config, _dtypes, _ops
 from ._agree import render_path
 from ._threads import collective
 
@@ -743,6 +744,7 @@ def allreduce_tree(c, tree, op, bucket_bytes):
     entries, error, flat = None, None, None
     prepared = _Leaves()
     scalars: list[tuple[int, type]] = []  # (position in prepared.items, the scalar's type)
+    pyints: list[int] = []  # leaf indices of Python ints: reduced exactly, in Python (arbitrary precision)
     aliases: list[tuple[int, int]] = []  # (leaf index, index of the first leaf that is the same object)
     key = cached = digest = None
     try:
@@ -761,8 +763,11 @@ def allreduce_tree(c, tree, op, bucket_bytes):
                     prepared.add(i, leaf)
             elif leaf is None:
                 sig.append(None)
+            elif type(leaf) is int:  # not bool, not np.integer: exact whatever its size (no int64 wrap)
+                pyints.append(i)
+                sig.append(int)
             elif isinstance(leaf, _SCALARS):
-                item = _item(np.array(leaf))  # TypeError for an int too large for int64
+                item = _item(np.array(leaf))
                 scalars.append((len(prepared.items), type(leaf)))
                 prepared.items.append(item)
                 prepared.index.append(i)
@@ -788,6 +793,10 @@ def allreduce_tree(c, tree, op, bucket_bytes):
         _remember(c, key, what, header, entries, plan)
     leaves = flat.leaves
     results = None
+    if pyints and c.size > 1:
+        results = list(leaves)
+        for i, value in zip(pyints, _exact(c, [leaves[i] for i in pyints], op)):
+            results[i] = value
     for pos, scalar_type in scalars:
         item = items[pos]
         item.result = (item.result[()] if issubclass(scalar_type, np.generic)
@@ -802,6 +811,16 @@ def allreduce_tree(c, tree, op, bucket_bytes):
     for i, first in aliases:
         results[i] = results[first]
     return unflatten(flat, results)
+
+
+_EXACT = {"sum": sum, "prod": math.prod, "min": min, "max": max}
+
+
+def _exact(c, values: list[int], op: str) -> list[int]:
+    """Every rank's Python ints reduced with ``op`` in Python's arbitrary precision (one object allgather
+    for all of a tree's ints; after the agreement, so every rank calls it), the same on every rank."""
+    gathered = c._transport_for(_arrays.HOST).allgather_object(values)
+    return [_EXACT[op](column) for column in zip(*gathered)]
 
 
 def _reduce_entries(flat: Flat, prepared: _Leaves, op: str) -> tuple[tuple, BaseException | None]:
@@ -830,6 +849,12 @@ def _reduce_entries(flat: Flat, prepared: _Leaves, op: str) -> tuple[tuple, Base
             error = error or err
         elif leaf is None:
             entries.append((path, "None"))
+        elif type(leaf) is int:
+            entries.append((path, "a Python int (exact)"))
+            try:
+                _ops.check("i", "Python int", op)  # mean would truncate: refused, as for integer arrays
+            except TypeError as exc:
+                error = error or _at(path, TypeError(f"Python int scalar: {exc}"))
         elif isinstance(leaf, _SCALARS):
             item = next(items)
             info = item.info

@@ -5,6 +5,8 @@ Written in terms of ``comm.rank`` and ``comm.size``: passes under ``mpiexec -n 1
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -469,3 +471,23 @@ def test_a_collective_from_a_second_thread_at_once_is_refused(comm, second):
     y = np.ones(2)
     comm.allreduce(y)  # the guard was released: one thread at a time works
     assert (y == comm.size).all()
+
+
+def test_python_ints_in_trees_are_exact(comm):
+    """Issue 12 item 6: Python int leaves are reduced in arbitrary precision (no int64 wrap, no mismatch
+    for values that straddle 2**63, no object-array message for 2**70); mean is refused, as for integer
+    arrays; NumPy integer scalars keep their dtype's semantics."""
+    n, r = comm.size, comm.rank
+    tree = {"big": 2**62, "huge": 2**70 * (r + 1), "straddle": 2**63 - 1 + r, "neg": -(2**80) + r,
+            "w": np.ones(2), "np": np.int8(100)}
+    out = coll.allreduce_tree(tree, op="sum", comm=comm)
+    assert out["big"] == n * 2**62 and type(out["big"]) is int
+    assert out["huge"] == 2**70 * n * (n + 1) // 2
+    assert out["straddle"] == n * (2**63 - 1) + n * (n - 1) // 2
+    assert out["neg"] == -n * 2**80 + n * (n - 1) // 2
+    assert out["w"].tolist() == [n, n] and out["np"] == np.int8((100 * n + 128) % 256 - 128)
+    assert coll.allreduce_tree({"p": 2**40 + r}, op="prod", comm=comm)["p"] == math.prod(2**40 + k for k in range(n))
+    assert coll.allreduce_tree({"m": 2**100 * (r + 1)}, op="max", comm=comm)["m"] == 2**100 * n
+    assert coll.allreduce_tree({"m": 2**100 * (r + 1)}, op="min", comm=comm)["m"] == 2**100
+    with pytest.raises(TypeError, match=r"leaf \['i'\]: Python int scalar: op='mean' on integer dtype Python int would truncate"):
+        coll.allreduce_tree({"i": 3, "w": np.ones(1)}, op="mean", comm=comm)
