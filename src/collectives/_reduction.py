@@ -188,6 +188,8 @@ def _reduce(buf, info, op, size, native, receives, out):
         if out is not None:
             raise AssertionError("reduce_buffer: a reduce-scatter of flagged floats (see scatters)")
         yield from _minmax_flagged(v, op)
+        if not receives:
+            return
         r = v
     else:
         r = yield v, wire_op(op)

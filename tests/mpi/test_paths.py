@@ -308,3 +308,17 @@ def test_every_path_gives_the_documented_bits(comm, comms, dtype, op):
     wrong = {name: why for name, got in results.items() if (why := same_bits(to_numpy(got, dtype), want))}
     assert not wrong, f"{dtype} {op} at {comm.size} ranks: " + "; ".join(f"{k}: {v}" for k, v in wrong.items())
     assert len(results) >= 5
+
+
+@pytest.mark.parametrize("dtype", ["float32", "longdouble"])
+@pytest.mark.parametrize("shape", [(67,), (3, 5, 7)])
+def test_reduce_leaves_non_root_inputs_untouched(comm, dtype, shape):
+    """min/max of floats (ordered integers; longdouble: flags) on a rank that only contributes: its array
+    stays bit for bit as it was, n-d included."""
+    for op in ("min", "max"):
+        x = inputs(dtype, op, comm.rank)
+        x = np.resize(x, shape)
+        before = x.copy()
+        coll.reduce(x, op, 0, comm=comm)
+        if comm.rank != 0:
+            assert same_bits(x, before) is None, (op, same_bits(x, before))
