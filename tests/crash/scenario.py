@@ -45,7 +45,9 @@ def main(name: str) -> None:
             raise AssertionError("init() did not refuse")
         os.environ["COLLECTIVES_NCCL_EAGER"] = "0"  # after a refused init, init works again
     if name.startswith("bad-setting"):  # issue 12 item 2: a malformed variable on the last rank only
-        launched_rank, launched_size = int(os.environ["PMI_RANK"]), int(os.environ["PMI_SIZE"])
+        env = os.environ  # the launcher's own rank variables (MPI is not initialised yet): Hydra's or PRRTE's
+        launched_rank = int(env.get("PMI_RANK", env.get("OMPI_COMM_WORLD_RANK", env.get("PMIX_RANK", "0"))))
+        launched_size = int(env.get("PMI_SIZE", env.get("OMPI_COMM_WORLD_SIZE", "1")))
         bad = launched_rank == launched_size - 1
         if name == "bad-setting":  # uncaught: every rank raises, so the job ends
             variable, value = BAD_SETTINGS[1]

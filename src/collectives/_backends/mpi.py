@@ -216,6 +216,9 @@ class MPITransport(HostTransport):
         self._ops, self._types = _tables(MPI)
         self._float16 = np.dtype(np.float16) in self._types
         self._max_count = _config.max_count()
+        # one call past 2**31-1 elements (MPI-4 large counts through mpi4py): measured to work on MPICH;
+        # Open MPI 5.0 refuses it with MPI_ERR_ARG, so elsewhere such broadcasts go in pieces
+        self._large_counts = "MPICH" in MPI.Get_library_version()
         self._in_place = MPI.IN_PLACE
         self._shm = None
         faulty = faulty_ops(MPI, self._ops, self._types)  # per transport: local, 1-2 ms (42 small reductions)
@@ -250,8 +253,16 @@ class MPITransport(HostTransport):
 
                 return run_bcast
 
-            if self._typed_from_buffer(dtype):
+            if self._typed_from_buffer(dtype) and self._large_counts:
                 return bcast  # the MPI call itself: no Python in between (mpi4py types it from the buffer)
+            if not self._large_counts:  # counts past 2**31-1 in pieces (Open MPI 5.0 refuses them: MPI_ERR_ARG)
+
+                def run_bcast_pieces(x, root):
+                    if x.nbytes > DEFAULT_MAX_COUNT:
+                        return self.broadcast(x, root)
+                    bcast([x, byte], root)
+
+                return run_bcast_pieces
 
             def run_bcast_any_size(x, root):  # no size test: mpi4py moves a count past 2**31-1 in one
                 try:                          # call (MPI-4 large-count routines, or its own fallback)...
