@@ -346,6 +346,12 @@ class CudaAwareMPITransport(DeviceTransport):
         buffers = getattr(self._MPI, "buffer", None) or self._MPI.memory  # mpi4py 4 / 3
         self._address = buffers.fromaddress
 
+    def _needs_host(self, info, op: str) -> bool:
+        """Float min/max (the host rules' order), or an integer op this MPI was found to get wrong (its
+        verified ops, ``HostTransport.reduces``): reduced through host memory and the host rules."""
+        untrusted = info.kind in "iu" and not self._host.reduces(info.storage, "sum" if op == "mean" else op)
+        return self._host_rules(info, op) or untrusted
+
     def _mem(self, ptr: int, nbytes: int):
         return self._address(ptr, nbytes)
 
@@ -373,8 +379,7 @@ class CudaAwareMPITransport(DeviceTransport):
     def _reduce(self, x, op, root):
         xp, info = self._prepare(x)
         _dtypes.check_reduction(info, op)
-        untrusted = info.kind in "iu" and not self._host.reduces(info.storage, "sum" if op == "mean" else op)
-        if self._host_rules(info, op) or untrusted:  # float min/max, or an integer op this MPI gets wrong
+        if self._needs_host(info, op):
             return self._staged(x, op, root)
         self._agree("allreduce" if root is None else "reduce", xp, x, info, op=op,
                     **({} if root is None else {"root": root}))
@@ -427,7 +432,7 @@ class CudaAwareMPITransport(DeviceTransport):
         xp, info = self._prepare(x)
         _dtypes.check_reduction(info, op)
         n = xp.numel(x) // self.size  # elements of one rank's block
-        if self._host_rules(info, op) or n > self._max:
+        if self._needs_host(info, op) or n > self._max:
             return self._staged_scatter(x, op)
         self._agree("reduce_scatter", xp, x, info, op=op)
         shape = xp.shape(x)
