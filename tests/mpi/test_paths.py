@@ -305,7 +305,11 @@ def test_every_path_gives_the_documented_bits(comm, comms, dtype, op):
         import torch
 
         want = torch.from_numpy(want).to(torch.bfloat16).float().numpy()
-    wrong = {name: why for name, got in results.items() if (why := same_bits(to_numpy(got, dtype), want))}
+    norm = lambda a: a
+    if kind(dtype) == "c" and op == "prod":  # the sign of a zero part depends on the MPI's order of the
+        norm = lambda a: np.asarray(a) + 0  # complex products (non-associative): +0 for -0
+    want = norm(want)
+    wrong = {name: why for name, got in results.items() if (why := same_bits(norm(to_numpy(got, dtype)), want))}
     assert not wrong, f"{dtype} {op} at {comm.size} ranks: " + "; ".join(f"{k}: {v}" for k, v in wrong.items())
     assert len(results) >= 5
 
