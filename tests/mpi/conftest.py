@@ -63,3 +63,17 @@ def pytest_sessionfinish(session, exitstatus):
 def comm():
     """The default communicator (MPI under mpiexec)."""
     return _world()
+
+
+@pytest.fixture(params=["plain", "deadline"])
+def c(request, comm):
+    """The default communicator, then one whose transport has a deadline (the polled operations)."""
+    if request.param == "plain":
+        yield comm
+        return
+    if comm.backend != "mpi":
+        pytest.skip("needs the MPI backend")
+    from support.comms import communicator
+
+    with communicator(COLLECTIVES_TIMEOUT=300) as d:
+        yield d

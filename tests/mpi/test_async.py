@@ -34,15 +34,6 @@ def tricky(rank, dtype, shape):
     return v.astype(dtype)
 
 
-@pytest.fixture(params=["plain", "deadline"])
-def c(request, comm):
-    if request.param == "plain":
-        yield comm
-        return
-    if comm.backend != "mpi":
-        pytest.skip("needs the MPI backend")
-    with communicator(COLLECTIVES_TIMEOUT=300) as d:
-        yield d
 
 
 @pytest.mark.parametrize("dtype", ["int8", "float16", "float32", "float64", "longdouble", "bool"])

@@ -23,15 +23,6 @@ def unpicklable():
     return lambda: None  # a lambda cannot be pickled
 
 
-@pytest.fixture(params=["plain", "deadline"])
-def c(request, comm):
-    if request.param == "plain":
-        yield comm
-        return
-    if comm.backend != "mpi":
-        pytest.skip("needs the MPI backend")
-    with communicator(COLLECTIVES_TIMEOUT=300) as d:
-        yield d
 
 
 def test_broadcast_object_every_root(c):
