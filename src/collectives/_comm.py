@@ -337,13 +337,13 @@ class Communicator:
         can be), and ``place()``, which puts the result where :meth:`_in_place` would and returns it."""
         can_write = a.writable(x, view)
         if can_write and view.flags.writeable and view.flags.c_contiguous:
-            return view, lambda: x
+            return view, lambda: a.written(x, x)  # torch: autograd's version counter, as blocking
         buf = np.array(view, order="C")
 
         def place():
             if can_write:
                 a.write_back(x, view, buf)
-                return x
+                return a.written(x, x)
             return a.wrap(buf, info, x)
 
         return buf, place

@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 
 from ._errors import CollectiveError, reraise
+from ._threads import enter, leave, refuse
 
 
 class Handle:
@@ -83,7 +84,18 @@ class Handle:
 
     def done(self) -> bool:
         """True once the collective has completed (also when it failed: then :meth:`wait` raises). Never
-        blocks: asks MPI whether the transfer is complete (which also lets it progress)."""
+        blocks: asks MPI whether the transfer is complete (which also lets it progress). Like a collective,
+        refused (:class:`CollectiveError`) while another thread of the process is inside one (``_threads``)."""
+        if self._finished:
+            return True
+        if not enter(False):
+            refuse(f"{self.what} handle's done()")
+        try:
+            return self._progress()
+        finally:
+            leave()
+
+    def _progress(self) -> bool:
         while not self._finished:
             try:
                 if not self._pending.test():
@@ -98,14 +110,22 @@ class Handle:
         """Block until the collective has completed; return what the blocking call would have returned
         (the same array for an in-place call), or raise its error (:class:`MismatchError`,
         :class:`CollectiveTimeoutError` after ``COLLECTIVES_TIMEOUT`` seconds of waiting here,
-        :class:`CollectiveError` for an MPI error). May be called again: it returns (or raises) the same."""
-        while not self._finished:
+        :class:`CollectiveError` for an MPI error). May be called again: it returns (or raises) the same.
+        Like a collective, refused (:class:`CollectiveError`) while another thread of the process is inside
+        one (``_threads``): waiting calls MPI."""
+        if not self._finished:
+            if not enter(False):
+                refuse(f"{self.what} handle's wait()")
             try:
-                self._pending.wait()
-            except Exception as exc:  # noqa: BLE001 - raised below
-                self._finish(None, exc)
-                break
-            self._advance()
+                while not self._finished:
+                    try:
+                        self._pending.wait()
+                    except Exception as exc:  # noqa: BLE001 - raised below
+                        self._finish(None, exc)
+                        break
+                    self._advance()
+            finally:
+                leave()
         if self._error is not None:
             reraise(self._error, self.what)
         return self._result
@@ -114,7 +134,7 @@ class Handle:
         """Poll :meth:`done` for up to ``seconds``; whether it completed (for ``close()``)."""
         deadline = time.monotonic() + seconds
         pause = 1e-5
-        while not self.done():
+        while not self._progress():
             if time.monotonic() >= deadline:
                 return False
             time.sleep(pause)

@@ -93,6 +93,21 @@ def test_torch(comm):
     assert isinstance(rs, torch.Tensor) and rs.tolist() == [comm.size * (2 * comm.rank), comm.size * (2 * comm.rank + 1)]
 
 
+@pytest.mark.parametrize("make", ["plain", "strided"])
+def test_torch_writes_bump_the_version_as_blocking_ones_do(comm, make):
+    """An async write into a tensor autograd saved is seen by backward (as a blocking one, or a write under
+    ``no_grad``), on the in-place and the written-back (strided) paths."""
+    torch = pytest.importorskip("torch")
+    a = torch.ones(4, requires_grad=True)
+    b = torch.full((4,), 2.0) if make == "plain" else torch.full((8,), 2.0)[::2]
+    loss = (a * b).sum()  # autograd saves b
+    before = b._version  # torch's public read of the counter
+    h = comm.allreduce(b, "sum", async_op=True)
+    assert h.wait() is b and b._version > before
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def test_many_outstanding_waited_in_reverse(c):
     n = c.size
     xs = [np.full(5, float(c.rank + i)) for i in range(4)]

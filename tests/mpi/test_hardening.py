@@ -435,13 +435,16 @@ class _BlockingLeaf:
 
 
 @pytest.mark.parametrize("second", ["allreduce", "coll.allreduce", "broadcast", "coll.broadcast", "reduce",
-                                    "allgather", "barrier", "synchronize", "allreduce_tree"])
+                                    "allgather", "barrier", "synchronize", "allreduce_tree", "handle.wait",
+                                    "handle.done"])
 def test_a_collective_from_a_second_thread_at_once_is_refused(comm, second):
     import threading
 
     x = np.ones(2)
     comm.allreduce(x)  # warm: the hot paths are refused too
     comm.broadcast(x)
+    pending = np.ones(3)
+    h = comm.allreduce(pending, async_op=True)  # waiting calls MPI: refused as a collective is
     inside, go = threading.Event(), threading.Event()
     outcome = {}
 
@@ -459,7 +462,8 @@ def test_a_collective_from_a_second_thread_at_once_is_refused(comm, second):
                  "broadcast": lambda: comm.broadcast(x), "coll.broadcast": lambda: coll.broadcast(x, comm=comm),
                  "reduce": lambda: comm.reduce(x), "allgather": lambda: comm.allgather(x),
                  "barrier": comm.barrier, "synchronize": lambda: comm.synchronize({"x": x}),
-                 "allreduce_tree": lambda: comm.allreduce_tree({"x": x})}
+                 "allreduce_tree": lambda: comm.allreduce_tree({"x": x}), "handle.wait": h.wait,
+                 "handle.done": h.done}
         before = x.copy()
         with pytest.raises(coll.CollectiveError, match="another thread of this process is inside a collective"):
             calls[second]()
@@ -467,6 +471,7 @@ def test_a_collective_from_a_second_thread_at_once_is_refused(comm, second):
     finally:
         go.set()
         t.join(60)
+    assert h.wait() is pending and (pending == comm.size).all()  # the refused wait left the handle usable
     assert isinstance(outcome.get("first"), TypeError), outcome  # the first call ended normally (its error)
     y = np.ones(2)
     comm.allreduce(y)  # the guard was released: one thread at a time works
