@@ -16,6 +16,7 @@ How a call runs:
 from __future__ import annotations
 
 import atexit
+import functools
 import pickle
 import sys
 import threading
@@ -37,6 +38,7 @@ CLOSE_WAIT_S = 30.0  # how long close() waits for handles not yet waited, withou
 
 BACKENDS = ("auto", "mpi", "self")
 _ndarray = np.ndarray  # one global look-up on the hot path instead of two
+_empty = np.empty
 _torch_tensor = None  # torch.Tensor, once a torch tensor's call has been cached (torch is never imported here)
 _NONE: dict = {}  # read-only by convention: what the hot path looks in for an op with no cached calls
 _UNSET = object()  # "argument not part of this collective" (None is a value users may pass by mistake)
@@ -79,6 +81,7 @@ class Communicator:
         self._devices: dict = {}  # (dlpack device type, id) -> device transport
         self._fast: dict = {}  # op -> {array dtype: the call the general path chose} (hot path); see _fast_path
         self._fast_broadcast: dict = {}  # the same for broadcast (one look-up less)
+        self._fast_blocks: dict = {}  # (op or "alltoall", dtype) -> the same for reduce_scatter and alltoall
         self._runners: dict = {}  # (op, DType) -> (transport, reduction call); see _runner
         self._pool = _buckets.Pool()  # the fused collectives' flat buffers (_buckets)
         self._plans: OrderedDict = OrderedDict()  # tree structure -> (description, digest, plan) (_tree)
@@ -95,7 +98,7 @@ class Communicator:
     @check.setter
     def check(self, value) -> None:
         self._check = bool(value)
-        self._fast, self._fast_broadcast = {}, {}  # the hot path skips the check: empty it (unchecked
+        self._fast, self._fast_broadcast, self._fast_blocks = {}, {}, {}  # the hot path skips the check: empty it (unchecked
         # calls refill it, see _fast_path)
 
     # ---- identity ----
@@ -199,13 +202,17 @@ class Communicator:
             _refuse_thread("allreduce")
         try:
             cls = x.__class__
+            try:
+                table = self._fast.get(op, _NONE)
+            except TypeError:  # an unhashable op: the general path says what is wrong with it
+                table = _NONE
             if cls is _ndarray:  # the hot path (see _fast_path)
-                run = self._fast.get(op, _NONE).get(x.dtype)
+                run = table.get(x.dtype)
                 if run is not None and x.flags.carray:  # C-contiguous, aligned and writable
                     run(x)
                     return x
             elif cls is _torch_tensor:
-                run = self._fast.get(op, _NONE).get(x.dtype)
+                run = table.get(x.dtype)
                 if run is not None and _torch_plain(x):
                     run(x.detach().numpy() if x.requires_grad else x.numpy())
                     _arrays.bump_versions((x,))  # written behind autograd's back: as under no_grad
@@ -264,17 +271,45 @@ class Communicator:
         """This rank's block of the reduction of ``x``. See :func:`collectives.reduce_scatter`."""
         if async_op:
             return self._async("reduce_scatter", self._reduce_scatter_steps, x, op)
-        return self._reduce_scatter_now(x, op)
+        if not _enter(False):  # another thread is inside a collective: refused (_threads)
+            _refuse_thread("reduce_scatter")
+        try:
+            if x.__class__ is _ndarray:  # the hot path (see _fast_path): the call the general path chose
+                try:
+                    run = self._fast_blocks.get((op, x.dtype))
+                except TypeError:  # an unhashable op: the general path says what is wrong with it
+                    run = None
+                if run is not None and x.flags.c_contiguous and x.ndim and not x.shape[0] % self._size:
+                    out = _empty((x.shape[0] // self._size,) + x.shape[1:], x.dtype)
+                    run(x, out)
+                    return out
+            return self._reduce_scatter_now(x, op)
+        except Exception as exc:  # noqa: BLE001 - re-raised (MPI errors as CollectiveError)
+            reraise(exc, "reduce_scatter")
+        finally:
+            _leave()
 
-    @collective("reduce_scatter")
     def _reduce_scatter_now(self, x, op):
         a, transport, view, info, op, _ = self._prepare("reduce_scatter", x, op=op, blocks=True)
         if transport.array_level:
             return transport.reduce_scatter(x, a, op)
         send = view if view.flags.c_contiguous else np.array(view, order="C")
         out = np.empty((view.shape[0] // self._size,) + view.shape[1:], dtype=view.dtype)
-        self._reduce_scatter_into(transport, send, out, info, op)
+        run = self._scatter_runner(transport, info, op)
+        run(send, out)
+        self._fast_path((op, view.dtype), x, a, view, info, run, self._fast_blocks)
         return a.wrap(out, info, x)
+
+    def _scatter_runner(self, transport, info, op: str):
+        """The call that reduce-scatters ``(send, out)`` of ``info``'s dtype with ``op`` under the host
+        rules (:func:`collectives._reduction.scatter_runner`), made once per (transport, dtype, op)."""
+        key = ("reduce_scatter", op, info)
+        hit = self._runners.get(key)
+        if hit is None or hit[0] is not transport:
+            general = functools.partial(self._reduce_scatter_into, transport, info=info, op=op)
+            hit = self._runners[key] = (transport, _reduction.scatter_runner(transport, info, op, self._size,
+                                                                              general))
+        return hit[1]
 
     def _reduce_scatter_into(self, transport, send, out, info, op) -> None:
         """Reduce-scatter the contiguous host buffer ``send`` into ``out`` (this rank's block) under the
@@ -297,17 +332,36 @@ class Communicator:
         """Block j of ``x`` to rank j, block i of the result from rank i. See :func:`collectives.alltoall`."""
         if async_op:
             return self._async("alltoall", self._alltoall_steps, x)
-        return self._alltoall_now(x)
+        if not _enter(False):  # another thread is inside a collective: refused (_threads)
+            _refuse_thread("alltoall")
+        try:
+            if x.__class__ is _ndarray:  # the hot path (see _fast_path)
+                run = self._fast_blocks.get(("alltoall", x.dtype))
+                if run is not None and x.flags.c_contiguous and x.ndim and not x.shape[0] % self._size:
+                    out = _empty(x.shape, x.dtype)
+                    run(x, out)
+                    return out
+            return self._alltoall_now(x)
+        except Exception as exc:  # noqa: BLE001 - re-raised (MPI errors as CollectiveError)
+            reraise(exc, "alltoall")
+        finally:
+            _leave()
 
-    @collective("alltoall")
     def _alltoall_now(self, x):
         a, transport, view, info, _, _ = self._prepare("alltoall", x, blocks=True)
         if transport.array_level:
             return transport.alltoall(x, a)
         send = view if view.flags.c_contiguous else np.array(view, order="C")
         out = np.empty(view.shape, dtype=view.dtype)
-        transport.alltoall(send.reshape(self._size, -1), out.reshape(self._size, -1))
+        run = transport.fast_blocks("alltoall", None, view.dtype, self._size) or self._alltoall_blocks(transport)
+        run(send, out)
+        self._fast_path(("alltoall", view.dtype), x, a, view, info, run, self._fast_blocks)
         return a.wrap(out, info, x)
+
+    def _alltoall_blocks(self, transport):
+        """``transport.alltoall`` on ``(send, out)`` of any shape (it takes ``(size, n)`` layouts)."""
+        size = self._size
+        return lambda send, out: transport.alltoall(send.reshape(size, -1), out.reshape(size, -1))
 
     # ---- asynchronous collectives (async_op=True) ----
     def _async(self, what: str, make, *args) -> Handle:
@@ -601,7 +655,7 @@ class Communicator:
             hit = self._runners[key] = (transport, _reduction.runner(transport, info, op, self._size))
         return hit[1]
 
-    def _fast_path(self, op: str, x, a, view, info, run) -> None:
+    def _fast_path(self, op, x, a, view, info, run, blocks: dict | None = None) -> None:
         """Cache ``run`` (the call the general path has just chosen for a fully validated call) for later
         calls with the same (op, dtype) on contiguous writable NumPy arrays, and on contiguous CPU torch
         tensors of a real dtype (called with the tensor's NumPy view).
@@ -615,6 +669,9 @@ class Communicator:
         widened or reinterpreted; not complex torch tensors, whose lazily conjugated views NumPy cannot
         see). Never filled in checked mode (setting ``check`` empties it). Bounded: a handful of ops times
         the dtypes in use. ``close()`` empties it.
+
+        ``blocks``: the table of reduce_scatter and alltoall, keyed ``(op or "alltoall", dtype)`` (``op``
+        is that key), taking ``run(x, out)``; NumPy arrays only (the block output is a new array).
         """
         global _torch_tensor, _strided
         if self._check:
@@ -628,6 +685,10 @@ class Communicator:
                 return
             _torch_tensor, _strided = torch.Tensor, torch.strided  # the hot path hands run x.numpy()
         else:
+            return
+        if blocks is not None:
+            if a is _arrays.NUMPY:
+                blocks.setdefault(op, run)
             return
         table = self._fast_broadcast if op == "broadcast" else self._fast.setdefault(op, {})
         table.setdefault(x.dtype, run)
@@ -691,7 +752,7 @@ class Communicator:
         for sub in subs:  # in the order they were made: the same on every rank of each
             sub.close()
         host, self._host = self._host, CLOSED  # every later use raises BackendUnavailableError (_closed)
-        self._fast, self._fast_broadcast, self._runners = {}, {}, {}
+        self._fast, self._fast_broadcast, self._fast_blocks, self._runners = {}, {}, {}, {}
         self._pool = _buckets.Pool()
         self._plans.clear()
         devices, self._devices = list(self._devices.values()), {}

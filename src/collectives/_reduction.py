@@ -217,14 +217,30 @@ def runner(transport, info: _dtypes.DType, op: str, size: int):
     """A callable ``run(buf)`` that allreduces a contiguous, writable buffer of ``info``'s storage dtype
     in place with ``op``: the transport's direct call (:meth:`HostTransport.fast_call`) where the values
     travel as they are, else :func:`reduce_buffer`. Build once per (transport, dtype, op) and keep it."""
-    native = transport.reduces
-    value = value_dtype(info, op, native)
-    direct = value == info.storage and info.kind != "b" and not (op in MINMAX and info.kind == "f")
-    if direct:
+    if as_is(info, op, transport.reduces):
         run = transport.fast_call(op, info.storage, size)
         if run is not None:
             return run
         if op != "mean":
             return lambda buf: transport.allreduce(buf, op)
-    allreduce = transport.allreduce
+    allreduce, native = transport.allreduce, transport.reduces
     return lambda buf: reduce_buffer(buf, info, op, size, allreduce, native)
+
+
+def as_is(info: _dtypes.DType, op: str, native) -> bool:
+    """Whether values of ``info`` reduced with ``op`` travel as they are (no widening, no ordered-integer
+    mapping, no bool bytes): then a transport's direct call gives :func:`reduce_buffer`'s bits."""
+    return (value_dtype(info, op, native) == info.storage and info.kind != "b"
+            and not (op in MINMAX and info.kind == "f"))
+
+
+def scatter_runner(transport, info: _dtypes.DType, op: str, size: int, general):
+    """A callable ``run(send, out)`` that reduce-scatters the contiguous ``send`` into ``out`` (this
+    rank's block) under the host rules: the transport's direct call (:meth:`HostTransport.fast_blocks`)
+    where the values travel as they are and ``op`` is not ``mean``, else ``general`` (which runs
+    :func:`reduce_buffer`). Build once per (transport, dtype, op) and keep it."""
+    if op != "mean" and as_is(info, op, transport.reduces):
+        run = transport.fast_blocks("reduce_scatter", op, info.storage, size)
+        if run is not None:
+            return run
+    return general

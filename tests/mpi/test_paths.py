@@ -5,7 +5,7 @@ The paths: the cached hot path (a second call), the general path (a strided view
 small-leaf buckets and the solo leaves of ``allreduce_tree``, the shared-memory allreduce forced on (a tiny
 threshold) and off, the deadline transport, ``reduce``, torch tensors (hot and general path), and the two
 CUDA transports that do not need a GPU for their logic (host staging, CUDA-aware MPI), with CPU tensors
-standing in for device tensors; the asynchronous calls (``async_op=True``) on those host paths; and ``reduce_scatter`` through the same host paths and stand-ins (its
+standing in for device tensors; the asynchronous calls (``async_op=True``) on those host paths; and ``reduce_scatter`` through the same host paths (its hot path too) and stand-ins (its
 block must hold the documented bits too). Every result is compared with a reference computed on every rank from all
 ranks' inputs (every rank can make every rank's inputs: they are seeded), under the documented rules:
 integers wrap (modulo 2**n), float min/max is a total order in which NaN wins and -0.0 < +0.0, mean is the
@@ -271,7 +271,8 @@ def reduce_scatter_paths(x, dtype, op, comm, comms):
     out = {}
     xs = scatter_input(x, comm.size)
     if dtype != "bfloat16":
-        out["reduce_scatter"] = coll.reduce_scatter(xs.copy(), op, comm=comm)[0]
+        out["reduce_scatter"] = coll.reduce_scatter(xs.copy(), op, comm=comm)[0]  # fills the hot path's cache
+        out["reduce_scatter hot"] = coll.reduce_scatter(xs.copy(), op, comm=comm)[0]  # ... which this takes
         base = np.zeros((2,) + xs.shape, xs.dtype)
         base[:] = xs
         out["reduce_scatter strided"] = coll.reduce_scatter(base.transpose(1, 0, 2)[:, 0], op, comm=comm)[0]
@@ -281,6 +282,7 @@ def reduce_scatter_paths(x, dtype, op, comm, comms):
         out["reduce_scatter async"] = comm.reduce_scatter(xs, op, async_op=True).wait()[0]
         for name, c in comms.items():
             out[f"reduce_scatter {name}"] = c.reduce_scatter(xs.copy(), op)[0]
+            out[f"reduce_scatter {name} hot"] = c.reduce_scatter(xs.copy(), op)[0]
             out[f"reduce_scatter {name} async"] = c.reduce_scatter(xs, op, async_op=True).wait()[0]
     if dtype != "longdouble":
         out["reduce_scatter torch"] = to_numpy(coll.reduce_scatter(as_lib(xs, dtype, "torch"), op, comm=comm)[0],

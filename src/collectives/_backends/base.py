@@ -10,6 +10,7 @@ transport with ``min``/``max``: the rules map them to ordered integers first.
 Optional capabilities, declared here with their defaults (a transport overrides what it offers):
 
 - :meth:`fast_call`: a direct call for the hot path (default: none, the general path runs);
+- :meth:`fast_blocks`: the same for ``reduce_scatter`` and ``alltoall`` (default: none);
 - :attr:`can_broadcast_many` and :meth:`broadcast_many`: many buffers broadcast in one pipelined call
   (default: not offered; :meth:`broadcast_many` then broadcasts one buffer after another);
 - :meth:`reduces`: which (dtype, op) pairs it reduces correctly itself (default: all but float16 where
@@ -66,6 +67,13 @@ class HostTransport(abc.ABC):
         ``op`` in place (``"mean"`` included, divided by ``size``), or ``run(buf, root)`` for
         ``op="broadcast"``; or None to use the general operations below. Only asked for pairs that
         :meth:`reduces` accepts and that need no conversion."""
+        return None
+
+    def fast_blocks(self, operation: str, op: str | None, dtype: np.dtype, size: int):
+        """A direct callable ``run(send, recv)`` for ``operation`` ``"reduce_scatter"`` (with ``op``, a
+        pair that :meth:`reduces` accepts and that needs no conversion; never ``"mean"``) or
+        ``"alltoall"`` (``op`` None) on contiguous buffers of ``dtype`` of any size, with the arguments
+        the blocking method takes; or None to use that method."""
         return None
 
     def start(self, operation: str, *args) -> Request:

@@ -302,6 +302,31 @@ class MPITransport(HostTransport):
 
         return run
 
+    def fast_blocks(self, operation, op, dtype, size):
+        """MPI's own ``Reduce_scatter_block`` / ``Alltoall`` on the whole buffers, the piecewise method
+        past the count one MPI call takes (``_blocks``)."""
+        max_count = self._max_count
+        if operation == "alltoall":
+            alltoall, byte = self.comm.Alltoall, self.MPI.BYTE
+
+            def run_alltoall(send, recv):
+                if send.nbytes > max_count * size:
+                    return self.alltoall(send, recv)
+                alltoall([send, byte], [recv, byte])
+
+            return run_alltoall
+        datatype = self._types.get(dtype)
+        if datatype is None or op not in self._ops or not self.reduces(dtype, op):
+            return None
+        scatter, mop = self.comm.Reduce_scatter_block, self._ops[op]
+
+        def run_scatter(send, recv):
+            if recv.size > max_count:
+                return self.reduce_scatter(send, recv, op)
+            scatter([send, datatype], [recv, datatype], mop)
+
+        return run_scatter
+
     def _typed_from_buffer(self, dtype: np.dtype) -> bool:
         """Whether ``comm.Bcast(x, root)`` on a bare array of ``dtype`` is right at any size: mpi4py 4 or
         later (counts past 2**31-1 in one call) and a buffer format it maps to an MPI type of the same
@@ -695,6 +720,9 @@ class DeadlineMPITransport(MPITransport):
 
     def fast_call(self, op, dtype, size):
         return None  # every call goes through the polled operations below
+
+    def fast_blocks(self, operation, op, dtype, size):
+        return None  # the same
 
     # ---- waiting ----
     def _run(self, what, start, *args) -> None:
