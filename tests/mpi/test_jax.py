@@ -1,4 +1,5 @@
-"""JAX arrays and optax for real (issue 13): every collective, pytrees with optax states, and
+"""JAX arrays and optax for real (issues 13 and 14): every collective (reduce_scatter, alltoall, async
+handles, object collectives and sub-communicators included), pytrees with optax states, and
 ``DistributedOptimizer(optax.adam(...))`` with gradient accumulation, at any world size.
 
     timeout 300 mpiexec -n 3 python tests/mpi_pytest.py tests/mpi/test_jax.py -q -x
@@ -98,6 +99,76 @@ def test_broadcast_reduce_and_allgather(comm, dtype):
         np.testing.assert_array_equal(np.asarray(r), np.asarray(x))  # non-root ranks get x back
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reduce_scatter_every_op_is_the_allreduce_block(comm, dtype):
+    n, r = comm.size, comm.rank
+    for op in OPS:
+        if not legal(dtype, op):
+            with pytest.raises(TypeError, match="op="):
+                coll.reduce_scatter(as_jax(np.zeros(2 * n), dtype), op=op)
+            continue
+        full = np.concatenate([values(dtype, comm.rank, 2 * n)]).reshape(2 * n)
+        x = as_jax(full, dtype)
+        before = np.asarray(x).copy()
+        y = coll.reduce_scatter(x, op=op)
+        assert isinstance(y, jax.Array) and y.dtype == x.dtype and y.shape == (2,), (op, type(y))
+        np.testing.assert_array_equal(np.asarray(x), before)  # the input is untouched
+        block = np.asarray(coll.allreduce(x, op=op))[2 * r:2 * r + 2]
+        assert np.asarray(y).tobytes() == block.tobytes(), f"{op} {dtype}: not allreduce's block, bit for bit"
+        h = coll.reduce_scatter(x, op=op, async_op=True)
+        assert np.asarray(h.wait()).tobytes() == block.tobytes(), f"{op} {dtype}: async differs"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_alltoall_sends_block_j_to_rank_j(comm, dtype):
+    n, r = comm.size, comm.rank
+
+    def block(src, dst):  # what rank src sends rank dst: distinct everywhere
+        return as_jax(values(dtype, src * n + dst, 3), dtype)
+
+    x = jnp.concatenate([block(r, j) for j in range(n)])
+    want = np.asarray(jnp.concatenate([block(i, r) for i in range(n)]))
+    for y in (coll.alltoall(x), coll.alltoall(x, async_op=True).wait()):
+        assert isinstance(y, jax.Array) and y.dtype == x.dtype and y.shape == x.shape
+        assert np.asarray(y).tobytes() == want.tobytes()
+
+
+def test_async_collectives_return_new_jax_arrays(comm):
+    n = comm.size
+    x = jnp.full((4,), float(comm.rank), dtype=jnp.float32)
+    handles = [coll.allreduce(x, op="mean", async_op=True), coll.broadcast(x, root=n - 1, async_op=True),
+               coll.allgather(x, async_op=True), coll.reduce(x, op="sum", root=0, async_op=True)]
+    mean, bcast, gathered, reduced = [h.wait() for h in reversed(handles)][::-1]
+    assert all(isinstance(y, jax.Array) for y in (mean, bcast, gathered, reduced))
+    np.testing.assert_array_equal(np.asarray(x), np.full(4, float(comm.rank)))  # immutable input untouched
+    np.testing.assert_allclose(np.asarray(mean), np.full(4, (n - 1) / 2))
+    np.testing.assert_array_equal(np.asarray(bcast), np.full(4, float(n - 1)))
+    assert gathered.shape == (n, 4) and [float(g[0]) for g in gathered] == [float(i) for i in range(n)]
+    if comm.rank == 0:
+        np.testing.assert_array_equal(np.asarray(reduced), np.full(4, float(sum(range(n)))))
+
+
+def test_object_collectives_and_split_with_jax_pytrees(comm):
+    n, r = comm.size, comm.rank
+    params, state = adam_state(r)
+    got = coll.broadcast_object({"params": params, "state": state}, root=n - 1)
+    want_params, _ = adam_state(n - 1)
+    for a, b in zip(jax.tree_util.tree_leaves(got["params"]), jax.tree_util.tree_leaves(want_params)):
+        assert isinstance(a, jax.Array) and np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    assert type(got["state"]) is type(state)  # optax's namedtuples survive the pickle
+    everyone = coll.allgather_object(jnp.float32(r))
+    assert [float(v) for v in everyone] == [float(i) for i in range(n)]
+    sub = coll.world().split(r % 2, key=-r)
+    try:
+        y = sub.allreduce(jnp.full((2,), float(r)), op="sum")
+        members = [i for i in range(n) if i % 2 == r % 2]
+        assert isinstance(y, jax.Array) and float(y[0]) == float(sum(members))
+        z = sub.reduce_scatter(jnp.arange(2 * sub.size, dtype=jnp.int32), op="sum")
+        assert z.tolist() == [sub.size * (2 * sub.rank), sub.size * (2 * sub.rank + 1)]
+    finally:
+        sub.close()
+
+
 def test_bad_input_is_refused_before_communication(comm):
     with pytest.raises(TypeError, match="mean"):
         coll.allreduce(jnp.arange(3), op="mean")  # int32
@@ -105,6 +176,11 @@ def test_bad_input_is_refused_before_communication(comm):
         coll.allreduce(jnp.ones(3, dtype=bool), op="sum")
     with pytest.raises(ValueError):
         coll.broadcast(jnp.ones(3), root=comm.size)
+    if comm.size > 1:
+        with pytest.raises(ValueError, match="divisible"):
+            coll.reduce_scatter(jnp.ones(comm.size + 1), op="sum")
+    with pytest.raises(ValueError, match="at least one dimension"):
+        coll.alltoall(jnp.ones(()))
 
 
 def adam_state(rank: int):
