@@ -422,22 +422,29 @@ class Communicator:
         return finish()
 
     @staticmethod
-    def _device_done(what: str, result) -> Handle:
-        """CUDA arrays: the device transport has run (NCCL: enqueued on the array's current stream, so
-        later work on that stream is ordered after it; staging and CUDA-aware MPI: complete)."""
-        return Handle.completed(what, result)
+    def _device_async(transport, operation: str, x, a, *args):
+        """CUDA arrays: the device transport starts ``operation`` on its own stream, after the caller's
+        current stream (``DeviceTransport.start``; validation errors are raised here); the steps wait
+        for its CUDA event: ``done()`` queries it, ``wait()`` makes the caller's current stream wait."""
+        result, request = transport.start(operation, x, a, *args)
+
+        def steps():
+            yield request
+            return result
+
+        return steps()
 
     def _allreduce_steps(self, x, op):
         a, transport, view, info, op, _ = self._prepare("allreduce", x, op=op, asynchronous=True)
         if transport.array_level:
-            return self._device_done("allreduce", transport.allreduce(x, a, op))
+            return self._device_async(transport, "allreduce", x, a, op)
         buf, place = self._placing(x, a, view, info)
         return self._reducing(transport, "allreduce", buf, info, op, (), place)
 
     def _broadcast_steps(self, x, root):
         a, transport, view, info, _, root = self._prepare("broadcast", x, root=root, asynchronous=True)
         if transport.array_level:
-            return self._device_done("broadcast", transport.broadcast(x, a, root))
+            return self._device_async(transport, "broadcast", x, a, root)
         buf, place = self._placing(x, a, view, info)
 
         def steps():
@@ -449,7 +456,7 @@ class Communicator:
     def _reduce_steps(self, x, op, root):
         a, transport, view, info, op, root = self._prepare("reduce", x, op=op, root=root, asynchronous=True)
         if transport.array_level:
-            return self._device_done("reduce", transport.reduce(x, a, op, root))
+            return self._device_async(transport, "reduce", x, a, op, root)
         if self.rank != root:  # contributes x; gets it back unchanged
             buf = view if view.flags.c_contiguous else np.array(view, order="C")
             return self._reducing(transport, "reduce", buf, info, op, (root,), lambda: x, receives=False)
@@ -459,7 +466,7 @@ class Communicator:
     def _allgather_steps(self, x):
         a, transport, view, info, _, _ = self._prepare("allgather", x, asynchronous=True)
         if transport.array_level:
-            return self._device_done("allgather", transport.allgather(x, a))
+            return self._device_async(transport, "allgather", x, a)
         send = view if view.flags.c_contiguous else np.array(view, order="C")
         out = np.empty((self.size,) + view.shape, dtype=view.dtype)
 
@@ -473,7 +480,7 @@ class Communicator:
         a, transport, view, info, op, _ = self._prepare("reduce_scatter", x, op=op, blocks=True,
                                                         asynchronous=True)
         if transport.array_level:
-            return self._device_done("reduce_scatter", transport.reduce_scatter(x, a, op))
+            return self._device_async(transport, "reduce_scatter", x, a, op)
         size = self._size
         out = np.empty((view.shape[0] // size,) + view.shape[1:], dtype=view.dtype)
         if not _reduction.scatters(info, op):  # longdouble min/max: the block of an allreduce (as blocking)
@@ -491,7 +498,7 @@ class Communicator:
     def _alltoall_steps(self, x):
         a, transport, view, info, _, _ = self._prepare("alltoall", x, blocks=True, asynchronous=True)
         if transport.array_level:
-            return self._device_done("alltoall", transport.alltoall(x, a))
+            return self._device_async(transport, "alltoall", x, a)
         send = view if view.flags.c_contiguous else np.array(view, order="C")
         out = np.empty(view.shape, dtype=view.dtype)
 

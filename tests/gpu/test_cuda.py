@@ -334,3 +334,54 @@ def test_async_on_cuda_arrays(comm, dev):
     assert h.wait() is x and (dev.to_numpy(x) == sum(range(comm.size))).all() and h.done()
     rs = coll.reduce_scatter(dev.make(np.ones(2 * comm.size), "float32"), async_op=True, comm=comm).wait()
     assert (dev.to_numpy(rs) == comm.size).all()
+
+
+def _busy(dev, n: int = 1 << 22):
+    """A long kernel queue on the current stream, ending in a tensor of n ones (the stream is busy when
+    the collective is issued, so a collective that did not wait for it would read garbage)."""
+    if dev.name == "torch":
+        torch = dev.xp
+        a = torch.rand(2048, 2048, device=f"cuda:{dev.index}")
+        for _ in range(6):
+            a = a @ a / 2048
+        return torch.ones(n, device=f"cuda:{dev.index}") + a.sum() * 0
+    cp = dev.xp
+    a = cp.random.rand(2048, 2048, dtype=cp.float32)
+    for _ in range(6):
+        a = a @ a / 2048
+    return cp.ones(n, dtype=cp.float32) + a.sum() * 0
+
+
+def test_async_is_ordered_after_the_callers_stream_and_before_what_follows_wait(comm, dev):
+    """The collective runs after the work already on the caller's current stream; after ``wait()``
+    (which does not block the host) work on the current stream sees the result; ``done()`` never blocks
+    and is True once the event is reached."""
+    n = comm.size
+    if dev.name == "torch":
+        ctx = dev.xp.cuda.stream(dev.xp.cuda.Stream(device=dev.index))
+    else:
+        ctx = dev.xp.cuda.Stream(non_blocking=True)
+    with ctx:
+        x = _busy(dev)
+        h = coll.allreduce(x, op="sum", async_op=True, comm=comm)
+        assert isinstance(h.done(), bool)
+        y = h.wait() * 2  # enqueued after the wait: must see the sum
+        g = coll.allgather(x, async_op=True, comm=comm)
+        z = g.wait()[n - 1] + 0
+        r = coll.reduce_scatter(_busy(dev, 2 * n), async_op=True, comm=comm).wait() * 1
+        got_y, got_z, got_r = dev.to_numpy(y), dev.to_numpy(z), dev.to_numpy(r)
+    assert (got_y == 2 * n).all() and (got_z == n).all() and (got_r == n).all()
+    assert h.done() and g.done()
+
+
+def test_many_async_then_a_blocking_call_keep_one_order(comm, dev):
+    """Several asynchronous collectives in flight, a blocking one after them, waited in reverse order:
+    every rank's results are what the blocking calls give (one communicator, one order)."""
+    n = comm.size
+    xs = [dev.make(np.full(1 << 16, float(comm.rank + i)), "float32") for i in range(4)]
+    handles = [coll.allreduce(x, op="sum", async_op=True, comm=comm) for x in xs[:3]]
+    coll.allreduce(xs[3], op="sum", comm=comm)
+    for h in reversed(handles):
+        h.wait()
+    for i, x in enumerate(xs):
+        assert (dev.to_numpy(x) == sum(r + i for r in range(n))).all(), i

@@ -912,3 +912,81 @@ def test_eager_without_any_cuda_library_is_refused_on_one_process(monkeypatch):
         monkeypatch.delitem(sys.modules, name, raising=False)
     with pytest.raises(coll.BackendUnavailableError, match="COLLECTIVES_NCCL_EAGER=1"):
         cuda.initialize_eagerly(coll.Communicator(SelfTransport()))
+
+
+# ---- the asynchronous device contract (issue 14), with a stand-in that logs streams and events ----
+# (private: without a GPU there is no public way to reach a device transport's start())
+
+class StreamLog(FakeTorch):
+    """FakeTorch whose streams are names and whose events are logged, so the order can be asserted."""
+
+    def __init__(self):
+        super().__init__()
+        self.log, self.current = [], "caller"
+
+    def current_stream(self, x):
+        return self.current
+
+    def new_stream(self, x):
+        self.log.append(("new", "side"))
+        return "side"
+
+    @contextlib.contextmanager
+    def on_stream(self, x, stream):
+        before, self.current = self.current, stream
+        try:
+            yield
+        finally:
+            self.current = before
+
+    def stream(self, x):
+        return {"caller": 0xCA11, "side": 0x51DE}[self.current]
+
+    def event_on(self, stream):
+        self.log.append(("record", stream))
+        return {"on": stream, "done": False}
+
+    def wait_event(self, stream, event):
+        self.log.append(("wait", stream, event["on"]))
+
+    def event_done(self, event):
+        return event["done"]
+
+    def keep_for(self, x, stream):
+        self.log.append(("keep", stream))
+
+
+def test_nccl_async_runs_on_its_own_stream_after_the_callers():
+    t, lib = nccl_transport()
+    api = StreamLog()
+    t._library_of = lambda x: api
+    x = torch.ones(4)
+    result, request = t.start("allreduce", x, None, "sum")
+    assert result is x and (x == 3).all()
+    assert lib.calls[-1][0] == "all_reduce" and lib.calls[-1][-1] == 0x51DE  # enqueued on the own stream
+    assert api.log == [("new", "side"), ("record", "caller"), ("wait", "side", "caller"), ("keep", "side"),
+                       ("record", "side")]
+    assert request.test() is False  # the event is not reached: done() is False, and never blocks
+    request.wait()
+    assert api.log[-1] == ("wait", "caller", "side")  # the caller's stream waits; the host does not
+    # a blocking call while it is still running is ordered after it, on the caller's stream
+    before = len(api.log)
+    t.allreduce(torch.ones(2), None, "sum")
+    assert api.log[before:] == [("wait", "caller", "side")] and lib.calls[-1][-1] == 0xCA11
+    t._last_event["done"] = True
+    before = len(api.log)
+    t.allreduce(torch.ones(2), None, "sum")
+    assert len(api.log) == before and t._last_event is None  # complete: no wait any more
+    t.start("reduce_scatter", torch.ones(6), None, "sum")
+    assert ("new", "side") not in api.log[before:]  # one stream per library, reused
+    assert lib.calls[-1][0] == "reduce_scatter" and lib.calls[-1][-1] == 0x51DE
+
+
+def test_async_validation_errors_are_raised_at_the_call_and_nothing_is_enqueued():
+    t, lib = nccl_transport()
+    api = StreamLog()
+    t._library_of = lambda x: api
+    n = len(lib.calls)
+    with pytest.raises(TypeError, match="mean"):
+        t.start("allreduce", torch.ones(3, dtype=torch.int32), None, "mean")
+    assert len(lib.calls) == n

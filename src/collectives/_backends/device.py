@@ -12,6 +12,7 @@ memory, then the host path). Which one a device gets is decided once, by every r
 from __future__ import annotations
 
 import abc
+import contextlib
 import sys
 
 import numpy as np
@@ -45,6 +46,9 @@ class DeviceTransport(abc.ABC):
         self.local_rank, self.local_size = comm.local_rank, comm.local_size
         self.device_index = int(index)
         self._library_of = library_of  # tests swap in a stand-in library
+        self._streams: dict = {}  # array library name -> this transport's stream for asynchronous calls
+        self._last_event = None  # recorded after the last asynchronous call, until known complete
+        self._starting = False  # inside start(): the operation runs on the transport's own stream
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} cuda:{self.device_index}>"
@@ -74,6 +78,48 @@ class DeviceTransport(abc.ABC):
     @abc.abstractmethod
     def alltoall(self, x, a):
         """A new array of x's shape on x's device: block i from rank i's block ``rank``; ``x`` unchanged."""
+
+    # ---- asynchronous collectives (async_op=True) ----
+    def start(self, operation: str, x, a, *args):
+        """Begin ``operation`` (a method name above, with its arguments) without blocking the host on the
+        GPU: ``(result, request)``.
+
+        The operation is enqueued on this transport's own stream (one per array library), after all work
+        already enqueued on the caller's current stream (an event the own stream waits for); ``x`` is
+        kept from the allocator until that stream is done with it. The request's ``test()`` asks a CUDA
+        event recorded after the operation (never blocks); its ``wait()`` makes the caller's current
+        stream (at the time of ``wait()``) wait for that event: no host block. NCCL enqueues the
+        collective and returns; host staging and CUDA-aware MPI run it to completion here (they must
+        wait for the stream to reach the data) and the event is then recorded after their copies. Every
+        asynchronous collective of a transport shares its stream: they run in issue order, which NCCL
+        needs (the same order on every rank); a later blocking call is ordered after them
+        (:meth:`_after_async`).
+        """
+        xp = self._library_of(x)
+        side = self._streams.get(xp.name)
+        if side is None:
+            side = self._streams[xp.name] = xp.new_stream(x)
+        xp.wait_event(side, xp.event_on(xp.current_stream(x)))
+        self._starting = True
+        try:
+            with xp.on_stream(x, side):
+                result = getattr(self, operation)(x, a, *args)
+        finally:
+            self._starting = False
+        xp.keep_for(x, side)
+        event = self._last_event = xp.event_on(side)
+        return result, DeviceRequest(xp, x, event)
+
+    def _after_async(self, xp, x) -> None:
+        """Before a blocking call: order it after the asynchronous ones not yet known complete (the
+        caller's current stream waits for the last one's event; no host block)."""
+        event = self._last_event
+        if event is None or self._starting:
+            return
+        if xp.event_done(event):
+            self._last_event = None
+            return
+        xp.wait_event(xp.current_stream(x), event)
 
     def allreduce_many(self, arrays, a, op: str):
         """Reduce each array of ``arrays`` in place (fused where :attr:`fuses`)."""
@@ -133,6 +179,22 @@ class DeviceTransport(abc.ABC):
         send, _ = xp.contiguous(x)
         out = xp.empty((self.size,) + xp.shape(x), like=x)
         return xp, send, out, xp.numel(x) * xp.itemsize(x)
+
+
+class DeviceRequest:
+    """The request of an asynchronous device collective (:meth:`DeviceTransport.start`): ``test()``
+    queries its CUDA event, ``wait()`` makes the caller's current stream wait for it (no host block)."""
+
+    __slots__ = ("_event", "_x", "_xp")
+
+    def __init__(self, xp, x, event):
+        self._xp, self._x, self._event = xp, x, event
+
+    def test(self) -> bool:
+        return self._xp.event_done(self._event)
+
+    def wait(self) -> None:
+        self._xp.wait_event(self._xp.current_stream(self._x), self._event)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -204,6 +266,32 @@ class _TorchCUDA:
 
     def synchronize(self, x) -> None:
         self.torch.cuda.current_stream(x.device).synchronize()
+
+    # -- streams and events (the asynchronous collectives, DeviceTransport.start) --
+    def current_stream(self, x):
+        return self.torch.cuda.current_stream(x.device)
+
+    def new_stream(self, x):
+        return self.torch.cuda.Stream(device=x.device)
+
+    def on_stream(self, x, stream):
+        return self.torch.cuda.stream(stream)  # current for x's device inside the block
+
+    def event_on(self, stream):
+        event = self.torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def wait_event(self, stream, event) -> None:
+        stream.wait_event(event)  # no host block
+
+    def event_done(self, event) -> bool:
+        return event.query()
+
+    def keep_for(self, x, stream) -> None:
+        """The caching allocator must not hand x's memory out again before ``stream``'s work on it is done
+        (``Tensor.record_stream``)."""
+        x.detach().record_stream(stream)
 
     def contiguous(self, x, copy: bool = True):
         """``(buf, in_place)``: x's own memory when it is plain and contiguous, else a contiguous
@@ -292,6 +380,35 @@ class _CupyCUDA:
     def synchronize(self, x) -> None:
         with x.device:
             self.cupy.cuda.get_current_stream().synchronize()
+
+    # -- streams and events (the asynchronous collectives, DeviceTransport.start) --
+    def current_stream(self, x):
+        with x.device:
+            return self.cupy.cuda.get_current_stream()
+
+    def new_stream(self, x):
+        with x.device:
+            return self.cupy.cuda.Stream(non_blocking=True)
+
+    @contextlib.contextmanager
+    def on_stream(self, x, stream):
+        with x.device, stream:  # current for x's device inside the block
+            yield
+
+    def event_on(self, stream):
+        event = self.cupy.cuda.Event(disable_timing=True)
+        event.record(stream)
+        return event
+
+    def wait_event(self, stream, event) -> None:
+        stream.wait_event(event)  # no host block
+
+    def event_done(self, event) -> bool:
+        return bool(event.done)
+
+    def keep_for(self, x, stream) -> None:
+        """Nothing to do: CuPy's memory pool has no ``record_stream``; x is kept alive by the handle, and
+        each later asynchronous call's stream first waits for the caller's (see DeviceTransport.start)."""
 
     def contiguous(self, x, copy: bool = True):
         if x.flags.c_contiguous:

@@ -9,6 +9,10 @@ library (``torch.cuda.current_stream(device)``, ``cupy.cuda.get_current_stream()
 produced the array and before whatever uses the result; temporaries (for non-contiguous arrays, and the
 ``allgather`` result) are allocated by the library on that same stream.
 
+Asynchronous calls (``async_op=True``, ``DeviceTransport.start``) are enqueued on this transport's own
+stream after the caller's current stream, and every blocking call is ordered after those still running:
+one communicator, one order (docs/semantics.md, "CUDA arrays: streams, not the host").
+
 Never hangs forever: the communicator is non-blocking (``ncclConfig_t.blocking = 0``). A call that
 returns ``ncclInProgress`` is polled with ``ncclCommGetAsyncError`` until it is done, for at most
 ``COLLECTIVES_TIMEOUT`` (default 300 s); then the communicator is aborted and that rank raises
@@ -163,7 +167,9 @@ class NCCLTransport(DeviceTransport):
         state = self._lib.comm_get_async_error(self._handle)
         if state != _libnccl.ncclSuccess:  # raises for an asynchronous error (e.g. a peer died)
             self._settle("an earlier NCCL call", state=state)
-        return super()._prepare(x)
+        xp, info = super()._prepare(x)
+        self._after_async(xp, x)  # one communicator, one order: after the asynchronous calls still running
+        return xp, info
 
     def _reduction(self, info: _dtypes.DType, op: str):
         """``(nccl dtype, nccl op, count multiplier)``, or TypeError (cached: it is on every call's path)."""
