@@ -404,7 +404,17 @@ class Communicator:
 
     def _reducing(self, transport, operation, buf, info, op, extra, finish, *, receives=True, out=None):
         """The steps of a reduction under the host rules (``_reduction.steps``), each transfer started
-        with ``transport.start``; returns ``finish()``."""
+        with ``transport.start``; returns ``finish()``.
+
+        Every transfer starts at the call. The one pair that needs two transfers, one after the other
+        (float min/max wider than 64 bits: values, then NaN and zero-sign flags), runs blocking at the call
+        instead: a second transfer started later, by ``done()`` on one rank and by ``wait()`` on another,
+        could meet the ranks' other collectives in a different order."""
+        if not _reduction.scatters(info, op):
+            call = getattr(transport, operation)
+            _reduction.reduce_buffer(buf, info, op, self._size, lambda wire, o: call(wire, o, *extra),
+                                     transport.reduces, receives=receives, out=out)
+            return finish()
         run = _reduction.steps(buf, info, op, self._size, transport.reduces, receives=receives, out=out)
         result = None
         while True:

@@ -108,6 +108,32 @@ def test_torch_writes_bump_the_version_as_blocking_ones_do(comm, make):
         loss.backward()
 
 
+@pytest.mark.parametrize("collective", ["allreduce", "reduce", "reduce_scatter"])
+def test_polling_on_one_rank_only_keeps_the_order_of_collectives(c, collective):
+    """Rank 0 polls ``done()`` until its handle completes while the others go straight on to another
+    collective: every rank must still issue the same collectives in the same order. The longdouble
+    min/max pair takes two transfers; a second one started by ``done()`` on rank 0 only would meet the
+    others' next allreduce instead (found in review: it ran blocking at the call since)."""
+    n = c.size
+    x = np.array([c.rank, -0.0, np.nan if c.rank == n - 1 else 1.0] * n, dtype=np.longdouble)
+    calls = {"allreduce": lambda: c.allreduce(x, "max", async_op=True),
+             "reduce": lambda: c.reduce(x, "max", root=n - 1, async_op=True),
+             "reduce_scatter": lambda: c.reduce_scatter(x, "max", async_op=True)}
+    h = calls[collective]()
+    if c.rank == 0:
+        deadline = time.monotonic() + 30
+        while not h.done() and time.monotonic() < deadline:
+            pass
+    y = c.allreduce(np.full(4, float(c.rank)), "sum")
+    assert (y == sum(range(n))).all()
+    got = h.wait()
+    one = np.array([n - 1, -0.0, np.nan], dtype=np.longdouble)  # NaN wins; every rank's zero is -0.0
+    want = one if collective == "reduce_scatter" else np.tile(one, n)
+    if collective != "reduce" or c.rank == n - 1:  # longdouble's padding bytes are free: values and signs
+        np.testing.assert_array_equal(got, want)
+        assert (np.signbit(got) == np.signbit(want)).all()
+
+
 def test_many_outstanding_waited_in_reverse(c):
     n = c.size
     xs = [np.full(5, float(c.rank + i)) for i in range(4)]
