@@ -337,30 +337,68 @@ def allreduce(comm, items: list[Item], op: str, bucket_bytes: int, the_plan: Pla
     """
     if the_plan is None:
         the_plan = allreduce_plan(comm, items, op, bucket_bytes)
+    for buf, info, finish in _allreduce_parts(comm, items, op, the_plan, pooled=True):
+        comm._runner(comm._transport_for(_arrays.HOST), info, op)(buf)  # the rules of _reduction
+        finish()
+    return the_plan
+
+
+def start_allreduce(comm, items: list[Item], op: str, bucket_bytes: int, the_plan: Plan | None = None):
+    """:func:`allreduce` as non-blocking transfers: ``(plan, steps)``. Every host transfer (one per solo
+    leaf and bucket, in the plan's order, the same on every rank) starts here; ``steps`` is a generator
+    that yields each transfer's request in turn (``_handles``) and unpacks its bucket once it is
+    complete. Buckets get buffers of their own (not the pool: several may be in flight). Device leaves
+    are reduced here, blocking."""
+    if the_plan is None:
+        the_plan = allreduce_plan(comm, items, op, bucket_bytes)
+    parts = list(_allreduce_parts(comm, items, op, the_plan, pooled=False))  # every bucket packed now
+    host = comm._transport_for(_arrays.HOST) if parts else None
+    started = []
+    for buf, info, finish in parts:
+        run = comm._reducing(host, "allreduce", buf, info, op, (), finish)
+        try:
+            started.append((run, next(run)))  # starts the transfer
+        except StopIteration:  # ran at the call (see Communicator._reducing)
+            pass
+
+    def steps():
+        for run, request in started:
+            while True:
+                yield request
+                try:
+                    request = run.send(None)
+                except StopIteration:
+                    break
+
+    return the_plan, steps()
+
+
+def _allreduce_parts(comm, items, op, the_plan, *, pooled: bool):
+    """The parts of :func:`allreduce` (a generator, to be run to its end): device leaves reduced first
+    (by their transports), then for the host leaves ``(buf, info, finish)``, one per solo leaf and bucket
+    in the plan's order: the contiguous buffer to allreduce under ``info``'s rules (a bucket's, packed and
+    widened when it is yielded), and ``finish()`` to put the result back (unpacking, rounding back).
+    ``pooled``: buckets in the communicator's pool buffers, so each must be finished before the next is
+    taken; else in buffers of their own."""
     if not items:
-        return the_plan
+        return
     for transport, group in zip(_device_transports(comm, items, the_plan.devices), the_plan.devices):
         _allreduce_device(transport, [items[pos] for pos in group], op)
     if comm.size == 1:  # the reduction of one rank is the identity: only immutable leaves need new arrays
         for item in items:
             if item.view is not None and not item.writable_in_place():
                 item.take(lambda target, view=item.view: np.copyto(target, view))
-        return the_plan
-    if not the_plan.solos and not the_plan.buckets:
-        return the_plan
-    host = comm._transport_for(_arrays.HOST)
+        return
     for pos in the_plan.solos:
         item = items[pos]
         view = item.view
-        run = comm._runner(host, item.info, op)  # the Communicator's own call for this (dtype, op)
         if view.flags.c_contiguous and item.writable_in_place():
-            run(view)  # in the leaf's own memory: no copy
+            yield view, item.info, _nothing  # in the leaf's own memory: no copy
         else:
             buf = np.array(view, order="C")
-            run(buf)
-            item.take(lambda target, buf=buf: np.copyto(target, buf))
+            yield buf, item.info, lambda item=item, buf=buf: item.take(lambda target: np.copyto(target, buf))
     for (_, name, wire), total, entries in the_plan.buckets:
-        buf = comm._pool.take(wire, total)
+        buf = comm._pool.take(wire, total) if pooled else np.empty(total, dtype=wire)
         bf16 = name == "bfloat16"
         for pos, off, n in entries:  # pack (widening on the way)
             view = items[pos].view
@@ -370,18 +408,26 @@ def allreduce(comm, items: list[Item], op: str, bucket_bytes: int, the_plan: Pla
                 bits <<= 16
             else:
                 buf[off:off + n].reshape(view.shape)[...] = view
-        comm._runner(host, _dtypes.from_numpy(wire), op)(buf)  # the rules of _reduction, as for one array
-        for pos, off, n in entries:  # unpack (rounding back on the way)
-            item = items[pos]
-            view = item.view
-            seg = buf[off:off + n].reshape(view.shape)
-            if bf16:
-                item.take(lambda target, seg=seg: _dtypes.f32_to_bf16(seg, out=target))
-            elif item.writable_in_place():
-                np.copyto(view, seg, casting="unsafe")
-            else:
-                item.take(lambda target, seg=seg: np.copyto(target, seg, casting="unsafe"))
-    return the_plan
+        yield buf, _dtypes.from_numpy(wire), lambda buf=buf, entries=entries, bf16=bf16: _unpack(
+            items, buf, entries, bf16)
+
+
+def _nothing() -> None:
+    return None
+
+
+def _unpack(items, buf, entries, bf16: bool) -> None:
+    """A reduced bucket back into its leaves (rounding back on the way)."""
+    for pos, off, n in entries:
+        item = items[pos]
+        view = item.view
+        seg = buf[off:off + n].reshape(view.shape)
+        if bf16:
+            item.take(lambda target, seg=seg: _dtypes.f32_to_bf16(seg, out=target))
+        elif item.writable_in_place():
+            np.copyto(view, seg, casting="unsafe")
+        else:
+            item.take(lambda target, seg=seg: np.copyto(target, seg, casting="unsafe"))
 
 
 def _allreduce_device(transport, group: list[Item], op: str) -> None:

@@ -788,14 +788,11 @@ class Communicator:
     def allreduce_tree(self, tree, op: str = "mean", *, bucket_bytes: int | None = None, async_op: bool = False):
         """Reduce every array leaf of ``tree``, fused. See :func:`collectives.allreduce_tree`.
 
-        With ``async_op=True`` the tree is reduced at the call (a completed :class:`Handle`): its many
-        fused collectives are not yet started as non-blocking ones."""
+        With ``async_op=True`` every fused host transfer (one per bucket and large leaf) is started as a
+        non-blocking collective at the call; ``wait()`` returns the tree. CUDA leaves and Python ints are
+        reduced at the call."""
         if async_op:
-            try:
-                result = _tree.allreduce_tree(self, tree, op, bucket_bytes)
-            except CollectiveError as exc:
-                return Handle.completed("allreduce_tree", error=exc)
-            return Handle.completed("allreduce_tree", result)
+            return self._async("allreduce_tree", _tree.allreduce_tree, self, tree, op, bucket_bytes, True)
         return _tree.allreduce_tree(self, tree, op, bucket_bytes)
 
 
@@ -1272,6 +1269,9 @@ def allreduce_tree(tree, op: str = "mean", *, comm=None, bucket_bytes: int | Non
         comm: a :class:`Communicator` or an mpi4py communicator (default: :func:`world`).
         bucket_bytes: the size bound of one fused buffer (default ``COLLECTIVES_BUCKET_BYTES``, 25 MiB);
             must be the same on every rank.
+        async_op: return a :class:`Handle` at once; every fused host transfer is started as a
+            non-blocking collective at the call, and ``handle.wait()`` returns what the blocking call
+            returns. Leave the leaves alone until then. CUDA leaves and Python ints are reduced at the call.
 
     Returns:
         The tree with the reduced values: ``tree`` itself when every leaf was reduced in place.

@@ -737,8 +737,10 @@ _SCALARS = (bool, int, float, complex, np.generic)
 
 
 @collective("allreduce_tree")
-def allreduce_tree(c, tree, op, bucket_bytes):
-    """:func:`collectives.allreduce_tree` on the communicator ``c``."""
+def allreduce_tree(c, tree, op, bucket_bytes, asynchronous: bool = False):
+    """:func:`collectives.allreduce_tree` on the communicator ``c``; ``asynchronous``: the steps of a
+    :class:`~collectives.Handle` instead (a generator: every host transfer started here, the tree
+    returned once they are complete; see ``_buckets.start_allreduce``)."""
     what = "allreduce_tree"
     header = (("op", op), ("bucket_bytes", bucket_bytes))
     entries, error, flat = None, None, None
@@ -749,6 +751,8 @@ def allreduce_tree(c, tree, op, bucket_bytes):
     key = cached = digest = None
     try:
         header = (("op", op), ("bucket_bytes", _bucket_bytes(bucket_bytes)))
+        if asynchronous:  # agreed on: MPI does not match a non-blocking collective with a blocking one
+            header += (("async_op", True),)
         op = _dtypes.check_op(op)
         flat = flatten(tree)
         sig = prepared.sig
@@ -787,15 +791,38 @@ def allreduce_tree(c, tree, op, bucket_bytes):
     agree(c, what, header, entries, error, digest)
     items = prepared.items
     plan = None if cached is None else cached[2]
-    plan = _buckets.allreduce(c, items, op, header[1][1], plan)
-    _buckets.mark_written(items)  # torch leaves: autograd's version counter (as a write under no_grad)
+    steps = None
+    if asynchronous:
+        plan, steps = _buckets.start_allreduce(c, items, op, header[1][1], plan)
+    else:
+        plan = _buckets.allreduce(c, items, op, header[1][1], plan)
     if key is not None and cached is None:
         _remember(c, key, what, header, entries, plan)
     leaves = flat.leaves
+    exact = _exact(c, [leaves[i] for i in pyints], op) if pyints and c.size > 1 else None  # blocking, now
+
+    def finish():
+        return _tree_result(flat, items, prepared, scalars, pyints, exact, aliases, tree)
+
+    if steps is None:
+        return finish()
+
+    def run():
+        yield from steps
+        return finish()
+
+    return run()
+
+
+def _tree_result(flat, items, prepared, scalars, pyints, exact, aliases, tree):
+    """allreduce_tree's result, once its transfers are complete: the tree itself where every leaf was
+    updated in place, else a new tree with the new leaves."""
+    _buckets.mark_written(items)  # torch leaves: autograd's version counter (as a write under no_grad)
+    leaves = flat.leaves
     results = None
-    if pyints and c.size > 1:
+    if exact is not None:
         results = list(leaves)
-        for i, value in zip(pyints, _exact(c, [leaves[i] for i in pyints], op)):
+        for i, value in zip(pyints, exact):
             results[i] = value
     for pos, scalar_type in scalars:
         item = items[pos]

@@ -70,6 +70,30 @@ def test_async_movement_and_trees(c):
     assert out["w"].tolist() == [float(sum(range(n)))] * 3 and out["s"] == 2.0 * n
 
 
+def test_async_tree_starts_every_bucket_and_gives_the_blocking_tree(c):
+    """Mixed dtypes (bfloat16 widened in its bucket), large solo leaves, read-only leaves (new arrays),
+    torch leaves, a Python int, several trees in flight waited in reverse: the blocking call's bits."""
+    torch = pytest.importorskip("torch")
+    n, r = c.size, c.rank
+
+    def tree(k):
+        ro = np.full(5, float(r + k))
+        ro.flags.writeable = False
+        return {"big": np.arange(70000, dtype=np.float32) * (r + 1) + k, "ro": ro, "i": np.arange(7) + r,
+                "t": torch.full((3,), float(r), dtype=torch.bfloat16), "n": 2 ** 70 + r, "none": None,
+                "h": np.full((2, 2), r, dtype=np.float16)}
+
+    want = [c.allreduce_tree(tree(k), "sum", bucket_bytes=1 << 12) for k in range(3)]
+    handles = [c.allreduce_tree(tree(k), "sum", bucket_bytes=1 << 12, async_op=True) for k in range(3)]
+    for k in reversed(range(3)):
+        got = handles[k].wait()
+        for name in ("big", "ro", "i", "h"):
+            assert same(got[name], want[k][name]), (k, name)
+        assert torch.equal(got["t"], want[k]["t"]) and got["n"] == want[k]["n"] == n * 2 ** 70 + sum(range(n))
+        assert got["none"] is None
+        assert handles[k].done()
+
+
 def test_general_path_write_back_and_new_arrays(comm):
     n = comm.size
     base = np.zeros((4, 3))

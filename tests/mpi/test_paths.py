@@ -5,7 +5,7 @@ The paths: the cached hot path (a second call), the general path (a strided view
 small-leaf buckets and the solo leaves of ``allreduce_tree``, the shared-memory allreduce forced on (a tiny
 threshold) and off, the deadline transport, ``reduce``, torch tensors (hot and general path), and the two
 CUDA transports that do not need a GPU for their logic (host staging, CUDA-aware MPI), with CPU tensors
-standing in for device tensors; the asynchronous calls (``async_op=True``) on those host paths; and ``reduce_scatter`` through the same host paths (its hot path too) and stand-ins (its
+standing in for device tensors; the asynchronous calls (``async_op=True``, trees too) on those host paths; and ``reduce_scatter`` through the same host paths (its hot path too) and stand-ins (its
 block must hold the documented bits too). Every result is compared with a reference computed on every rank from all
 ranks' inputs (every rank can make every rank's inputs: they are seeded), under the documented rules:
 integers wrap (modulo 2**n), float min/max is a total order in which NaN wins and -0.0 < +0.0, mean is the
@@ -176,6 +176,9 @@ def numpy_paths(x, op, comm, comms):
     small = {"a": x.copy(), "pad": np.ones(3, x.dtype)}
     out["tree small leaves"] = coll.allreduce_tree(small, op, comm=comm)["a"]
     out["tree solo leaf"] = coll.allreduce_tree({"a": x.copy()}, op, comm=comm, bucket_bytes=64)["a"]
+    small = {"a": x.copy(), "pad": np.ones(3, x.dtype)}
+    out["async tree small leaves"] = comm.allreduce_tree(small, op, async_op=True).wait()["a"]
+    out["async tree solo leaf"] = comm.allreduce_tree({"a": x.copy()}, op, bucket_bytes=64, async_op=True).wait()["a"]
     out["async"] = coll.allreduce(x.copy(), op, comm=comm, async_op=True).wait()
     out["async strided"] = comm.allreduce(base.T[:, 1], op, async_op=True).wait().copy()
     for name, c in comms.items():
@@ -183,6 +186,8 @@ def numpy_paths(x, op, comm, comms):
         out[f"{name} async"] = c.allreduce(x.copy(), op, async_op=True).wait()
         out[f"{name} tree solo leaf"] = c.allreduce_tree({"a": x.copy()}, op, bucket_bytes=64)["a"]
         out[f"{name} tree small leaves"] = c.allreduce_tree({"a": x.copy(), "b": np.ones(2, x.dtype)}, op)["a"]
+        out[f"{name} async tree"] = c.allreduce_tree({"a": x.copy(), "b": np.ones(2, x.dtype)}, op,
+                                                     async_op=True).wait()["a"]
     for root in range(comm.size):
         r = x.copy()
         got = coll.reduce(r, op, root, comm=comm)
