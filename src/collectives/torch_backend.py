@@ -48,6 +48,8 @@ Example:
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import importlib
 import os
 import tempfile
@@ -489,11 +491,17 @@ def _store(comm, timeout):
         path = None
         if comm.rank == 0:
             path = os.path.join(tempfile.gettempdir(), f"collectives-torch-store-{uuid.uuid4().hex}")
+            atexit.register(_unlink, path)  # torch's FileStore leaves its file behind
         path = comm.broadcast_object(path, root=0)
         store = dist.FileStore(path, comm.size)
         store.set_timeout(timeout)
         return store
     return _UnsharedStore()
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
 
 
 def _mpi_rendezvous(url: str, timeout: timedelta = timedelta(minutes=30), **kwargs):

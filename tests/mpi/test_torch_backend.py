@@ -397,3 +397,45 @@ def test_ddp_equals_one_process(pg, comm, mode):
     ref = _net(seed=0)  # rank 0's initial parameters, the whole batch in one process
     _train(ref, torch.optim.SGD(ref.parameters(), lr=0.1), steps, n, None, micro, skip)
     _assert_same(model.module, ref, f"DDP {mode} at {n} ranks")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# FSDP2: fully_shard on CPU with Adam, trained as one process on the whole batch
+
+
+def _seq(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(7, 12), torch.nn.Tanh(), torch.nn.Linear(12, 6), torch.nn.Tanh(),
+                               torch.nn.Linear(6, 3)).double()
+
+
+def test_fsdp2_adam_equals_one_process(pg, comm):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    n = comm.size
+    model = _seq(seed=0)  # FSDP2 shards the parameters it is given: every rank starts from the same
+    mesh = init_device_mesh("cpu", (n,))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ref = _seq(seed=0)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    for step in range(4):
+        x, y = _batch(step, n)
+        mine = slice(4 * comm.rank, 4 * comm.rank + 4)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x[mine]), y[mine]).backward()  # reduce-scatter of the gradients
+        opt.step()
+        ref_opt.zero_grad()
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert isinstance(p, DTensor)
+        shard = q.detach().chunk(n)[comm.rank] if comm.rank < len(q.chunk(n)) else q.detach()[:0]
+        np.testing.assert_allclose(p.to_local().detach().numpy(), shard.numpy(), rtol=1e-12, atol=1e-14, err_msg=name)
+        np.testing.assert_allclose(p.full_tensor().detach().numpy(), q.detach().numpy(), rtol=1e-12, atol=1e-14,
+                                   err_msg=name)
