@@ -269,6 +269,15 @@ class ProcessGroupCollectives(dist.ProcessGroup):
     def getBackendName(self) -> str:
         return BACKEND
 
+    def shutdown(self) -> None:
+        """Release the group's communicator (``dist.destroy_process_group`` calls it on every member)."""
+        comm, self._comm = self._comm, None
+        if comm is not None and not comm.closed:
+            comm.close()
+        keep, self._keep = self._keep, None
+        if keep is not None:
+            keep.Free()
+
     # torch keeps a group's name and description on its C++ backends, which a Python group has none of:
     # kept here (torch's C++ calls these through its Python-group trampoline)
     def setGroupName(self, name: str) -> None:
@@ -453,8 +462,9 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         return self._work("scatter", [h], lambda r: out.copy_(r[0][self.rank()]), [out])
 
     def barrier(self, opts=None):
-        self._comm.barrier()
-        return self._work("barrier", [], result=[])
+        # an allreduce of one byte, not the library's (blocking) barrier: wait() bounds it like the others
+        flag = torch.zeros(1, dtype=torch.uint8)
+        return self._work("barrier", [self._comm.allreduce(flag, "max", async_op=True)], result=[])
 
     def send(self, tensors, dst, tag=0):
         raise RuntimeError("the collectives backend has no point-to-point operations (send/recv/isend/irecv); "
@@ -538,7 +548,7 @@ def _members(ranks: list[int]):
     """``(Communicator, mpi4py communicator)`` of exactly ``ranks`` (the world's ranks), made by them alone."""
     world = _coll.world()
     if world.size == 1 or _parent is None:  # one process (or MPI not in use): the group is this process
-        return world, None
+        return world.split(0, 0), None
     from mpi4py import MPI
 
     group = _parent.Get_group().Incl(sorted(ranks))
@@ -565,7 +575,9 @@ def _create(options, backend_options=None):
             from mpi4py import MPI
 
             _parent = MPI.COMM_WORLD.Dup()  # every rank is here: the parent of later groups
-        return ProcessGroupCollectives(world, options.timeout)
+        # a communicator of its own (every rank is here): torch's collectives never interleave with the
+        # program's own on the world, and a group left broken by a failure ends with it
+        return ProcessGroupCollectives(world.split(0, world.rank), options.timeout)
     comm, keep = _members(ranks)
     return ProcessGroupCollectives(comm, options.timeout, keep)
 

@@ -62,7 +62,8 @@ def test_init_takes_rank_and_size_from_mpi(pg, comm):
 
     assert dist.is_initialized() and dist.get_backend() == "collectives"
     assert (dist.get_rank(), dist.get_world_size()) == (comm.rank, comm.size)
-    assert isinstance(pg, ctb.ProcessGroupCollectives) and pg.communicator is coll.world()
+    assert isinstance(pg, ctb.ProcessGroupCollectives) and pg.communicator.size == comm.size
+    assert pg.communicator is not coll.world()  # its own communicator
 
 
 def test_register_is_idempotent(pg):
