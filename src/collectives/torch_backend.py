@@ -397,7 +397,11 @@ class ProcessGroupCollectives(dist.ProcessGroup):
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
     def allgather_coalesced(self, output_lists, inputs, opts=None):
-        works = [self.allgather([o], [i], opts) for o, i in zip(output_lists, inputs, strict=True)]
+        if len(output_lists) != self.size():
+            raise ValueError(f"all_gather_coalesced: output_tensor_lists must hold one list per rank ({self.size()}), "
+                             f"got {len(output_lists)}")
+        # output_lists[rank][i] receives rank's inputs[i]
+        works = [self.allgather([[out[i] for out in output_lists]], [t], opts) for i, t in enumerate(inputs)]
         return self._work("allgather_coalesced", [], lambda _: [w.wait() for w in works], list(output_lists))
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
