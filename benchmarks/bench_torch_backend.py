@@ -71,7 +71,7 @@ def main() -> int:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import collectives
-    import collectives.torch_backend  # noqa: F401 - registers "collectives"
+    import collectives.torch_backend  # registers "collectives" (also binds the name used below)
 
     world = MPI.COMM_WORLD.Dup()
     rank, size = world.Get_rank(), world.Get_size()
@@ -88,8 +88,8 @@ def main() -> int:
     for nbytes in parse_sizes(args.sizes, args.factor):
         t = torch.zeros(nbytes // 4, dtype=torch.float32)  # zeros: sums stay finite
 
-        def side(g):
-            def f(k, g=g):
+        def side(g, t=t):
+            def f(k, g=g, t=t):
                 for _ in range(k):
                     dist.all_reduce(t, group=g)
             return f

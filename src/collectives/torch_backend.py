@@ -28,7 +28,7 @@ How it fits torch:
   threaded test group is) runs every operation through the public collectives of its
   :class:`~collectives.Communicator` with ``async_op=True``: same validation, same dtype rules (an illegal
   op/dtype pair raises the ``TypeError`` that :func:`collectives.allreduce` raises), same bits.
-- **Work.** Every operation returns a :class:`Work` backed by our :class:`~collectives.Handle`\\ s:
+- **Work.** Every operation returns a :class:`Work` backed by our handles (:class:`~collectives.Handle`):
   ``wait()`` (bounded by torch's ``timeout=`` and ``COLLECTIVES_TIMEOUT``), ``is_completed()`` (never
   blocks), ``get_future()`` (see :class:`Work`).
 - **Groups.** ``dist.new_group(ranks)`` makes a communicator of exactly those ranks (torch calls the
@@ -99,7 +99,7 @@ def _seconds(timeout) -> float | None:
 
 class Work(dist.Work):
     """What every operation of :class:`ProcessGroupCollectives` returns: torch's ``Work``, backed by the
-    :class:`~collectives.Handle`\\ s of our asynchronous collectives.
+    handles (:class:`~collectives.Handle`) of our asynchronous collectives.
 
     - ``wait(timeout)`` completes the operation (its results are in the output tensors afterwards) and
       returns True; it raises the operation's error (``MismatchError``, ``CollectiveError``, ...), or
