@@ -73,7 +73,8 @@ SCHEME = "collectives"
 
 _R = dist.ReduceOp.RedOpType
 _OPS = {_R.SUM: "sum", _R.PRODUCT: "prod", _R.MIN: "min", _R.MAX: "max", _R.AVG: "mean"}
-_SPIN_S = 2e-4  # wait(): test without sleeping for this long, then sleep, doubling up to _MAX_PAUSE_S
+_SPIN_S = 5e-3  # wait(): test without sleeping for this long (as MPI_Wait spins), then sleep between tests,
+# doubling the pause up to _MAX_PAUSE_S (a straggler costs a test per millisecond, not a core)
 _MAX_PAUSE_S = 1e-3
 
 

@@ -282,14 +282,20 @@ def test_works_waited_out_of_order(pg, comm):
 
 
 @pytest.mark.skipif("coll.world().size < 2", reason="a wait that times out needs a rank that does not call")
-def test_wait_timeout_bounds_wait(comm):
-    """torch's timeout bounds wait(): a collective rank 0 alone issues raises CollectiveTimeoutError."""
+@pytest.mark.parametrize("bound", ["timeout=", "COLLECTIVES_TIMEOUT"])
+def test_wait_timeout_bounds_wait(comm, bound, monkeypatch):
+    """torch's timeout= and COLLECTIVES_TIMEOUT bound wait(): a collective rank 0 alone issues raises
+    CollectiveTimeoutError there, and completes once the others issue it."""
     import collectives.torch_backend as ctb
 
     from support.comms import communicator
 
     with communicator() as d:  # a communicator of its own: the unmatched call must not disturb the others
-        group = ctb.ProcessGroupCollectives(d, timeout=timedelta(seconds=0.3))
+        if bound == "timeout=":
+            group = ctb.ProcessGroupCollectives(d, timeout=timedelta(seconds=0.3))
+        else:
+            group = ctb.ProcessGroupCollectives(d)  # no timeout of its own: the variable, read by wait()
+            monkeypatch.setenv("COLLECTIVES_TIMEOUT", "0.3")
         if d.rank == 0:
             t = torch.ones(2)
             w = group.allreduce([t], None)
@@ -319,6 +325,17 @@ def test_new_group(pg, comm):
     dist.barrier()
     if comm.rank in members:
         dist.destroy_process_group(g)
+
+
+def test_gloo_group_on_the_same_store(pg, comm):
+    """The job's store is a real store on one node: torch sets a gloo group up through it."""
+    if comm.local_size != comm.size:
+        pytest.skip("ranks on several nodes: the store is not shared (documented)")
+    g = dist.new_group(backend="gloo")
+    t = torch.full((3,), float(comm.rank))
+    dist.all_reduce(t, group=g)
+    assert (t == sum(range(comm.size))).all()
+    dist.destroy_process_group(g)
 
 
 def test_new_subgroups(pg, comm):
