@@ -324,7 +324,8 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         op, factor = _op(_opts_op(opts))
         if factor is not None:
             t.mul_(factor)
-        return self._work("reduce", [self._comm.reduce(t, op, opts.rootRank, async_op=True)], result=[t])
+        root = 0 if opts is None else opts.rootRank
+        return self._work("reduce", [self._comm.reduce(t, op, root, async_op=True)], result=[t])
 
     def _scaled(self, t, factor):
         return t if factor is None else t * factor
