@@ -73,9 +73,12 @@ SCHEME = "collectives"
 
 _R = dist.ReduceOp.RedOpType
 _OPS = {_R.SUM: "sum", _R.PRODUCT: "prod", _R.MIN: "min", _R.MAX: "max", _R.AVG: "mean"}
-_SPIN_S = 5e-3  # wait(): test without sleeping for this long (as MPI_Wait spins), then sleep between tests,
-# doubling the pause up to _MAX_PAUSE_S (a straggler costs a test per millisecond, not a core)
-_MAX_PAUSE_S = 1e-3
+_BUSY_S = 1e-3  # wait(): test back to back for this long (as MPI_Wait spins: a schedule of several steps
+# progresses one step per test), then yield the core between tests (sched_yield: on a machine with more
+# ranks than cores the peer needs it; where the core is free it returns at once). Never sleep: a rank asleep
+# holds back the peers' progress too, and with both sides sleeping in turn an 8 B allreduce took
+# milliseconds on a loaded machine.
+_yield = getattr(os, "sched_yield", lambda: time.sleep(0))  # not on every platform
 
 
 def _op(reduce_op) -> tuple[str, object]:
@@ -168,7 +171,6 @@ class Work(dist.Work):
             bounds = [b for b in (_seconds(timeout), self._timeout_s, _config.timeout()) if b is not None]
             limit = min(bounds) if bounds else None
             start = time.monotonic()
-            pause = 0.0
             while not all(h.done() for h in self._handles):
                 waited = time.monotonic() - start
                 if limit is not None and waited >= limit:
@@ -176,9 +178,8 @@ class Work(dist.Work):
                         f"{self._what} did not complete within {limit:g} s (the smallest of wait(timeout=), the "
                         f"group's timeout= and COLLECTIVES_TIMEOUT): another rank has not issued the matching "
                         f"call, or died. The group cannot be used further; end the job")
-                if waited > _SPIN_S:
-                    pause = min(max(2 * pause, 1e-5), _MAX_PAUSE_S)
-                    time.sleep(pause)
+                if waited > _BUSY_S:
+                    _yield()
             self._complete()
         if self._error is not None:
             raise self._error
