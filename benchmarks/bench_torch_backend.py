@@ -4,7 +4,8 @@ Two groups of the same ranks: the default group of the "collectives" backend (ma
 over MPI) and a gloo group (``dist.new_group(backend="gloo")``, set up through the same job's store).
 Both measured with torch's own calls on the same tensors:
 
-- ``dist.all_reduce`` (SUM, float32 CPU tensors) from 8 B to 64 MiB;
+- ``dist.all_reduce`` (SUM, float32 CPU tensors) from 8 B to 64 MiB, and as a third side the library's own
+  blocking ``allreduce`` on the backend's communicator (what the backend's async path costs on top);
 - one training step of an MLP under ``DistributedDataParallel`` (forward, backward with DDP's bucketed
   allreduces, SGD step), one DDP model per group, the same parameters and batch.
 
@@ -94,13 +95,20 @@ def main() -> int:
                     dist.all_reduce(t, group=g)
             return f
 
-        times = timed(world, [side(groups[n]) for n in names], args.rounds, args.round_ms / 1e3)
+        def library(k, t=t, c=groups["collectives"].communicator):
+            for _ in range(k):
+                c.allreduce(t)  # the library's blocking call on the same communicator: the backend's cost
+
+        times = timed(world, [side(groups[n]) for n in names] + [library], args.rounds, args.round_ms / 1e3)
         row = {"bytes": nbytes, **{n: float(np.median(times[:, i])) for i, n in enumerate(names)},
-               "ratio": float(np.median(times[:, 0] / times[:, 1]))}
+               "library": float(np.median(times[:, 2])),
+               "ratio": float(np.median(times[:, 0] / times[:, 1])),
+               "library_ratio": float(np.median(times[:, 2] / times[:, 1]))}
         results["all_reduce"].append(row)
         if rank == 0:
             print(f"all_reduce {human(nbytes):>8}: collectives {fmt_time(row['collectives']).strip()}  "
-                  f"gloo {fmt_time(row['gloo']).strip()}  ratio {row['ratio']:.2f}", file=sys.stderr, flush=True)
+                  f"gloo {fmt_time(row['gloo']).strip()}  ratio {row['ratio']:.2f}   (coll.allreduce "
+                  f"{fmt_time(row['library']).strip()}, {row['library_ratio']:.2f} of gloo)", file=sys.stderr, flush=True)
 
     h = args.hidden
 
