@@ -25,6 +25,7 @@ import collections
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -157,6 +158,9 @@ def main() -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"size": world.size, "outcomes": outcomes}, f, indent=1)
+    world.Barrier()
+    if world.rank == 0:
+        shutil.rmtree(os.environ["TEMP_DIR"], ignore_errors=True)
     failed = sum(o[0] == "failed" for o in outcomes.values())
     return 1 if failed else 0
 
