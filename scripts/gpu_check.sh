@@ -6,6 +6,8 @@
 #   2. tests/gpu, 2 ranks on the one GPU, NCCL (NCCL_MULTI_RANK_GPU_ENABLE=1; needs NCCL >= 2.30)
 #   3. tests/gpu, 2 ranks, COLLECTIVES_DISABLE_NCCL=1 (host staging)
 #   4. benchmarks/bench_nccl.py: ours / raw NCCL, 1 rank and (if step 2 could run) 2 ranks
+#   (tests/gpu includes test_torch_backend_cuda.py: DDP with CUDA tensors over the torch.distributed backend
+#    "collectives", equal to one process, and dist.* collectives on CUDA, in steps 1-3)
 #
 # Usage: bash scripts/gpu_check.sh          (from anywhere; output also goes to $OUT if set)
 # The tests run with COLLECTIVES_TEST_REQUIRE_GPU=1: no GPU is a failure, not a skip.
@@ -123,6 +125,14 @@ assert coll.allreduce(v, "sum") is v
 assert (x[::2] == comm.size * (comm.size + 1) / 2).all() and (x[1::2] == comm.rank + 1).all()
 assert (coll.broadcast(torch.full((3,), float(comm.rank), device="cuda"), comm.size - 1) == comm.size - 1).all()
 assert coll.allgather(torch.ones(2, device="cuda")).shape == (comm.size, 2)
+import torch.distributed as dist, collectives.torch_backend
+dist.init_process_group("collectives")
+t = torch.full((5,), float(comm.rank + 1), device="cuda")
+dist.all_reduce(t)
+assert (t == comm.size * (comm.size + 1) / 2).all()
+ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2).cuda(), device_ids=[torch.cuda.current_device()])
+ddp(torch.ones(3, 4, device="cuda")).sum().backward()
+dist.destroy_process_group()
 print("smoke ok", comm.rank, cuda.device_transports(comm))
 EOF
         if [ ${#LAUNCH[@]} -gt 0 ]; then

@@ -67,6 +67,28 @@ def uninstall() -> None:
     _installed = False
 
 
+class _Both:
+    """A text stream writing to two (the hook's report, where stderr was redirected around it)."""
+
+    def __init__(self, *streams):
+        self._streams = streams
+
+    def write(self, text):
+        for s in self._streams:
+            try:
+                s.write(text)
+            except Exception:  # noqa: BLE001 - one broken stream must not silence the other
+                pass
+        return len(text)
+
+    def flush(self):
+        for s in self._streams:
+            try:
+                s.flush()
+            except Exception:  # noqa: BLE001
+                pass
+
+
 def _describe(exc_type, exc) -> str:
     try:
         text = str(exc)
@@ -84,6 +106,12 @@ def _abort_hook(exc_type, exc, tb) -> None:
         return
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
+    # A hook that wraps ours may have pointed sys.stderr at a buffer it prints after we return (torch's
+    # init_process_group does, to prefix lines with the rank): we never return, so the report goes to the
+    # process's own stderr as well.
+    captured = sys.stderr
+    if sys.__stderr__ is not None and captured is not sys.__stderr__:
+        sys.stderr = _Both(captured, sys.__stderr__)
     try:
         sys.stderr.write(f"collectives: rank {rank} of {size} failed with {_describe(exc_type, exc)}\n")
         previous(exc_type, exc, tb)
@@ -98,4 +126,5 @@ def _abort_hook(exc_type, exc, tb) -> None:
             except Exception:  # noqa: BLE001
                 pass
         time.sleep(REPORT_GRACE_S)  # let the launcher read our report off the pipe before it kills us
+        sys.stderr = captured
         world.Abort(EXIT_STATUS)

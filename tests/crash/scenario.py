@@ -171,6 +171,20 @@ def main(name: str) -> None:
             sys.exit(0)
         comm.allreduce(x)
 
+    elif name == "torch-exception":  # the same under torch.distributed's backend "collectives" (whose
+        import torch as th  # init_process_group wraps sys.excepthook, capturing stderr around the hook)
+        import torch.distributed as dist
+
+        import collectives.torch_backend  # noqa: F401 - registers the backend
+
+        dist.init_process_group("collectives")
+        t = th.ones(3)
+        dist.all_reduce(t)
+        if comm.rank == last:
+            mark(name)
+            raise ValueError(f"boom from rank {comm.rank}")
+        dist.all_reduce(t)
+
     elif name == "clean":  # all the collectives, then exit without finalize(): status 0, nothing on stderr
         comm.broadcast(x, root=last)
         comm.reduce(x, op="max", root=last)

@@ -86,6 +86,18 @@ def test_uncaught_exception_on_one_rank_aborts_the_job(n):
 
 
 @pytest.mark.parametrize("n", SIZES)
+def test_uncaught_exception_under_the_torch_backend_aborts_the_job(n):
+    """A rank raising while the others wait in dist.all_reduce over "collectives" ends the job, and the
+    report reaches stderr although torch's own excepthook captures stderr around ours."""
+    pytest.importorskip("torch")
+    job = run("torch-exception", n)
+    ended_promptly(job)
+    assert job.rc == 1, job
+    assert f"collectives: rank {n - 1} of {n} failed with ValueError: boom from rank {n - 1}" in job.err, job
+    assert "raise ValueError" in job.err, job
+
+
+@pytest.mark.parametrize("n", SIZES)
 def test_invalid_call_on_one_rank_unchecked_aborts_the_job(n):
     job = run("library-error", n)
     ended_promptly(job)

@@ -5,7 +5,9 @@ The paths: the cached hot path (a second call), the general path (a strided view
 small-leaf buckets and the solo leaves of ``allreduce_tree``, the shared-memory allreduce forced on (a tiny
 threshold) and off, the deadline transport, ``reduce``, torch tensors (hot and general path), and the two
 CUDA transports that do not need a GPU for their logic (host staging, CUDA-aware MPI), with CPU tensors
-standing in for device tensors; the asynchronous calls (``async_op=True``, trees too) on those host paths; and ``reduce_scatter`` through the same host paths (its hot path too) and stand-ins (its
+standing in for device tensors; the asynchronous calls (``async_op=True``, trees too) on those host paths; the
+torch.distributed backend (``collectives.torch_backend``, torch's ReduceOp on CPU tensors); and
+``reduce_scatter`` through the same host paths (its hot path too) and stand-ins (its
 block must hold the documented bits too). Every result is compared with a reference computed on every rank from all
 ranks' inputs (every rank can make every rank's inputs: they are seeded), under the documented rules:
 integers wrap (modulo 2**n), float min/max is a total order in which NaN wins and -0.0 < +0.0, mean is the
@@ -222,7 +224,24 @@ def torch_paths(x, dtype, op, comm):
         t = as_lib(x, dtype, "torch")
         transport.allreduce(t, None, op)
         out[f"{transport.name} (CPU tensors standing in)"] = to_numpy(t, dtype)
+    group, opts = torch_group(comm, op, "AllreduceOptions")
+    t = as_lib(x, dtype, "torch")
+    assert group.allreduce([t], opts).wait()
+    out["torch.distributed backend"] = to_numpy(t, dtype)
     return out
+
+
+def torch_group(comm, op, options):
+    """The torch.distributed backend's process group over ``comm`` (collectives.torch_backend), and torch
+    options carrying ``op`` as torch's ReduceOp (mean: AVG)."""
+    import torch.distributed as dist
+
+    import collectives.torch_backend as ctb
+
+    opts = getattr(dist, options)()
+    opts.reduceOp = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN,
+                     "max": dist.ReduceOp.MAX, "mean": dist.ReduceOp.AVG}[op]
+    return ctb.ProcessGroupCollectives(comm), opts
 
 
 def device_stand_ins(comm):
@@ -295,6 +314,11 @@ def reduce_scatter_paths(x, dtype, op, comm, comms):
         for transport in device_stand_ins(comm):
             got = transport.reduce_scatter(as_lib(xs, dtype, "torch"), None, op)
             out[f"reduce_scatter {transport.name} (CPU tensors standing in)"] = to_numpy(got[0], dtype)
+        group, opts = torch_group(comm, op, "ReduceScatterOptions")
+        blocks = as_lib(xs, dtype, "torch")
+        mine = blocks[0].clone()
+        assert group.reduce_scatter_single(mine, blocks.reshape(-1), opts).wait()
+        out["reduce_scatter torch.distributed backend"] = to_numpy(mine, dtype)
     return {k: np.roll(v, -comm.rank) for k, v in out.items()}  # block r was x rolled by r
 
 

@@ -1,0 +1,151 @@
+"""torch.distributed through the backend "collectives" against "gloo", in one job.
+
+Two groups of the same ranks: the default group of the "collectives" backend (made without MASTER_ADDR,
+over MPI) and a gloo group (``dist.new_group(backend="gloo")``, set up through the same job's store).
+Both measured with torch's own calls on the same tensors:
+
+- ``dist.all_reduce`` (SUM, float32 CPU tensors) from 8 B to 64 MiB, and as a third side the library's own
+  blocking ``allreduce`` on the backend's communicator (what the backend's async path costs on top);
+- one training step of an MLP under ``DistributedDataParallel`` (forward, backward with DDP's bucketed
+  allreduces, SGD step), one DDP model per group, the same parameters and batch.
+
+The sides alternate within each round (the first side changes every round), each block after an MPI
+barrier, each block about ``--round-ms`` of calls (at least one); a block's time is the slowest rank's. Quoted:
+the median per call over the rounds and the median of the per-round ratios collectives/gloo (below 1:
+collectives faster).
+
+    mpiexec -n 2 python benchmarks/bench_torch_backend.py [--sizes 8B..64MiB] [--rounds 15] [--json out]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from _common import fmt_time, human, parse_sizes
+from mpi4py import MPI
+
+
+def timed(world, sides, rounds: int, round_s: float) -> np.ndarray:
+    """Per-call seconds, shape (rounds, sides): the slowest rank's block time / calls."""
+    perf = time.perf_counter
+    first = np.empty(len(sides))
+    for i, f in enumerate(sides):
+        f(2)  # warm-up: first calls allocate, make buckets
+        world.Barrier()
+        t0 = perf()
+        f(3)
+        first[i] = (perf() - t0) / 3
+    world.Allreduce(MPI.IN_PLACE, first, MPI.MAX)
+    ks = [int(max(1, min(2000, round_s // max(t, 1e-9)))) for t in first]
+    times = np.empty((rounds, len(sides)))
+    for r in range(rounds):
+        for j in range(len(sides)):
+            i = (j + r) % len(sides)
+            world.Barrier()
+            t0 = perf()
+            sides[i](ks[i])
+            times[r, i] = (perf() - t0) / ks[i]
+    world.Allreduce(MPI.IN_PLACE, times, MPI.MAX)
+    return times
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="8B..64MiB")
+    ap.add_argument("--factor", type=int, default=8, help="between sizes of a range (default 8)")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--round-ms", type=float, default=30.0)
+    ap.add_argument("--hidden", type=int, default=1024, help="MLP width (3 hidden layers)")
+    ap.add_argument("--batch", type=int, default=32, help="rows per rank")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import collectives
+    import collectives.torch_backend  # registers "collectives" (also binds the name used below)
+
+    world = MPI.COMM_WORLD.Dup()
+    rank, size = world.Get_rank(), world.Get_size()
+    dist.init_process_group("collectives")
+    groups = {"collectives": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
+    names = list(groups)
+    torch.set_num_threads(1)
+    header = {"ranks": size, "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+              "load_average_at_start": [round(v, 2) for v in os.getloadavg()], "torch": torch.__version__,
+              "collectives": collectives.__version__, "mpi_library": MPI.Get_library_version().split("\n")[0],
+              "rounds": args.rounds, "round_ms": args.round_ms, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    results = {"all_reduce": [], "ddp_step": None}
+
+    for nbytes in parse_sizes(args.sizes, args.factor):
+        t = torch.zeros(nbytes // 4, dtype=torch.float32)  # zeros: sums stay finite
+
+        def side(g, t=t):
+            def f(k, g=g, t=t):
+                for _ in range(k):
+                    dist.all_reduce(t, group=g)
+            return f
+
+        def library(k, t=t, c=groups["collectives"].communicator):
+            for _ in range(k):
+                c.allreduce(t)  # the library's blocking call on the same communicator: the backend's cost
+
+        times = timed(world, [side(groups[n]) for n in names] + [library], args.rounds, args.round_ms / 1e3)
+        row = {"bytes": nbytes, **{n: float(np.median(times[:, i])) for i, n in enumerate(names)},
+               "library": float(np.median(times[:, 2])),
+               "ratio": float(np.median(times[:, 0] / times[:, 1])),
+               "library_ratio": float(np.median(times[:, 2] / times[:, 1]))}
+        results["all_reduce"].append(row)
+        if rank == 0:
+            print(f"all_reduce {human(nbytes):>8}: collectives {fmt_time(row['collectives']).strip()}  "
+                  f"gloo {fmt_time(row['gloo']).strip()}  ratio {row['ratio']:.2f}   (coll.allreduce "
+                  f"{fmt_time(row['library']).strip()}, {row['library_ratio']:.2f} of gloo)", file=sys.stderr, flush=True)
+
+    h = args.hidden
+
+    def mlp():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(256, h), torch.nn.ReLU(), torch.nn.Linear(h, h), torch.nn.ReLU(),
+                                   torch.nn.Linear(h, h), torch.nn.ReLU(), torch.nn.Linear(h, 10))
+
+    models = {n: DDP(mlp(), process_group=groups[n]) for n in names}
+    opts = {n: torch.optim.SGD(models[n].parameters(), lr=1e-3) for n in names}
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(args.batch, 256, generator=g), torch.randint(0, 10, (args.batch,), generator=g)
+
+    def step_side(n):
+        def f(k, n=n):
+            for _ in range(k):
+                opts[n].zero_grad()
+                torch.nn.functional.cross_entropy(models[n](x), y).backward()
+                opts[n].step()
+        return f
+
+    times = timed(world, [step_side(n) for n in names], args.rounds, max(args.round_ms, 1) / 1e3)
+    params = sum(p.numel() for p in models["gloo"].parameters())
+    results["ddp_step"] = {"params": params, "grad_bytes": 4 * params, "batch_per_rank": args.batch,
+                           **{n: float(np.median(times[:, i])) for i, n in enumerate(names)},
+                           "ratio": float(np.median(times[:, 0] / times[:, 1]))}
+    if rank == 0:
+        d = results["ddp_step"]
+        print(f"DDP MLP step ({params} params, {args.batch} rows/rank): collectives {fmt_time(d['collectives']).strip()}"
+              f"  gloo {fmt_time(d['gloo']).strip()}  ratio {d['ratio']:.2f}",
+              file=sys.stderr, flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"header": header, "results": results}, indent=1))
+    dist.destroy_process_group()
+    world.Free()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,612 @@
+"""collectives as a ``torch.distributed`` backend: DDP, FSDP2 and every ``dist.*`` collective over MPI
+(host tensors) and our NCCL binding (CUDA tensors), with pip's torch, which has no MPI backend.
+
+Importing this module registers the backend ``"collectives"`` (idempotent)::
+
+    import torch.distributed as dist
+    import collectives.torch_backend          # registers "collectives"
+    dist.init_process_group("collectives")    # under mpiexec/srun: rank and size from MPI
+
+Under a launcher nothing else is needed: no ``MASTER_ADDR``/``MASTER_PORT``, no ``RANK``/``WORLD_SIZE``,
+and no listening socket. Outside a launcher it is a group of one process, like :func:`collectives.init`.
+
+How it fits torch:
+
+- **Rendezvous.** ``init_process_group`` without ``init_method`` asks torch's ``env://`` handler for a
+  store, a rank and a size; that handler needs ``MASTER_ADDR``/``MASTER_PORT`` and opens a TCP server
+  (``TCPStore``) on rank 0. This module wraps the ``env://`` handler: where ``MASTER_ADDR`` is unset (where
+  torch's handler would fail) the rank and the size come from MPI (:func:`collectives.init`) and the store
+  is one that needs no server (below); where it is set, torch's handler runs unchanged. The scheme
+  ``collectives://`` (``init_method="collectives://"``) always takes the MPI way.
+- **The store.** The ``"collectives"`` backend never uses it: its collectives travel over MPI/NCCL.
+  torch itself touches it only for its optional store-based barrier (``TORCH_DIST_INIT_BARRIER=1``) and to
+  set up other backends on the same group (gloo, NCCL). So: one process: torch's in-memory ``HashStore``;
+  every rank on one node: torch's ``FileStore`` on a file in the temporary directory whose name rank 0
+  broadcasts over MPI (a real shared store, no socket); ranks on several nodes: a store that raises a
+  clear error on use (pass ``init_method`` or ``store=`` if you need one).
+- **The process group** (:class:`ProcessGroupCollectives`, a Python ``ProcessGroup`` as torch's own
+  threaded test group is) runs every operation through the public collectives of its
+  :class:`~collectives.Communicator` with ``async_op=True``: same validation, same dtype rules (an illegal
+  op/dtype pair raises the ``TypeError`` that :func:`collectives.allreduce` raises), same bits.
+- **Work.** Every operation returns a :class:`Work` backed by our handles (:class:`~collectives.Handle`):
+  ``wait()`` (bounded by torch's ``timeout=`` and ``COLLECTIVES_TIMEOUT``), ``is_completed()`` (never
+  blocks), ``get_future()`` (see :class:`Work`).
+- **Groups.** ``dist.new_group(ranks)`` makes a communicator of exactly those ranks (torch calls the
+  backend on members only, so it is made with ``MPI_Comm_create_group``, which only members call);
+  ``split_group`` needs an accelerator in torch itself.
+
+Example:
+    >>> import torch, torch.distributed as dist
+    >>> import collectives.torch_backend
+    >>> dist.init_process_group("collectives")
+    >>> t = torch.ones(3)
+    >>> dist.all_reduce(t)
+    >>> bool((t == dist.get_world_size()).all())
+    True
+    >>> dist.destroy_process_group()
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib
+import os
+import tempfile
+import time
+import uuid
+from datetime import timedelta
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+
+import collectives as _coll
+
+from . import _config
+from ._errors import CollectiveTimeoutError
+
+__all__ = ["BACKEND", "ProcessGroupCollectives", "Work", "register"]
+
+BACKEND = "collectives"
+SCHEME = "collectives"
+
+_R = dist.ReduceOp.RedOpType
+_OPS = {_R.SUM: "sum", _R.PRODUCT: "prod", _R.MIN: "min", _R.MAX: "max", _R.AVG: "mean"}
+_BUSY_S = 1e-3  # wait(): test back to back for this long (as MPI_Wait spins: a schedule of several steps
+# progresses one step per test), then yield the core between tests (sched_yield: on a machine with more
+# ranks than cores the peer needs it; where the core is free it returns at once). Never sleep: a rank asleep
+# holds back the peers' progress too, and with both sides sleeping in turn an 8 B allreduce took
+# milliseconds on a loaded machine.
+_yield = getattr(os, "sched_yield", lambda: time.sleep(0))  # not on every platform
+
+
+def _op(reduce_op) -> tuple[str, object]:
+    """``(our op name, PREMUL_SUM's factor or None)`` for a torch ``ReduceOp`` (or its ``RedOpType``)."""
+    kind = reduce_op if isinstance(reduce_op, _R) else reduce_op.op  # ReduceOp.SUM is a RedOpType
+    if kind == _R.PREMUL_SUM:
+        return "sum", reduce_op.factor
+    name = _OPS.get(kind)
+    if name is None:
+        raise ValueError(f"the collectives backend has no reduction {kind.name} (it reduces with SUM, PRODUCT, "
+                         f"MIN, MAX, AVG and PREMUL_SUM); for bitwise and/or on bool tensors use MIN/MAX")
+    return name, None
+
+
+def _seconds(timeout) -> float | None:
+    """Seconds of a torch timeout (a ``timedelta``); None for none (zero: torch's kNoTimeout)."""
+    if timeout is None:
+        return None
+    s = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    return s if s > 0 else None
+
+
+class Work(dist.Work):
+    """What every operation of :class:`ProcessGroupCollectives` returns: torch's ``Work``, backed by the
+    handles (:class:`~collectives.Handle`) of our asynchronous collectives.
+
+    - ``wait(timeout)`` completes the operation (its results are in the output tensors afterwards) and
+      returns True; it raises the operation's error (``MismatchError``, ``CollectiveError``, ...), or
+      :class:`~collectives.CollectiveTimeoutError` when it has not completed within ``timeout`` (else the
+      group's ``timeout=`` from ``init_process_group``/``new_group``, else ``COLLECTIVES_TIMEOUT``, the
+      smallest of those set).
+    - ``is_completed()`` never blocks (it asks MPI whether the transfer is complete, which also lets it
+      progress).
+    - ``get_future()`` returns a ``torch.futures.Future`` holding the output tensors. It completes the
+      operation first (as ``wait()``; an error is then set on the future rather than raised): no thread
+      progresses our collectives in the background, so a future handed out before completion would only
+      complete when something else waited. DDP asks for the future as it launches each bucket's
+      allreduce, so DDP's allreduces complete in the backward pass, bucket by bucket.
+
+    Example:
+        >>> import torch, torch.distributed as dist
+        >>> import collectives.torch_backend
+        >>> dist.init_process_group("collectives")
+        >>> t = torch.ones(4)
+        >>> work = dist.all_reduce(t, async_op=True)
+        >>> work.wait(), work.is_completed(), work.get_future().wait()[0] is t
+        (True, True, True)
+        >>> dist.destroy_process_group()
+    """
+
+    def __init__(self, what: str, handles, finish, result, timeout_s: float | None):
+        super().__init__()
+        self._what = what
+        self._handles = list(handles)
+        self._finish = finish  # callable(list of handle results) -> None: copies into output tensors
+        self._result = result  # what the future holds: the output tensors
+        self._timeout_s = timeout_s
+        self._future = torch.futures.Future()
+        self._error: BaseException | None = None
+        self._done = False
+        if all(h.done() for h in self._handles):
+            self._complete()
+
+    def __repr__(self) -> str:
+        state = "failed" if self._error is not None else "done" if self._done else "pending"
+        return f"<collectives.torch_backend.Work {self._what} {state}>"
+
+    def _complete(self) -> None:
+        try:
+            results = [h.wait() for h in self._handles]
+            if self._finish is not None:
+                self._finish(results)
+        except Exception as exc:  # noqa: BLE001 - held: raised by wait(), set on the future
+            self._error = exc
+            self._future.set_exception(exc)
+        else:
+            self._future.set_result(self._result)
+        self._done = True
+        self._handles = []
+
+    def is_completed(self) -> bool:
+        """Whether the operation has completed (also when it failed). Never blocks."""
+        if not self._done and all(h.done() for h in self._handles):
+            self._complete()
+        return self._done
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        """Complete the operation (bounded: see the class); True, or raise its error."""
+        if not self._done:
+            bounds = [b for b in (_seconds(timeout), self._timeout_s, _config.timeout()) if b is not None]
+            limit = min(bounds) if bounds else None
+            start = time.monotonic()
+            while not all(h.done() for h in self._handles):
+                waited = time.monotonic() - start
+                if limit is not None and waited >= limit:
+                    raise CollectiveTimeoutError(
+                        f"{self._what} did not complete within {limit:g} s (the smallest of wait(timeout=), the "
+                        f"group's timeout= and COLLECTIVES_TIMEOUT): another rank has not issued the matching "
+                        f"call, or died. The group cannot be used further; end the job")
+                if waited > _BUSY_S:
+                    _yield()
+            self._complete()
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        """A future of the output tensors, completed (see the class)."""
+        if not self._done:
+            try:
+                self.wait()
+            except CollectiveTimeoutError as exc:
+                self._future.set_exception(exc)
+                self._done, self._error = True, exc
+            except Exception:  # noqa: BLE001 - the error is on the future
+                pass
+        return self._future
+
+    def exception(self):
+        """The operation's error once it has completed with one, else None."""
+        return self._error
+
+    def result(self) -> list:
+        """The output tensors, after :meth:`wait`."""
+        self.wait()
+        return self._result
+
+
+def _one(tensors, what: str):
+    if isinstance(tensors, torch.Tensor):
+        return tensors
+    if len(tensors) != 1:
+        raise ValueError(f"{what}: the collectives backend takes one tensor per process (torch's single-device "
+                         f"form), got a list of {len(tensors)}")
+    return tensors[0]
+
+
+def _same_shapes(what: str, reference: torch.Tensor, tensors, role: str) -> None:
+    for i, t in enumerate(tensors):
+        if t.shape != reference.shape or t.dtype != reference.dtype:
+            raise ValueError(f"{what}: every {role} must have the input's shape {tuple(reference.shape)} and dtype "
+                             f"{reference.dtype} (the collectives backend moves equal blocks), got "
+                             f"{tuple(t.shape)} {t.dtype} at index {i}")
+
+
+def _opts_op(opts):
+    if opts is None:
+        return dist.ReduceOp.SUM
+    if isinstance(opts, (dist.ReduceOp, _R)):
+        return opts
+    return opts.reduceOp
+
+
+class ProcessGroupCollectives(dist.ProcessGroup):
+    """The ``torch.distributed`` process group of the ``"collectives"`` backend: every operation is a
+    collective of :attr:`communicator` (made by ``init_process_group("collectives")`` and ``new_group``,
+    not constructed directly).
+
+    Operations: ``allreduce`` (SUM, PRODUCT, MIN, MAX, AVG, PREMUL_SUM), ``allreduce_coalesced``,
+    ``broadcast``, ``reduce``, ``allgather``, ``all_gather_single`` (``all_gather_into_tensor``),
+    ``allgather_into_tensor_coalesced``, ``reduce_scatter``, ``reduce_scatter_single``
+    (``reduce_scatter_tensor``), ``reduce_scatter_tensor_coalesced``, ``alltoall``, ``all_to_all_single``
+    (equal splits), ``gather``, ``scatter``, ``barrier``; torch's object collectives run on these. Not
+    offered: ``send``/``recv`` (the library has no point-to-point operations) and uneven splits or
+    blocks (a clear ``ValueError`` before any communication).
+
+    Example:
+        >>> import torch, torch.distributed as dist
+        >>> import collectives.torch_backend as ctb
+        >>> dist.init_process_group("collectives")
+        >>> pg = dist.distributed_c10d._get_default_group()
+        >>> isinstance(pg, ctb.ProcessGroupCollectives), pg.getBackendName()
+        (True, 'collectives')
+        >>> pg.communicator.size == dist.get_world_size()
+        True
+        >>> dist.destroy_process_group()
+    """
+
+    def __init__(self, comm, timeout: timedelta | None = None, keep=None):
+        super().__init__(comm.rank, comm.size)
+        self._comm = comm
+        self._timeout_s = _seconds(timeout)
+        self._keep = keep  # the mpi4py communicator ours was made from (its lifetime bounds ours)
+
+    @property
+    def communicator(self):
+        """The :class:`collectives.Communicator` this group's operations run on."""
+        return self._comm
+
+    def getBackendName(self) -> str:
+        return BACKEND
+
+    def shutdown(self) -> None:
+        """Release the group's communicator (``dist.destroy_process_group`` calls it on every member)."""
+        comm, self._comm = self._comm, None
+        if comm is not None and not comm.closed:
+            comm.close()
+        keep, self._keep = self._keep, None
+        if keep is not None:
+            keep.Free()
+
+    # torch keeps a group's name and description on its C++ backends, which a Python group has none of:
+    # kept here (torch's C++ calls these through its Python-group trampoline)
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupName(self) -> str:
+        return getattr(self, "_group_name", "")
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:
+        return getattr(self, "_group_desc", "")
+
+    def __repr__(self) -> str:
+        return f"<collectives.torch_backend.ProcessGroupCollectives rank={self.rank()} size={self.size()}>"
+
+    def _work(self, what, handles, finish=None, result=None) -> Work:
+        return Work(what, handles, finish, result, self._timeout_s)
+
+    # ---- reductions ----
+    def allreduce(self, tensors, opts=None):
+        op, factor = _op(_opts_op(opts))
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        if factor is not None:
+            for t in tensors:
+                t.mul_(factor)
+        if len(tensors) == 1:
+            return self._work("allreduce", [self._comm.allreduce(tensors[0], op, async_op=True)], result=tensors)
+        return self._work("allreduce", [self._comm.allreduce_tree(tensors, op, async_op=True)], result=tensors)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        op, factor = _op(_opts_op(opts))
+        tensors = list(tensors)
+        if factor is not None:
+            for t in tensors:
+                t.mul_(factor)
+        return self._work("allreduce_coalesced", [self._comm.allreduce_tree(tensors, op, async_op=True)],
+                          result=tensors)
+
+    def reduce(self, tensors, opts=None):
+        t = _one(tensors, "reduce")
+        op, factor = _op(_opts_op(opts))
+        if factor is not None:
+            t.mul_(factor)
+        root = 0 if opts is None else opts.rootRank
+        return self._work("reduce", [self._comm.reduce(t, op, root, async_op=True)], result=[t])
+
+    def _scaled(self, t, factor):
+        return t if factor is None else t * factor
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        op, factor = _op(_opts_op(opts))
+        if input.numel() != output.numel() * self.size():
+            raise ValueError(f"reduce_scatter_tensor: the input must hold size ({self.size()}) times the output's "
+                             f"{output.numel()} elements, got {input.numel()}")
+        blocks = self._scaled(input, factor).reshape((self.size(),) + tuple(output.shape))
+        h = self._comm.reduce_scatter(blocks, op, async_op=True)
+        return self._work("reduce_scatter_tensor", [h], lambda r: output.copy_(r[0].reshape(output.shape)),
+                          [output])
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter(self, outputs, inputs, opts=None):
+        output = _one(outputs, "reduce_scatter")
+        blocks = _one(inputs, "reduce_scatter")
+        if len(blocks) != self.size():
+            raise ValueError(f"reduce_scatter: input_list must hold one tensor per rank ({self.size()}), got "
+                             f"{len(blocks)}")
+        _same_shapes("reduce_scatter", output, blocks, "input tensor")
+        op, factor = _op(_opts_op(opts))
+        stacked = self._scaled(torch.stack(list(blocks)), factor)
+        h = self._comm.reduce_scatter(stacked, op, async_op=True)
+        return self._work("reduce_scatter", [h], lambda r: output.copy_(r[0].reshape(output.shape)), [output])
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+        return self._work("reduce_scatter_tensor_coalesced", [], lambda _: [w.wait() for w in works],
+                          list(outputs))
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    # ---- data movement ----
+    def broadcast(self, tensors, opts=None):
+        t = _one(tensors, "broadcast")
+        root = 0 if opts is None else opts.rootRank
+        return self._work("broadcast", [self._comm.broadcast(t, root, async_op=True)], result=[t])
+
+    def allgather(self, outputs, inputs, opts=None):
+        outs = _one(outputs, "allgather")
+        t = _one(inputs, "allgather")
+        if len(outs) != self.size():
+            raise ValueError(f"allgather: tensor_list must hold one tensor per rank ({self.size()}), got {len(outs)}")
+        _same_shapes("allgather", t, outs, "output tensor")
+        h = self._comm.allgather(t, async_op=True)
+
+        def finish(r):
+            for o, g in zip(outs, r[0], strict=True):
+                o.copy_(g)
+
+        return self._work("allgather", [h], finish, [list(outs)])
+
+    def all_gather_single(self, output, input, opts=None):
+        if output.numel() != input.numel() * self.size():
+            raise ValueError(f"all_gather_into_tensor: the output must hold size ({self.size()}) times the input's "
+                             f"{input.numel()} elements, got {output.numel()}")
+        h = self._comm.allgather(input, async_op=True)
+        return self._work("all_gather_into_tensor", [h], lambda r: output.copy_(r[0].reshape(output.shape)),
+                          [output])
+
+    _allgather_base = all_gather_single
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+        return self._work("allgather_into_tensor_coalesced", [], lambda _: [w.wait() for w in works],
+                          list(outputs))
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def allgather_coalesced(self, output_lists, inputs, opts=None):
+        if len(output_lists) != self.size():
+            raise ValueError(f"all_gather_coalesced: output_tensor_lists must hold one list per rank ({self.size()}), "
+                             f"got {len(output_lists)}")
+        # output_lists[rank][i] receives rank's inputs[i]
+        works = [self.allgather([[out[i] for out in output_lists]], [t], opts) for i, t in enumerate(inputs)]
+        return self._work("allgather_coalesced", [], lambda _: [w.wait() for w in works], list(output_lists))
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        n = self.size()
+        for name, splits, t in (("input", input_split_sizes, input), ("output", output_split_sizes, output)):
+            if splits and (len(splits) != n or len(set(splits)) != 1):
+                raise ValueError(f"all_to_all_single: the collectives backend exchanges equal blocks; got "
+                                 f"{name}_split_sizes={list(splits)}; pass equal splits (or none)")
+            if t.dim() == 0 or t.shape[0] % n:
+                raise ValueError(f"all_to_all_single: the {name}'s leading dimension must be divisible by the "
+                                 f"group's size {n}, got shape {tuple(t.shape)}")
+        if output.shape != input.shape:
+            raise ValueError(f"all_to_all_single: output shape {tuple(output.shape)} must equal the input's "
+                             f"{tuple(input.shape)}")
+        h = self._comm.alltoall(input, async_op=True)
+        return self._work("all_to_all_single", [h], lambda r: output.copy_(r[0]), [output])
+
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, outputs, inputs, opts=None):
+        if len(inputs) != self.size() or len(outputs) != self.size():
+            raise ValueError(f"all_to_all: input and output lists must hold one tensor per rank ({self.size()}), "
+                             f"got {len(inputs)} and {len(outputs)}")
+        _same_shapes("all_to_all", inputs[0], list(inputs) + list(outputs), "tensor")
+        h = self._comm.alltoall(torch.stack(list(inputs)), async_op=True)
+
+        def finish(r):
+            for o, g in zip(outputs, r[0], strict=True):
+                o.copy_(g)
+
+        return self._work("all_to_all", [h], finish, list(outputs))
+
+    def gather(self, outputs, inputs, opts=None):
+        t = _one(inputs, "gather")
+        root = opts.rootRank
+        outs = _one(outputs, "gather") if self.rank() == root else []
+        if self.rank() == root:
+            if len(outs) != self.size():
+                raise ValueError(f"gather: gather_list must hold one tensor per rank ({self.size()}), got {len(outs)}")
+            _same_shapes("gather", t, outs, "gather_list tensor")
+        h = self._comm.allgather(t, async_op=True)  # every rank receives: gather as an allgather
+
+        def finish(r):
+            for o, g in zip(outs, r[0], strict=False):
+                o.copy_(g)
+
+        return self._work("gather", [h], finish, [list(outs)])
+
+    def scatter(self, outputs, inputs, opts=None):
+        out = _one(outputs, "scatter")
+        root = opts.rootRank
+        if self.rank() == root:
+            blocks = _one(inputs, "scatter")
+            if len(blocks) != self.size():
+                raise ValueError(f"scatter: scatter_list must hold one tensor per rank ({self.size()}), got "
+                                 f"{len(blocks)}")
+            _same_shapes("scatter", out, blocks, "scatter_list tensor")
+            stacked = torch.stack(list(blocks))
+        else:
+            stacked = torch.empty((self.size(),) + tuple(out.shape), dtype=out.dtype, device=out.device)
+        h = self._comm.broadcast(stacked, root, async_op=True)  # root's blocks to all; each keeps its own
+        return self._work("scatter", [h], lambda r: out.copy_(r[0][self.rank()]), [out])
+
+    def barrier(self, opts=None):
+        # an allreduce of one byte, not the library's (blocking) barrier: wait() bounds it like the others
+        flag = torch.zeros(1, dtype=torch.uint8)
+        return self._work("barrier", [self._comm.allreduce(flag, "max", async_op=True)], result=[])
+
+    def send(self, tensors, dst, tag=0):
+        raise RuntimeError("the collectives backend has no point-to-point operations (send/recv/isend/irecv); "
+                           "use collectives (broadcast, all_to_all) or a second group with a backend that has them")
+
+    def recv(self, tensors, src, tag=0):
+        self.send(tensors, src, tag)
+
+    recv_anysource = recv
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the rendezvous: rank and size from MPI, a store without a server
+
+class _UnsharedStore(dist.Store):
+    """The store of a job on several nodes: nothing the backend needs, refused clearly on use."""
+
+    def set_timeout(self, timeout):
+        pass
+
+    def _refuse(self, *args, **kwargs):
+        raise RuntimeError("the collectives backend's store is not shared across nodes (it needs no store itself): "
+                           "something asked it for a key (TORCH_DIST_INIT_BARRIER=1, or a gloo/NCCL group on the "
+                           "same job). Pass init_method='tcp://...' or 'file://<shared path>' to init_process_group "
+                           "for a store shared by every node")
+
+    set = get = add = compare_set = wait = check = delete_key = num_keys = multi_get = multi_set = _refuse
+
+
+def _store(comm, timeout):
+    if comm.size == 1:
+        return dist.HashStore()
+    if comm.local_size == comm.size:  # one node: a FileStore in the temporary directory, named by rank 0
+        path = None
+        if comm.rank == 0:
+            path = os.path.join(tempfile.gettempdir(), f"collectives-torch-store-{uuid.uuid4().hex}")
+            atexit.register(_unlink, path)  # torch's FileStore leaves its file behind
+        path = comm.broadcast_object(path, root=0)
+        store = dist.FileStore(path, comm.size)
+        store.set_timeout(timeout)
+        return store
+    return _UnsharedStore()
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+def _mpi_rendezvous(url: str, timeout: timedelta = timedelta(minutes=30), **kwargs):
+    """A torch rendezvous handler: ``(store, rank, size)`` from MPI (see the module)."""
+    comm = _coll.init()
+    query = dict(p.split("=", 1) for p in urlparse(url).query.split("&") if "=" in p)
+    for key, ours in (("rank", comm.rank), ("world_size", comm.size)):
+        given = int(query.get(key, -1))
+        if given not in (-1, ours):
+            raise ValueError(f"init_process_group: {key}={given} was given (argument or environment variable "
+                             f"{key.upper()}), but MPI says {ours}: the collectives backend takes ranks from the "
+                             f"MPI job; drop {key}= (and {key.upper()}) or launch with mpiexec/srun")
+    yield _store(comm, timeout), comm.rank, comm.size
+    raise RuntimeError("the collectives rendezvous cannot re-rendezvous (the MPI job is fixed)")
+
+
+def _wrap_env(original):
+    def env_or_mpi(url: str, **kwargs):
+        if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
+            return original(url, **kwargs)  # torch's env:// (a TCPStore), as without this module
+        return _mpi_rendezvous(url, **kwargs)
+
+    env_or_mpi._collectives_wraps = original
+    return env_or_mpi
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the backend
+
+_parent = None  # a duplicate of MPI_COMM_WORLD, made with the default group: new_group's groups come from it
+
+
+def _members(ranks: list[int]):
+    """``(Communicator, mpi4py communicator)`` of exactly ``ranks`` (the world's ranks), made by them alone."""
+    world = _coll.world()
+    if world.size == 1 or _parent is None:  # one process (or MPI not in use): the group is this process
+        return world.split(0, 0), None
+    from mpi4py import MPI
+
+    group = _parent.Get_group().Incl(sorted(ranks))
+    sub = _parent.Create_group(group, tag=0)
+    group.Free()
+    if sub == MPI.COMM_NULL:  # not a member (torch calls the creator on members only)
+        raise RuntimeError(f"new_group: rank {world.rank} is not among the group's ranks {sorted(ranks)}")
+    return _coll.init(comm=sub), sub
+
+
+def _create(options, backend_options=None):
+    """torch's creator of a ``"collectives"`` backend (the extended API: it learns the group's ranks)."""
+    global _parent
+    ranks = list(options.global_ranks_in_group)
+    world = _coll.init()
+    if not ranks:  # the default group: the world
+        if (options.group_size, options.group_rank) != (world.size, world.rank):
+            raise ValueError(
+                f"init_process_group('collectives'): torch has rank {options.group_rank} of {options.group_size}, "
+                f"MPI rank {world.rank} of {world.size}: the collectives backend runs in the MPI job, whose ranks "
+                f"must be torch's. Launch with mpiexec/srun and leave RANK/WORLD_SIZE unset (the environment of "
+                f"torchrun does not start an MPI job)")
+        if world.size > 1 and world.backend == "mpi" and _parent is None:
+            from mpi4py import MPI
+
+            _parent = MPI.COMM_WORLD.Dup()  # every rank is here: the parent of later groups
+        # a communicator of its own (every rank is here): torch's collectives never interleave with the
+        # program's own on the world, and a group left broken by a failure ends with it
+        return ProcessGroupCollectives(world.split(0, world.rank), options.timeout)
+    comm, keep = _members(ranks)
+    return ProcessGroupCollectives(comm, options.timeout, keep)
+
+
+def register() -> None:
+    """Register the backend ``"collectives"`` and the rendezvous (importing this module does it).
+    Idempotent.
+
+    Example:
+        >>> import torch.distributed as dist, collectives.torch_backend as ctb
+        >>> ctb.register(); ctb.register()
+        >>> "collectives" in dist.Backend.backend_list
+        True
+    """
+    if BACKEND.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
+    rdzv = importlib.import_module("torch.distributed.rendezvous")  # the module (the package's attribute of
+    handlers = rdzv._rendezvous_handlers  # that name is its function); torch reads handlers from this dict
+    if SCHEME not in handlers:
+        rdzv.register_rendezvous_handler(SCHEME, _mpi_rendezvous)
+    if not hasattr(handlers.get("env"), "_collectives_wraps"):
+        handlers["env"] = _wrap_env(handlers["env"])
+
+
+register()
