@@ -15,11 +15,13 @@ from . import _dtypes
 from ._backends import closed as _closed
 from ._comm import _resolve, allreduce_tree
 from ._errors import BackendUnavailableError
+from ._overlap import MISSING_GRADS
 from ._tree import WRAPPER_ATTRIBUTE, is_array, map_leaves
 
 
 def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_step: int = 1,
-                         bucket_bytes: int | None = None, comm=None):
+                         bucket_bytes: int | None = None, comm=None, overlap: bool = True,
+                         grad_views: bool = True, missing_grads: str = "error", shard_state: bool = False):
     """Wrap an optimizer so that every update uses gradients averaged over all ranks.
 
     Two kinds of optimizer are accepted:
@@ -85,6 +87,11 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
     if backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
     op = _dtypes.check_op(op)
+    for name, value in (("overlap", overlap), ("grad_views", grad_views), ("shard_state", shard_state)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    if missing_grads not in MISSING_GRADS:
+        raise ValueError(f"missing_grads must be one of {', '.join(map(repr, MISSING_GRADS))}, got {missing_grads!r}")
     if isinstance(optimizer, TorchDistributedOptimizer) or getattr(getattr(optimizer, "update", None),
                                                                    "_collectives_distributed", False):
         raise ValueError("this optimizer is already a DistributedOptimizer; wrap the inner optimizer once")
@@ -92,9 +99,21 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
     if c.closed:  # refused now, not at the first step
         raise BackendUnavailableError(f"DistributedOptimizer: {_closed.MESSAGE}")
     if hasattr(optimizer, "param_groups") and callable(getattr(optimizer, "step", None)):
+        if shard_state:
+            from ._overlap import check_shardable
+
+            check_shardable(optimizer)
         return TorchDistributedOptimizer(optimizer, op=op, backward_passes_per_step=backward_passes_per_step,
-                                         bucket_bytes=bucket_bytes, comm=c)
+                                         bucket_bytes=bucket_bytes, comm=c, overlap=overlap,
+                                         grad_views=grad_views, missing_grads=missing_grads,
+                                         shard_state=shard_state)
     if callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None)):
+        if shard_state or missing_grads != "error":
+            raise ValueError(
+                "an optax-like optimizer supports op, backward_passes_per_step, bucket_bytes and comm; "
+                "shard_state and missing_grads are for torch optimizers (an optax update gets the whole "
+                "gradient tree, and its gradients are never missing). overlap and grad_views have no effect "
+                "(the gradients exist only once the whole backward pass has run)")
         return _transformation(optimizer, op, backward_passes_per_step, bucket_bytes, c)
     raise TypeError(
         f"DistributedOptimizer expects a torch-like optimizer (with param_groups and step) or an optax-like "
@@ -107,12 +126,16 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
 
 
 class TorchDistributedOptimizer:
-    """A torch optimizer whose ``step`` first averages the gradients over all ranks.
+    """A torch optimizer whose ``step`` uses gradients averaged over all ranks.
 
     Made by :func:`DistributedOptimizer`; wraps (does not subclass) the inner optimizer, available as
     ``inner``. Attributes and methods not listed here are the inner optimizer's. LR schedulers check
     ``isinstance(optimizer, torch.optim.Optimizer)``: give them ``inner`` (they change the same
     ``param_groups``).
+
+    With ``overlap=True`` (the default) the gradients are averaged in flat buckets that leave during
+    backward (see :func:`DistributedOptimizer`); its hooks are removed when the wrapper is dropped (or
+    by :meth:`close`).
 
     Example:
         >>> import torch, collectives as coll
@@ -120,8 +143,8 @@ class TorchDistributedOptimizer:
         >>> opt = coll.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
         >>> model = coll.synchronize(model)              # same start everywhere
         >>> loss = model(torch.ones(4, 2)).pow(2).mean()
-        >>> loss.backward()
-        >>> opt.step()                                   # averaged gradients, then SGD
+        >>> loss.backward()                              # the gradient buckets leave during backward
+        >>> opt.step()                                   # waits for them, then SGD
         >>> opt.zero_grad()
         >>> opt.param_groups[0]["lr"]
         0.1
@@ -130,14 +153,36 @@ class TorchDistributedOptimizer:
     _collectives_distributed = True
 
     def __init__(self, optimizer, *, op: str = "mean", backward_passes_per_step: int = 1,
-                 bucket_bytes: int | None = None, comm=None):
+                 bucket_bytes: int | None = None, comm=None, overlap: bool = True, grad_views: bool = True,
+                 missing_grads: str = "error", shard_state: bool = False):
         self.inner = optimizer
         self.comm = _resolve(comm)
         self.op = op
         self.backward_passes_per_step = backward_passes_per_step
         self.bucket_bytes = bucket_bytes
+        self.overlap = overlap
+        self.grad_views = grad_views
+        self.missing_grads = missing_grads
+        self.shard_state = shard_state
         self._passes = 0  # step() calls since the last real step
         self._averaged = False  # average_gradients() ran since the last step
+        self._engine = None
+        self._engine = self._make_engine()
+
+    def _make_engine(self):
+        if not (self.overlap or self.shard_state):
+            return None
+        from . import _overlap
+
+        nbytes = _overlap_bucket_bytes(self.bucket_bytes)
+        return _overlap.Buckets(self.inner, _overlap.grad_comm(self.comm), op=self.op, bucket_bytes=nbytes,
+                                hooks=self.overlap, views=self.grad_views, missing=self.missing_grads,
+                                shard=self.shard_state, communicating=self.backward_passes_per_step == 1)
+
+    def close(self) -> None:
+        """Remove the gradient hooks now (dropping the wrapper does it too). Not collective."""
+        if self._engine is not None:
+            self._engine.close()
 
     def __getattr__(self, name):
         inner = self.__dict__.get("inner")
@@ -148,9 +193,14 @@ class TorchDistributedOptimizer:
     # A communicator is a resource of this process (an MPI communicator), not data: a copy shares it, and
     # a pickle leaves it out (it could not travel); unpickled, the optimizer uses the default communicator
     # (collectives.world()) of the process that loads it, and the inner optimizer is pickled as torch does.
+    # The gradient buckets (hooks, buffers, collectives in flight) are made anew for the copy's parameters.
     def __getstate__(self):
+        if self.shard_state:
+            raise TypeError("a DistributedOptimizer with shard_state=True holds only this rank's share of the "
+                            "optimizer state: save state_dict() (the full state) instead of pickling it")
         state = dict(self.__dict__)
         state["comm"] = None
+        state["_engine"] = None
         return state
 
     def __setstate__(self, state):
@@ -159,19 +209,27 @@ class TorchDistributedOptimizer:
             from ._comm import world
 
             self.comm = world()
+        self._engine = self._make_engine()
 
     def __deepcopy__(self, memo):
         import copy
 
+        if self.shard_state:
+            raise TypeError("a DistributedOptimizer with shard_state=True cannot be copied: make a new one over "
+                            "the copied optimizer and load_state_dict() into it")
         memo[id(self.comm)] = self.comm  # shared, not copied
         clone = object.__new__(type(self))
         memo[id(self)] = clone
-        clone.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        state = {k: v for k, v in self.__dict__.items() if k != "_engine"}
+        clone.__dict__.update(copy.deepcopy(state, memo))
+        clone._engine = clone._make_engine()
         return clone
 
     def __repr__(self) -> str:
+        extra = "" if self.overlap else ", overlap=False"
+        extra += ", shard_state=True" if self.shard_state else ""
         return (f"DistributedOptimizer({self.inner!r}, op={self.op!r}, "
-                f"backward_passes_per_step={self.backward_passes_per_step})")
+                f"backward_passes_per_step={self.backward_passes_per_step}{extra})")
 
     @property
     def accumulating(self) -> bool:
@@ -182,7 +240,9 @@ class TorchDistributedOptimizer:
         """Average every parameter's ``.grad`` over the ranks now (all ranks must call it).
 
         For work between averaging and stepping, such as gradient clipping: call this, clip, then
-        ``step()``, which will not average again.
+        ``step()``, which will not average again. With ``shard_state=True`` this also gathers the
+        averaged gradients back into every ``.grad`` (one allgather per bucket more than ``step()``
+        alone), and ``step()`` then takes its share from ``.grad`` as it is after your changes.
 
         Example:
             >>> import torch, collectives as coll
@@ -195,6 +255,13 @@ class TorchDistributedOptimizer:
             >>> bool((p.grad == p.grad[0]).all())
             True
         """
+        if self._engine is not None:
+            self._engine.finish()
+            if self.shard_state:
+                self._engine.shards.gather_gradients()
+            self._averaged = True
+            return
+        self._zero_missing()
         params = [p for group in self.inner.param_groups for p in group["params"]]
         tree = {"param_groups": [[p.grad for p in group["params"]] for group in self.inner.param_groups]}
         out = allreduce_tree(tree, self.op, comm=self.comm, bucket_bytes=self.bucket_bytes)
@@ -204,6 +271,24 @@ class TorchDistributedOptimizer:
                 if g is not p.grad:
                     p.grad = g
         self._averaged = True
+
+    def _zero_missing(self) -> None:
+        """overlap=False with missing_grads="zero": a parameter with a gradient on some ranks only gets
+        zeros where it has none (one object allgather of who lacks which)."""
+        if self.missing_grads != "zero" or self.comm.size == 1:
+            return
+        params = [p for group in self.inner.param_groups for p in group["params"]]
+        mine = [i for i, p in enumerate(params) if p.grad is None]
+        lists = self.comm.allgather_object(mine)
+        counts: dict[int, int] = {}
+        for indices in lists:
+            for i in indices:
+                counts[i] = counts.get(i, 0) + 1
+        import torch
+
+        for i in mine:
+            if counts[i] < self.comm.size:
+                params[i].grad = torch.zeros_like(params[i])
 
     def step(self, closure: Callable | None = None):
         """Average the gradients over all ranks, then run the inner optimizer's step.
@@ -218,15 +303,42 @@ class TorchDistributedOptimizer:
         Returns:
             What the inner ``step`` returns (the loss when a closure was given), or ``None`` while
             accumulating.
+
+        Raises:
+            MismatchError: a parameter has a gradient on some ranks only (``missing_grads="error"``), on
+                every rank, before any update.
+            RuntimeError: a second backward pass ran since the last ``step()`` (overlap; see
+                :func:`DistributedOptimizer`).
         """
         k = self.backward_passes_per_step
         if closure is not None and k > 1:
             raise ValueError("step(closure) is not supported with backward_passes_per_step > 1: the closure "
                              "would run one backward pass more than the k accumulated ones")
+        engine = self._engine
         self._passes += 1
         if self._passes < k:
+            if engine is not None:
+                engine.communicating = self._passes == k - 1
             return None
         self._passes = 0
+        if engine is not None:
+            try:
+                if closure is None:
+                    if not self._averaged:
+                        engine.finish()
+                    return engine.step()
+
+                def reduced_closure():
+                    engine.new_round()
+                    loss = closure()
+                    engine.finish()
+                    return loss
+
+                return engine.step(reduced_closure)
+            finally:
+                self._averaged = False
+                engine.communicating = k == 1
+                engine.new_round()
         if closure is None:
             if not self._averaged:
                 self.average_gradients()
@@ -242,10 +354,82 @@ class TorchDistributedOptimizer:
         return self.inner.step(averaged_closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """The inner ``zero_grad``, skipped while accumulating (so the k backward passes add up)."""
+        """The inner ``zero_grad``, skipped while accumulating (so the k backward passes add up).
+
+        With the gradient buckets it also drops a round of reductions not stepped (after a failed
+        step or a second backward pass: every rank completes what it started, the results are dropped).
+        With ``grad_views=True``, ``set_to_none=False`` keeps every ``.grad`` a view of its bucket (no
+        copy at the next backward pass); ``set_to_none=True`` (torch's default) costs one copy per
+        gradient in the next backward pass.
+        """
         if self.accumulating:
             return
+        if self._engine is not None:
+            self._engine.new_round(clear_poison=True)
+            self._averaged = False
         self.inner.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        """The inner optimizer's ``state_dict``.
+
+        With ``shard_state=True``: collective (every rank calls it); the full state, as the unsharded
+        optimizer would hold it (per parameter, in the inner optimizer's format), gathered from every
+        rank's share, on every rank (save it on rank 0).
+        """
+        if not self.shard_state:
+            return self.inner.state_dict()
+        sd = self.inner.state_dict()
+        sd["state"] = self._engine.shards.full_state()
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """The inner optimizer's ``load_state_dict``; with ``shard_state=True`` each rank keeps its share
+        of the given (full, unsharded) state. Not collective."""
+        if not self.shard_state:
+            self.inner.load_state_dict(state_dict)
+            return
+        self._engine.shards.load_full(state_dict)
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state tensors this rank holds (the inner optimizer's and, with
+        ``shard_state=True``, its shard optimizer's).
+
+        Example:
+            >>> import torch, collectives as coll
+            >>> p = torch.nn.Parameter(torch.zeros(4))
+            >>> opt = coll.DistributedOptimizer(torch.optim.SGD([p], lr=0.1, momentum=0.9))
+            >>> p.grad = torch.ones(4)
+            >>> opt.step()
+            >>> opt.state_bytes()            # the momentum buffer: 4 float32
+            16
+        """
+        import torch
+
+        def nbytes(opt):
+            return sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
+                       if torch.is_tensor(v))
+
+        total = nbytes(self.inner)
+        if self.shard_state:
+            total += nbytes(self._engine.shards.opt)
+        return total
+
+
+def _overlap_bucket_bytes(bucket_bytes) -> int:
+    """The gradient buckets' bound: ``bucket_bytes`` if given, else ``GRAD_BUCKET_BYTES`` (or
+    ``COLLECTIVES_BUCKET_BYTES`` where that is set lower)."""
+    import os
+
+    from ._tree import _bucket_bytes
+
+    if bucket_bytes is not None:
+        return _bucket_bytes(bucket_bytes)
+    if os.environ.get("COLLECTIVES_BUCKET_BYTES"):
+        return min(_bucket_bytes(None), GRAD_BUCKET_BYTES)
+    return GRAD_BUCKET_BYTES
+
+
+GRAD_BUCKET_BYTES = 4 << 20  # gradient buckets that leave during backward (benchmarks/bench_training.py)
 
 
 setattr(TorchDistributedOptimizer, WRAPPER_ATTRIBUTE, True)  # synchronize() syncs the inner optimizer

@@ -1,0 +1,628 @@
+"""The torch DistributedOptimizer's gradient buckets: reduction during backward, views, sharded state.
+
+:class:`Buckets` is the engine of a :class:`~collectives._optim.TorchDistributedOptimizer` made with
+``overlap=True`` or ``shard_state=True``:
+
+- **layout**: the optimizer's parameters (those with ``requires_grad``), in *reverse* ``param_groups``
+  order (the order backward produces their gradients), are laid out in flat buffers, one per (parameter
+  group, dtype, device), each at most ``bucket_bytes`` (a larger parameter gets a bucket of its own).
+  Every rank builds the same layout from the same optimizer, so no agreement is needed;
+- **hooks**: a post-accumulate-grad hook per parameter marks it ready; when every parameter of a bucket is
+  ready, and every bucket before it has left, the bucket leaves: its gradients are copied into the flat
+  buffer (unless ``.grad`` already *is* its view of the buffer) and an asynchronous ``allreduce``
+  (``reduce_scatter`` with sharded state) of the buffer starts. Buckets always leave in the same order on
+  every rank; those that did not leave during backward (a parameter without gradient, gradients set by
+  hand) leave in :meth:`Buckets.finish`, called by ``step()``;
+- **views**: with ``grad_views=True`` each parameter's ``.grad`` is then pointed at its view of the
+  buffer (DDP's ``gradient_as_bucket_view``), so later backward passes accumulate straight into the
+  buffer and neither the copy in nor the copy out is needed; a ``.grad`` that is not the view (``None``
+  after ``zero_grad(set_to_none=True)``, or a tensor the user assigned) is detected at the next departure
+  and copied in (one copy, then it is the view again);
+- **missing gradients**: after the buckets, one 8-byte allreduce counts the parameters without gradient
+  over all ranks. When that count is not zero (rare), one object allgather tells every rank which rank
+  lacks which: a parameter without gradient everywhere is skipped (its ``.grad`` stays ``None``); one
+  without gradient on some ranks only is a :class:`MismatchError` naming it on every rank, or, with
+  ``missing_grads="zero"``, those ranks contribute zeros;
+- **sharded state** (:class:`Shards`): every bucket is padded to a multiple of the number of ranks and
+  rank r owns the r-th block of each; after the reduce-scatter every rank steps, with an optimizer of the
+  user's class and hyper-parameters, one flat tensor per (group, dtype, device) holding its blocks, and
+  the parameters come back by one allgather per bucket.
+
+The gradient collectives run on a communicator of their own (one ``split`` of the optimizer's, made once
+per communicator), so a collective the user calls between backward and ``step()`` never meets a bucket
+that another rank has not sent yet.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+
+import numpy as np
+
+from ._errors import MismatchError
+
+MISSING_GRADS = ("error", "zero")
+
+# The torch optimizers whose update of an element depends only on that element's own gradient and state
+# (and on scalars: the step count, the hyper-parameters): stepping a flat shard of the parameters gives
+# every element what stepping the parameters would.
+ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop", "Rprop", "NAdam", "RAdam",
+               "ASGD")
+
+_GRAD_COMMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def grad_comm(comm):
+    """The communicator the gradient collectives of ``comm``'s optimizers run on: one ``split`` of it,
+    made on first use (collective: every rank makes its first DistributedOptimizer on ``comm`` together)
+    and shared by every optimizer on ``comm`` after that. One rank: ``comm`` itself."""
+    if comm.size == 1:
+        return comm
+    hit = _GRAD_COMMS.get(comm)
+    if hit is None or hit.closed:
+        hit = _GRAD_COMMS[comm] = comm.split(0, comm.rank)
+    return hit
+
+
+def _torch():
+    return sys.modules["torch"]
+
+
+def _desc(p) -> str:
+    return f"{str(p.dtype).replace('torch.', '')} {tuple(p.shape)}"
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(map(str, ranks))
+
+
+class _Slot:
+    """One parameter in a bucket: elements ``offset .. offset + numel`` of the bucket's buffer."""
+
+    __slots__ = ("bucket", "index", "missing", "name", "numel", "offset", "param", "ready", "stepped", "view")
+
+    def __init__(self, index, name, param, bucket, offset):
+        self.index = index  # position in the optimizer's param_groups order (all groups)
+        self.name = name
+        self.param = param
+        self.bucket = bucket
+        self.offset = offset
+        self.numel = param.numel()
+        self.view = None
+        self.ready = False  # its hook fired in this round
+        self.missing = False  # no gradient here when its bucket left
+        self.stepped = False  # sharded state: it has been stepped at least once (its state exists)
+
+
+class _Bucket:
+    __slots__ = ("block", "flat", "group", "handle", "key", "last", "lo", "numel", "padded", "pending",
+                 "shard_k", "shard_off", "slots")
+
+    def __init__(self, key, group):
+        self.key = key
+        self.group = group
+        self.slots: list[_Slot] = []
+        self.numel = 0
+        self.padded = 0
+        self.flat = None
+        self.pending = 0
+        self.handle = None
+        self.block = None
+        self.last = 0
+        self.lo = 0
+        self.shard_off = 0
+        self.shard_k = 0
+
+
+def _remove_hooks(handles: list) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()
+
+
+def _make_hook(ref, index: int):
+    def hook(param):  # a post-accumulate-grad hook: param.grad now holds this backward's sum
+        engine = ref()
+        if engine is not None:
+            engine.ready(index)
+    return hook
+
+
+class Buckets:
+    """The gradient buckets of one torch optimizer (see the module docstring)."""
+
+    def __init__(self, inner, comm, *, op: str, bucket_bytes: int, hooks: bool, views: bool, missing: str,
+                 shard: bool, communicating: bool):
+        torch = _torch()
+        self.inner = inner
+        self.comm = comm
+        self.op = op
+        self.views = views
+        self.missing_mode = missing
+        self.communicating = communicating  # False in the accumulating passes (k-1 of every k)
+        self.poisoned: BaseException | None = None
+        self.loose = []  # parameters without requires_grad: reduced by finish() if they have a .grad
+        entries = []
+        index = 0
+        for g, group in enumerate(inner.param_groups):
+            names = group.get("param_names")
+            for i, p in enumerate(group["params"]):
+                name = f"['param_groups'][{g}][{i}]" + (f" ({names[i]})" if names and i < len(names) else "")
+                if p.requires_grad:
+                    entries.append((index, name, g, p))
+                else:
+                    self.loose.append((index, name, p))
+                index += 1
+        size = comm.size
+        buckets: list[_Bucket] = []
+        open_: dict = {}
+        self.slots: list[_Slot] = []
+        for order, (index, name, g, p) in enumerate(reversed(entries)):
+            key = (g, p.dtype, p.device)
+            b = open_.get(key)
+            nbytes = p.numel() * p.element_size()
+            if b is not None and b.slots and (b.numel * p.element_size() + nbytes > bucket_bytes):
+                b = None
+            if b is None:
+                b = open_[key] = _Bucket(key, g)
+                buckets.append(b)
+            s = _Slot(index, name, p, b, b.numel)
+            b.slots.append(s)
+            b.numel += s.numel
+            b.last = order
+            self.slots.append(s)
+        buckets.sort(key=lambda b: b.last)  # they leave in the order backward completes them
+        self.buckets = buckets
+        self.by_index = {s.index: s for s in self.slots}
+        for b in buckets:
+            b.padded = -(-b.numel // size) * size if shard else b.numel
+            dtype, device = b.key[1], b.key[2]
+            b.flat = torch.zeros(max(b.padded, 1), dtype=dtype, device=device)[:b.padded]
+            for s in b.slots:
+                s.view = b.flat[s.offset:s.offset + s.numel].view(s.param.shape)
+        self.flag = np.zeros(1, np.int64)
+        self.flag_handle = None
+        self.next = 0
+        self.finished = False
+        self.shards = Shards(self) if shard else None
+        self._reset()
+        self.hooks: list = []
+        if hooks:
+            ref = weakref.ref(self)
+            for s in self.slots:
+                self.hooks.append(s.param.register_post_accumulate_grad_hook(_make_hook(ref, s.index)))
+        # Hooks leave with the engine (the wrapper dropped): they hold it only weakly.
+        self._finalizer = weakref.finalize(self, _remove_hooks, self.hooks)
+
+    def close(self) -> None:
+        """Remove the hooks now."""
+        self._finalizer()
+
+    # ---- rounds: one reduction of the gradients ----
+    def _reset(self) -> None:
+        """A new round: no bucket has left. Pending collectives of the old one are completed first (every
+        rank started them: each must be completed, even if its result is dropped)."""
+        self._drain()
+        for b in self.buckets:
+            b.pending = len(b.slots)
+            b.handle = b.block = None
+        for s in self.slots:
+            s.ready = s.missing = False
+        self.next = 0
+        self.flag_handle = None
+        self.finished = False
+
+    def _drain(self) -> None:
+        for b in self.buckets:
+            if b.handle is not None:
+                try:
+                    b.handle.wait()
+                except Exception:  # noqa: BLE001 - the round is dropped; its error with it
+                    pass
+                b.handle = None
+        if self.flag_handle is not None:
+            try:
+                self.flag_handle.wait()
+            except Exception:  # noqa: BLE001 - as above
+                pass
+            self.flag_handle = None
+
+    def new_round(self, clear_poison: bool = False) -> None:
+        if clear_poison:
+            self.poisoned = None
+        self._reset()
+
+    # ---- during backward ----
+    def ready(self, index: int) -> None:
+        """The hook of parameter ``index``: its gradient is complete for this backward pass."""
+        if not self.communicating:  # an accumulating pass: torch adds the gradients up in .grad
+            return
+        if self.poisoned is not None:
+            raise self.poisoned
+        s = self.by_index[index]
+        if s.ready or self.finished:
+            self.poisoned = RuntimeError(
+                f"DistributedOptimizer: a second backward pass reached parameter {s.name} before step(): its "
+                f"gradient {'was already averaged' if self.finished else 'is already being averaged'} over "
+                f"the ranks (its bucket left during the previous backward pass), so this pass's gradient "
+                f"cannot join it. Call step() after every backward pass, or zero_grad() to drop this step's "
+                f"gradients (needed now before training on); to accumulate several backward passes per "
+                f"update, pass DistributedOptimizer(opt, backward_passes_per_step=k)")
+            raise self.poisoned
+        s.ready = True
+        b = s.bucket
+        b.pending -= 1
+        if b.pending == 0 and self.buckets[self.next] is b:
+            self._leave_ready()
+        else:
+            self._progress()
+
+    def _leave_ready(self) -> None:
+        buckets = self.buckets
+        while self.next < len(buckets) and buckets[self.next].pending == 0:
+            self._leave(buckets[self.next])
+            self.next += 1
+        if self.next == len(buckets):
+            self._send_flag()
+        self._progress()
+
+    def _progress(self) -> None:
+        """Let MPI move the buckets in flight (it progresses only inside MPI calls): test the oldest."""
+        for b in self.buckets[:self.next]:
+            if b.handle is not None and not b.handle.done():
+                return
+
+    def _leave(self, b: _Bucket) -> None:
+        torch = _torch()
+        with torch.no_grad():
+            for s in b.slots:
+                g = s.param.grad
+                if g is s.view:
+                    continue
+                if g is None:
+                    s.missing = True
+                    s.view.zero_()
+                    continue
+                if g.is_sparse:
+                    raise TypeError(f"DistributedOptimizer: parameter {s.name} has a sparse gradient; the "
+                                    f"gradient buckets take dense ones (use a dense embedding, or overlap=False)")
+                s.view.copy_(g)  # the first pass after zero_grad(set_to_none=True), or a replaced .grad
+                if self.views:
+                    s.param.grad = s.view
+        if self.shards is not None:
+            b.handle = self.comm.reduce_scatter(b.flat, self.op, async_op=True)
+        else:
+            b.handle = self.comm.allreduce(b.flat, self.op, async_op=True)
+
+    def _send_flag(self) -> None:
+        self.flag[0] = sum(s.missing for s in self.slots)
+        self.flag_handle = self.comm.allreduce(self.flag, "sum", async_op=True)
+
+    # ---- in step() ----
+    def finish(self) -> None:
+        """Complete the round: send what has not left, wait for everything, settle missing gradients.
+        After it every present ``.grad`` holds the reduction (with sharded state: this rank's blocks are
+        in the shard gradients)."""
+        if self.poisoned is not None:
+            raise self.poisoned
+        if self.finished:
+            return
+        torch = _torch()
+        for b in self.buckets[self.next:]:
+            self._leave(b)
+        self.next = len(self.buckets)
+        if self.flag_handle is None:
+            self._send_flag()
+        for b in self.buckets:
+            out = b.handle.wait()
+            b.handle = None
+            if self.shards is not None:
+                b.block = out
+        self.flag_handle.wait()
+        self.flag_handle = None
+        skipped: set = set()
+        if int(self.flag[0]):
+            skipped = self._settle_missing()
+        with torch.no_grad():
+            if self.shards is None:
+                for s in self.slots:
+                    if s.missing:
+                        continue
+                    g = s.param.grad
+                    if g is not s.view:
+                        g.copy_(s.view)
+            self._reduce_loose()
+        if self.shards is not None:
+            self.shards.take_gradients(skipped)
+        self.finished = True
+
+    def _settle_missing(self) -> set:
+        """Some rank lacks some gradient: who lacks which (one object allgather, every rank takes this
+        branch together). Returns the indices of the parameters skipped (no gradient anywhere)."""
+        mine = [s.index for s in self.slots if s.missing]
+        lists = self.comm.allgather_object(mine)
+        size = self.comm.size
+        lacking: dict[int, list[int]] = {}
+        for r, indices in enumerate(lists):
+            for i in indices:
+                lacking.setdefault(i, []).append(r)
+        partial = {i: rs for i, rs in lacking.items() if len(rs) < size}
+        if partial and self.missing_mode == "error":
+            lines = []
+            for i in sorted(partial):
+                s = self.by_index[i]
+                have = [r for r in range(size) if r not in partial[i]]
+                verb_have = "has" if len(have) == 1 else "have"
+                verb_none = "has" if len(partial[i]) == 1 else "have"
+                lines.append(f"{s.name}: {_ranks(have)} {verb_have} {_desc(s.param)}, "
+                             f"{_ranks(partial[i])} {verb_none} None")
+            self._reset()
+            raise MismatchError(
+                "DistributedOptimizer: gradients missing on some ranks only (a parameter this backward pass "
+                "did not reach there): " + "; ".join(lines) + ". Nothing was updated. A model whose graph "
+                "differs between ranks needs DistributedOptimizer(opt, missing_grads=\"zero\") (the ranks "
+                "without a gradient contribute zeros)")
+        torch = _torch()
+        with torch.no_grad():
+            for i in partial:  # missing_grads="zero": this rank contributed zeros; it gets the reduction
+                s = self.by_index[i]
+                if s.missing and self.shards is None:
+                    s.param.grad = s.view if self.views else s.view.clone()
+                s.missing = False
+        return {i for i, rs in lacking.items() if len(rs) == size}
+
+    def _reduce_loose(self) -> None:
+        """Parameters without requires_grad that nevertheless have a .grad (set by hand): the tree path."""
+        if not self.loose:
+            return
+        from ._comm import allreduce_tree
+
+        tree = [p.grad for _, _, p in self.loose]
+        out = allreduce_tree(tree, self.op, comm=self.comm)
+        for (_, _, p), g in zip(self.loose, out):
+            if g is not p.grad:
+                p.grad = g
+
+    def step(self, closure=None):
+        """The inner step over the reduced gradients (:meth:`finish` done), or the sharded step."""
+        if self.shards is not None:
+            return self.shards.step(closure)
+        return self.inner.step() if closure is None else self.inner.step(closure)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# sharded optimizer state
+
+
+def check_shardable(inner) -> None:
+    """TypeError unless ``inner`` is one of the element-wise torch optimizers (before anything is made)."""
+    name = type(inner).__name__
+    if not (type(inner).__module__.startswith("torch.optim") and name in ELEMENTWISE):
+        raise TypeError(
+            f"shard_state=True needs an element-wise optimizer (each element's update depends only on its "
+            f"own gradient and state): torch.optim's {', '.join(ELEMENTWISE)}; got "
+            f"{type(inner).__module__}.{type(inner).__qualname__}. Use shard_state=False for it")
+
+
+class Shards:
+    """Sharded optimizer state over the flat buckets of a :class:`Buckets` (see the module docstring).
+
+    Rank r owns elements ``r * c .. (r + 1) * c`` of every bucket (``c = padded / size``). Its shard
+    tensors, one per (parameter group, dtype, device), hold its blocks of all the group's buckets one after
+    the other; ``opt`` is an optimizer of the inner optimizer's class over them, one param group per shard
+    tensor, with the hyper-parameters of the inner group (copied before every step, so LR schedulers given
+    ``inner`` work).
+    """
+
+    def __init__(self, engine: Buckets):
+        torch = _torch()
+        inner = engine.inner
+        check_shardable(inner)
+        self.engine = engine
+        comm = engine.comm
+        self.size, self.rank = comm.size, comm.rank
+        self.tensors = []  # shard tensors, one per (group, dtype, device)
+        self.groups = []  # the inner group index of each shard tensor
+        keyed: dict = {}
+        for b in engine.buckets:
+            c = b.padded // self.size
+            b.lo = self.rank * c
+            k = keyed.get(b.key)
+            if k is None:
+                k = keyed[b.key] = len(self.groups)
+                self.groups.append((b.group, b.key, []))
+            _, _, members = self.groups[k]
+            b.shard_off = sum(m.padded // self.size for m in members)
+            b.shard_k = k
+            members.append(b)
+        self.skipped: set = set()  # this round's parameters without gradient on every rank
+        self.from_grads = False  # average_gradients() put the reduction back into .grad
+        self.pieces = []  # (shard tensor index, position in it, slot, start in the parameter, count)
+        for k, (g, key, members) in enumerate(self.groups):
+            n = sum(b.padded // self.size for b in members)
+            t = torch.zeros(n, dtype=key[1], device=key[2])
+            t.grad = torch.zeros_like(t)
+            self.tensors.append(t)
+            for b in members:
+                c = b.padded // self.size
+                lo, hi = b.lo, b.lo + c
+                for s in b.slots:
+                    a, z = max(s.offset, lo), min(s.offset + s.numel, hi)
+                    if a < z:
+                        self.pieces.append((k, b.shard_off + a - lo, s, a - s.offset, z - a))
+        groups = []
+        for k, (g, _, _) in enumerate(self.groups):
+            hyper = {key: v for key, v in inner.param_groups[g].items() if key not in ("params", "param_names")}
+            groups.append({"params": [self.tensors[k]], **hyper})
+        cls = type(inner)
+        try:
+            self.opt = cls(groups, **inner.defaults)
+        except TypeError:
+            self.opt = cls(groups)
+        if inner.state:  # state held before wrapping (or made at construction, as Adagrad's): sharded
+            self.load_full(inner.state_dict())
+
+    def _sync_hyper(self) -> None:
+        inner_groups = self.engine.inner.param_groups
+        for k, (g, _, _) in enumerate(self.groups):
+            mine = self.opt.param_groups[k]
+            for key, v in inner_groups[g].items():
+                if key not in ("params", "param_names"):
+                    mine[key] = v
+
+    def take_gradients(self, skipped: set) -> None:
+        """After the reduce-scatter: this rank's blocks into the shard gradients."""
+        torch = _torch()
+        self.skipped = skipped
+        with torch.no_grad():
+            for b in self.engine.buckets:
+                c = b.padded // self.size
+                self.tensors[b.shard_k].grad[b.shard_off:b.shard_off + c].copy_(b.block.reshape(-1))
+                b.block = None
+
+    def gather_gradients(self) -> None:
+        """average_gradients(): the reduced blocks back into every ``.grad`` (one allgather per bucket);
+        the next step takes this rank's blocks from ``.grad`` again (after the user's clipping)."""
+        torch = _torch()
+        comm = self.engine.comm
+        skipped = self.skipped
+        with torch.no_grad():
+            handles = [comm.allgather(self._grad_block(b), async_op=True) for b in self.engine.buckets]
+            for b, h in zip(self.engine.buckets, handles):
+                b.flat.copy_(h.wait().reshape(-1))
+                for s in b.slots:
+                    if s.index in skipped:
+                        continue
+                    g = s.param.grad
+                    if g is None:
+                        s.param.grad = s.view if self.engine.views else s.view.clone()
+                    elif g is not s.view:
+                        g.copy_(s.view)
+        self.from_grads = True
+
+    def _grad_block(self, b):
+        c = b.padded // self.size
+        return self.tensors[b.shard_k].grad[b.shard_off:b.shard_off + c]
+
+    def step(self, closure=None):
+        torch = _torch()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._sync_hyper()
+        skipped = self.skipped
+        with torch.no_grad():
+            if self.from_grads:  # average_gradients() gathered them; the user may have changed .grad since
+                for b in self.engine.buckets:
+                    for s in b.slots:
+                        g = s.param.grad
+                        if g is not None and g is not s.view:
+                            s.view.copy_(g)
+                    self._grad_block(b).copy_(b.flat[b.lo:b.lo + b.padded // self.size])
+                self.from_grads = False
+            for k, pos, s, start, n in self.pieces:  # the parameters' current values (the user may have set them)
+                self.tensors[k][pos:pos + n].copy_(s.param.detach().reshape(-1)[start:start + n])
+            saved = []
+            for k, pos, s, start, n in self.pieces:
+                if s.index in skipped:  # no gradient anywhere: left as it is, state included
+                    t = self.tensors[k]
+                    state = self.opt.state.get(t, {})
+                    kept = {key: v[pos:pos + n].clone() for key, v in state.items()
+                            if torch.is_tensor(v) and v.shape == t.shape}
+                    saved.append((k, pos, n, kept))
+        self.opt.step()
+        with torch.no_grad():
+            for k, pos, n, kept in saved:
+                state = self.opt.state[self.tensors[k]]
+                for key, v in kept.items():
+                    state[key][pos:pos + n].copy_(v)
+            for s in self.engine.slots:
+                if s.index not in skipped:
+                    s.stepped = True
+            comm = self.engine.comm
+            handles = []
+            for b in self.engine.buckets:
+                c = b.padded // self.size
+                handles.append(comm.allgather(self.tensors[b.shard_k][b.shard_off:b.shard_off + c], async_op=True))
+            for b, h in zip(self.engine.buckets, handles):
+                full = h.wait().reshape(-1)
+                for s in b.slots:
+                    if s.index not in skipped:
+                        s.param.detach().copy_(full[s.offset:s.offset + s.numel].view(s.param.shape))
+        self.skipped = set()
+        return loss
+
+    # ---- state dicts ----
+    def full_state(self) -> dict:
+        """The unsharded optimizer's ``state`` (parameter index -> state), on every rank (collective: one
+        allgather per bucket and element-wise state tensor)."""
+        torch = _torch()
+        comm = self.engine.comm
+        out: dict = {}
+        for k, (g, key, members) in enumerate(self.groups):
+            t = self.tensors[k]
+            state = self.opt.state.get(t, {})
+            for b in members:
+                c = b.padded // self.size
+                gathered = {}
+                for name, v in state.items():
+                    if torch.is_tensor(v) and v.shape == t.shape:
+                        gathered[name] = comm.allgather(v[b.shard_off:b.shard_off + c].contiguous()).reshape(-1)
+                for s in b.slots:
+                    if not s.stepped:
+                        continue
+                    entry = {}
+                    for name, v in state.items():
+                        if name in gathered:
+                            entry[name] = gathered[name][s.offset:s.offset + s.numel].view(s.param.shape).clone()
+                        else:
+                            entry[name] = v.clone() if torch.is_tensor(v) else v
+                    out[s.index] = entry
+        return out
+
+    def load_full(self, state_dict: dict) -> None:
+        """Take this rank's blocks of an unsharded ``state_dict`` (the inner optimizer's format)."""
+        torch = _torch()
+        inner = self.engine.inner
+        inner.load_state_dict(state_dict)  # ids, hyper-parameters, dtype and device casts: torch's own rules
+        params = [p for group in inner.param_groups for p in group["params"]]
+        full = {i: inner.state[p] for i, p in enumerate(params) if p in inner.state}
+        for s in self.engine.slots:
+            s.stepped = s.index in full
+        self.opt.state.clear()
+        with torch.no_grad():
+            for k, t in enumerate(self.tensors):
+                pieces = [piece for piece in self.pieces if piece[0] == k]
+                entries = [full[s.index] for _, _, s, _, _ in pieces if s.index in full]
+                if not entries:
+                    continue
+                first = next(s for _, _, s, _, _ in pieces if s.index in full)
+                state = {}
+                for name, v in entries[0].items():
+                    if _elementwise(name, v, first.param):
+                        state[name] = torch.zeros_like(t)
+                    else:
+                        state[name] = v.clone() if torch.is_tensor(v) else v
+                for _, pos, s, start, n in pieces:
+                    entry = full.get(s.index)
+                    if entry is None:
+                        continue
+                    for name, v in entry.items():
+                        if _elementwise(name, v, s.param) and name in state:
+                            state[name][pos:pos + n].copy_(v.reshape(-1)[start:start + n])
+                self.opt.state[t] = state
+        inner.state.clear()  # the full state is not kept: this rank's blocks are
+
+    def state_bytes(self) -> int:
+        """Bytes of tensors in this rank's shard optimizer state."""
+        torch = _torch()
+        return sum(v.numel() * v.element_size() for st in self.opt.state.values() for v in st.values()
+                   if torch.is_tensor(v))
+
+
+def _elementwise(name: str, v, param) -> bool:
+    """Whether a per-parameter state entry is element-wise (one value per element of the parameter)."""
+    torch = _torch()
+    return name != "step" and torch.is_tensor(v) and v.shape == param.shape
