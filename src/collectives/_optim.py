@@ -27,11 +27,50 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
     Two kinds of optimizer are accepted:
 
     - **torch-like** (has ``param_groups`` and ``step``, e.g. ``torch.optim.Adam``): returns a
-      :class:`TorchDistributedOptimizer`. Its ``step(closure=None)`` averages every ``p.grad`` over the
-      ranks (fused, see :func:`allreduce_tree`; parameters in ``param_groups`` order) and then calls the
-      inner ``step``. Everything else (``zero_grad``, ``state_dict``, ``load_state_dict``,
-      ``param_groups``, ``state``, ...) is the inner optimizer's. A parameter whose ``.grad`` is ``None``
-      must be ``None`` on every rank (else :class:`MismatchError` names it).
+      :class:`TorchDistributedOptimizer`. Its ``step(closure=None)`` waits for every ``p.grad`` to be
+      averaged over the ranks and then calls the inner ``step``. Everything else (``param_groups``,
+      ``state``, ``add_param_group``, ...) is the inner optimizer's. With ``overlap=True`` (the default)
+      the averaging runs during backward: a post-accumulate-grad hook on every parameter (with
+      ``requires_grad``) marks its gradient ready, and as soon as every gradient of a bucket is ready its
+      asynchronous allreduce starts. Buckets hold the parameters in reverse ``param_groups`` order (the
+      order backward produces them), one flat buffer per (group, dtype, device) of at most
+      ``bucket_bytes`` (a larger parameter gets its own); they leave in that order on every rank. The
+      gradient collectives run on a communicator of their own (one ``split`` of ``comm``, made by the
+      first DistributedOptimizer on ``comm``: all ranks make it together). Hooks are removed when the
+      wrapper is dropped (or by ``close()``). ``overlap=False`` averages everything in ``step()``
+      instead, with one fused :func:`allreduce_tree` (parameters in ``param_groups`` order): every way
+      gives the same bits.
+    - **Gradients as views** (``grad_views=True``, with overlap): after its bucket left once, every
+      ``p.grad`` *is* a view of the bucket (DDP's ``gradient_as_bucket_view``), so backward accumulates
+      straight into the buffer and nothing is copied in or out. Do not replace ``p.grad`` with a new
+      tensor if you want to keep that: a ``.grad`` that is not the view (``None`` after
+      ``zero_grad(set_to_none=True)``, or your own tensor) is detected when the bucket leaves and copied
+      in (one copy; your tensor is not changed, and ``p.grad`` is the view again). Use
+      ``zero_grad(set_to_none=False)`` for no copy at all. ``grad_views=False`` copies every gradient in
+      and the result back out, and leaves ``p.grad`` the tensor torch made.
+    - **A second backward pass before** ``step()`` (with ``backward_passes_per_step=1``, or in the k-th
+      micro-batch) is a RuntimeError raised by that backward on every rank that runs it: its gradients
+      would be added to buckets already on their way. ``zero_grad()`` drops the round (every rank
+      completes what it started) and training goes on.
+    - **Missing gradients**: a parameter whose ``.grad`` is ``None`` at ``step()`` on every rank is
+      skipped (its ``.grad`` stays ``None``, as torch optimizers skip it). One that has a gradient on some
+      ranks only is a :class:`MismatchError` on every rank naming it and the ranks (no update happens);
+      with ``missing_grads="zero"`` the ranks without one contribute zeros and every rank gets the average
+      (Horovod's behaviour, DDP's with ``find_unused_parameters=True``): models whose graph depends on the
+      rank need it.
+    - **Sharded optimizer state** (``shard_state=True``, for the element-wise torch optimizers: SGD,
+      Adam, AdamW, Adamax, Adagrad, Adadelta, RMSprop, Rprop, NAdam, RAdam, ASGD): every bucket is padded
+      to a multiple of the number of ranks and each rank owns one block of it; the buckets are
+      reduce-scattered (each rank receives the average of its blocks only), each rank steps an optimizer
+      of the inner optimizer's class and hyper-parameters over one flat tensor per (group, dtype, device)
+      holding its blocks, and the parameters come back by allgather. The optimizer state per rank is
+      1/size of the unsharded one; the parameters are bit for bit those of the unsharded optimizer. The
+      inner optimizer keeps no state (its ``param_groups`` still rule: LR schedulers given ``inner``
+      work); ``state_dict()`` is collective and gives the full, unsharded state on every rank (save it on
+      rank 0); ``load_state_dict`` takes a full state (of a sharded or an unsharded optimizer). After
+      ``step()``, ``p.grad`` holds this rank's own gradients (only the blocks were averaged), unless
+      ``average_gradients()`` gathered them. A parameter without gradient on every rank keeps its value
+      and state, but shares the group's step count (Adam's bias correction counts the group's steps).
     - **optax-like** (has ``init`` and ``update``, pure functions, e.g. an ``optax.GradientTransformation``):
       returns a :class:`DistributedTransformation` ``(init, update)``; ``update(grads, state, params=None)``
       averages ``grads`` over the ranks and then calls the inner ``update``. Call it outside ``jax.jit``
@@ -55,16 +94,24 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
         optimizer: a torch-like or optax-like optimizer (see above).
         op: how gradients are combined: ``"mean"`` (default) or ``"sum"`` (any op of :func:`allreduce`).
         backward_passes_per_step: communicate and update every this many steps (default 1).
-        bucket_bytes: fused buffer bound for the gradient allreduce (default ``COLLECTIVES_BUCKET_BYTES``).
+        bucket_bytes: bound of a gradient bucket (default 4 MiB, or ``COLLECTIVES_BUCKET_BYTES`` where that
+            is set lower; with ``overlap=False``: the fused buffer bound of :func:`allreduce_tree`).
         comm: a :class:`Communicator` or an mpi4py communicator (default: :func:`world`).
+        overlap: torch: average during backward (default), or all in ``step()`` (``False``).
+        grad_views: torch, with overlap: ``p.grad`` as a view of its bucket (default).
+        missing_grads: torch: ``"error"`` (default) or ``"zero"``: what a gradient missing on some ranks
+            only is (see above).
+        shard_state: torch: shard the optimizer state over the ranks (see above).
 
     Returns:
         A :class:`TorchDistributedOptimizer` or a :class:`DistributedTransformation`.
 
     Raises:
-        TypeError: ``optimizer`` is neither torch-like nor optax-like.
-        ValueError: ``backward_passes_per_step`` is not a positive integer, or the optimizer is already
-            distributed.
+        TypeError: ``optimizer`` is neither torch-like nor optax-like; ``shard_state=True`` for an optimizer
+            that is not element-wise; a switch that is not a bool.
+        ValueError: ``backward_passes_per_step`` is not a positive integer, the optimizer is already
+            distributed, ``missing_grads`` is unknown, or ``shard_state``/``missing_grads`` for an
+            optax-like optimizer.
 
     Example:
         >>> import numpy as np, collectives as coll
@@ -80,6 +127,16 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
         >>> updates, state = opt.update(grads, state, params)
         >>> bool(np.allclose(updates["w"], -0.1 * (coll.world().size - 1) / 2))
         True
+
+        torch, with the optimizer state sharded over the ranks:
+
+        >>> import torch
+        >>> model = coll.synchronize(torch.nn.Linear(4, 2))
+        >>> opt = coll.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.1), shard_state=True)
+        >>> model(torch.ones(3, 4)).sum().backward()      # the buckets are reduce-scattered meanwhile
+        >>> opt.step()                                    # each rank steps its share; allgather
+        >>> sorted(opt.state_dict()["state"])             # the full state (collective)
+        [0, 1]
     """
     if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int):
         raise TypeError(f"backward_passes_per_step must be a positive integer, got "

@@ -439,7 +439,7 @@ class Shards:
         self.skipped: set = set()  # this round's parameters without gradient on every rank
         self.from_grads = False  # average_gradients() put the reduction back into .grad
         self.pieces = []  # (shard tensor index, position in it, slot, start in the parameter, count)
-        for k, (g, key, members) in enumerate(self.groups):
+        for k, (_, key, members) in enumerate(self.groups):
             n = sum(b.padded // self.size for b in members)
             t = torch.zeros(n, dtype=key[1], device=key[2])
             t.grad = torch.zeros_like(t)
@@ -525,7 +525,7 @@ class Shards:
             for k, pos, s, start, n in self.pieces:  # the parameters' current values (the user may have set them)
                 self.tensors[k][pos:pos + n].copy_(s.param.detach().reshape(-1)[start:start + n])
             saved = []
-            for k, pos, s, start, n in self.pieces:
+            for k, pos, s, _, n in self.pieces:
                 if s.index in skipped:  # no gradient anywhere: left as it is, state included
                     t = self.tensors[k]
                     state = self.opt.state.get(t, {})
@@ -533,6 +533,7 @@ class Shards:
                             if torch.is_tensor(v) and v.shape == t.shape}
                     saved.append((k, pos, n, kept))
         self.opt.step()
+        self.engine.inner._opt_called = True  # an LR scheduler given inner: its step() counts as stepped
         with torch.no_grad():
             for k, pos, n, kept in saved:
                 state = self.opt.state[self.tensors[k]]
@@ -561,7 +562,7 @@ class Shards:
         torch = _torch()
         comm = self.engine.comm
         out: dict = {}
-        for k, (g, key, members) in enumerate(self.groups):
+        for k, (_, _, members) in enumerate(self.groups):
             t = self.tensors[k]
             state = self.opt.state.get(t, {})
             for b in members:

@@ -262,7 +262,7 @@ def test_closure_and_lr_scheduler(comm):
         opt = coll.DistributedOptimizer(torch.optim.SGD([p], lr=1.0), comm=comm, shard_state=shard_state)
         sched = torch.optim.lr_scheduler.StepLR(opt.inner, step_size=1, gamma=0.5)
 
-        def closure():
+        def closure(opt=opt, p=p):
             opt.zero_grad()
             loss = (p * float(comm.rank)).sum()
             loss.backward()
@@ -314,10 +314,10 @@ def test_hooks_leave_with_the_wrapper(comm):
 def test_sharded_state_memory(comm):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 96), torch.nn.Linear(96, 7))
-    plain, plain_opt = train_once(comm, model, shard_state=False)
+    _, plain_opt = train_once(comm, model, shard_state=False)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 96), torch.nn.Linear(96, 7))
-    sharded, sharded_opt = train_once(comm, model, shard_state=True)
+    _, sharded_opt = train_once(comm, model, shard_state=True)
     full = plain_opt.state_bytes()
     mine = sharded_opt.state_bytes()
     assert full > 0 and mine <= 1.05 * full / comm.size + 64 * 1024, (mine, full)
