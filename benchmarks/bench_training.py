@@ -48,7 +48,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_model(torch, kind: str):
+def _make_model(torch, kind: str):
     torch.manual_seed(0)
     L = torch.nn.Linear
     if kind == "mlp":
@@ -66,12 +66,16 @@ def timed(fn) -> float:
     return RAW.allreduce(time.perf_counter() - t0, op=MPI.MAX)
 
 
-def rows_for(torch, comm, kind: str, steps: int) -> dict:
+def rows_for(torch, comm, kind: str, steps: int, device: str = "cpu") -> dict:
     import torch.distributed as dist
 
     g = torch.Generator().manual_seed(comm.rank)
-    x = torch.randn(64, 784 if kind == "mlp" else 1024, generator=g)
-    y = torch.randint(0, 10 if kind == "mlp" else 1024, (64,), generator=g)
+    x = torch.randn(64, 784 if kind == "mlp" else 1024, generator=g).to(device)
+    y = torch.randint(0, 10 if kind == "mlp" else 1024, (64,), generator=g).to(device)
+    cuda = device != "cpu"
+
+    def make_model(torch, kind):
+        return _make_model(torch, kind).to(device)
     size = comm.size
 
     def stepper(model, opt, set_to_none=True):
@@ -80,6 +84,8 @@ def rows_for(torch, comm, kind: str, steps: int) -> dict:
                 opt.zero_grad(set_to_none=set_to_none)
                 torch.nn.functional.cross_entropy(model(x), y).backward()
                 opt.step()
+            if cuda:
+                torch.cuda.synchronize()
         return step
 
     def sgd(model):
@@ -108,8 +114,9 @@ def rows_for(torch, comm, kind: str, steps: int) -> dict:
                 p.grad.div_(size)
             raw_opt.step()
 
-    rows["mpi4py"] = raw_step
-    if dist.is_initialized():
+    if not cuda:
+        rows["mpi4py"] = raw_step
+    if dist.is_initialized() and not cuda:
         ddp = torch.nn.parallel.DistributedDataParallel(make_model(torch, kind))
         rows["ddp"] = stepper(ddp, sgd(ddp))
     return rows
@@ -136,14 +143,14 @@ def run_rows(rows: dict, rounds: int, steps: int) -> dict:
     return out
 
 
-def memory(torch, comm) -> dict:
+def memory(torch, comm, device: str = "cpu") -> dict:
     out = {}
     for kind in ("mlp", "deep"):
         got = {}
         for shard in (False, True):
-            m = make_model(torch, kind)
+            m = _make_model(torch, kind).to(device)
             opt = coll.DistributedOptimizer(torch.optim.Adam(m.parameters(), lr=1e-3), shard_state=shard, comm=comm)
-            x = torch.randn(2, 784 if kind == "mlp" else 1024)
+            x = torch.randn(2, 784 if kind == "mlp" else 1024, device=device)
             m(x).sum().backward()
             opt.step()
             got["sharded" if shard else "unsharded"] = max(RAW.allgather(opt.state_bytes()))
@@ -160,6 +167,7 @@ def main() -> None:
     ap.add_argument("--models", default="mlp,deep")
     ap.add_argument("--no-ddp", action="store_true")
     ap.add_argument("--memory-only", action="store_true")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda (NCCL; no DDP row)")
     ap.add_argument("--json", help="write the figures to this file")
     args = ap.parse_args()
     import torch
@@ -167,8 +175,12 @@ def main() -> None:
 
     torch.set_num_threads(1)
     comm = coll.init()
+    if args.device == "cuda":
+        torch.cuda.set_device(comm.local_rank % torch.cuda.device_count())
+        args.no_ddp = True
     start = time.perf_counter()
-    results = {"size": comm.size, "rounds": args.rounds, "steps": args.steps, "memory": memory(torch, comm)}
+    results = {"size": comm.size, "rounds": args.rounds, "steps": args.steps, "device": args.device,
+               "memory": memory(torch, comm, args.device)}
     if comm.rank == 0:
         print(f"optimizer state per rank (Adam), {comm.size} ranks:")
         for kind, m in results["memory"].items():
@@ -180,7 +192,7 @@ def main() -> None:
             os.environ["MASTER_PORT"] = str(RAW.bcast(free_port() if comm.rank == 0 else None, root=0))
             dist.init_process_group("gloo", rank=comm.rank, world_size=comm.size)
         for kind in args.models.split(","):
-            rows = rows_for(torch, comm, kind, args.steps)
+            rows = rows_for(torch, comm, kind, args.steps, args.device)
             results[kind] = run_rows(rows, args.rounds, args.steps)
             if comm.rank == 0:
                 print(f"\n{kind}: training step, batch 64 per rank, {comm.size} ranks "

@@ -36,6 +36,7 @@ that another rank has not sent yet.
 from __future__ import annotations
 
 import sys
+import threading
 import weakref
 
 import numpy as np
@@ -50,6 +51,7 @@ MISSING_GRADS = ("error", "zero")
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop", "Rprop", "NAdam", "RAdam",
                "ASGD")
 
+_MAIN = threading.main_thread()
 _GRAD_COMMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -263,7 +265,9 @@ class Buckets:
         while self.next < len(buckets) and buckets[self.next].pending == 0:
             self._leave(buckets[self.next])
             self.next += 1
-        if self.next == len(buckets):
+        if self.next == len(buckets) and threading.current_thread() is _MAIN:
+            # (CUDA gradients: hooks run on autograd's device thread; the host count then waits for
+            # finish(), on the caller's thread, for an MPI started at the 'funneled' thread level)
             self._send_flag()
         self._progress()
 
