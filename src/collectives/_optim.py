@@ -426,6 +426,35 @@ class TorchDistributedOptimizer:
             self._averaged = False
         self.inner.zero_grad(set_to_none=set_to_none)
 
+    def add_param_group(self, param_group: dict) -> None:
+        """The inner ``add_param_group``; the gradient buckets are laid out anew to include the group
+        (every rank must call it; with ``shard_state=True`` it is collective: the state is carried over
+        through the full state).
+
+        Example:
+            >>> import torch, collectives as coll
+            >>> a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+            >>> opt = coll.DistributedOptimizer(torch.optim.SGD([a], lr=1.0))
+            >>> opt.add_param_group({"params": [b], "lr": 0.5})
+            >>> b.grad = torch.ones(2)
+            >>> opt.step()
+            >>> b.detach().tolist()
+            [-0.5, -0.5]
+        """
+        engine = self._engine
+        if engine is None:
+            self.inner.add_param_group(param_group)
+            return
+        full = engine.shards.full_state() if self.shard_state else None
+        engine.new_round(clear_poison=True)
+        engine.close()
+        self.inner.add_param_group(param_group)
+        self._engine = self._make_engine()
+        if full is not None:
+            sd = self.inner.state_dict()
+            sd["state"] = full
+            self._engine.shards.load_full(sd)
+
     def state_dict(self) -> dict:
         """The inner optimizer's ``state_dict``.
 

@@ -600,12 +600,14 @@ class Shards:
         with torch.no_grad():
             for k, t in enumerate(self.tensors):
                 pieces = [piece for piece in self.pieces if piece[0] == k]
-                entries = [full[s.index] for _, _, s, _, _ in pieces if s.index in full]
-                if not entries:
+                # the state's entries from any parameter of the group (not only this rank's: a rank whose
+                # blocks are all padding still holds the same entries as the others)
+                group_slots = [s for b in self.groups[k][2] for s in b.slots if s.index in full]
+                if not group_slots:
                     continue
-                first = next(s for _, _, s, _, _ in pieces if s.index in full)
+                first = group_slots[0]
                 state = {}
-                for name, v in entries[0].items():
+                for name, v in full[first.index].items():
                     if _elementwise(name, v, first.param):
                         state[name] = torch.zeros_like(t)
                     else:

@@ -415,3 +415,22 @@ def test_synchronize_with_buckets(comm):
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
     every = coll.allgather(flat, comm=comm)
     assert (every == every[0]).all()
+
+
+@pytest.mark.parametrize("shard_state", [False, True])
+def test_add_param_group_joins_the_buckets(comm, shard_state):
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))
+    opt = coll.DistributedOptimizer(torch.optim.Adam([a], lr=0.1), comm=comm, shard_state=shard_state)
+    (a * float(comm.rank + 1)).sum().backward()
+    opt.step()
+    before = opt.state_dict()["state"][0]["exp_avg"].clone()
+    opt.add_param_group({"params": [b], "lr": 0.2})
+    assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], before), "the state is carried over"
+    opt.zero_grad()
+    (a.sum() + (b * float(comm.rank)).sum()).backward()
+    opt.step()
+    every = coll.allgather(b.detach().numpy().copy(), comm=comm)
+    assert (every == every[0]).all()
+    assert sorted(opt.state_dict()["state"]) == [0, 1]
+    if comm.size > 1:
+        assert b.detach().tolist() != [0.0] * 3
