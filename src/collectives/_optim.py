@@ -34,7 +34,9 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
       ``requires_grad``) marks its gradient ready, and as soon as every gradient of a bucket is ready its
       asynchronous allreduce starts. Buckets hold the parameters in reverse ``param_groups`` order (the
       order backward produces them), one flat buffer per (group, dtype, device) of at most
-      ``bucket_bytes`` (a larger parameter gets its own); they leave in that order on every rank. The
+      ``bucket_bytes`` (a larger parameter gets its own); they leave in that order on every rank. At the
+      end of the backward pass the rest leave and all are waited for (as DDP does): when ``backward()``
+      returns, every ``p.grad`` holds the average (with ``overlap=False``: only in ``step()``). The
       gradient collectives run on a communicator of their own (one ``split`` of ``comm``, made by the
       first DistributedOptimizer on ``comm``: all ranks make it together). Hooks are removed when the
       wrapper is dropped (or by ``close()``). ``overlap=False`` averages everything in ``step()``
@@ -67,9 +69,9 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
       1/size of the unsharded one; the parameters are bit for bit those of the unsharded optimizer. The
       inner optimizer keeps no state (its ``param_groups`` still rule: LR schedulers given ``inner``
       work); ``state_dict()`` is collective and gives the full, unsharded state on every rank (save it on
-      rank 0); ``load_state_dict`` takes a full state (of a sharded or an unsharded optimizer). After
-      ``step()``, ``p.grad`` holds this rank's own gradients (only the blocks were averaged), unless
-      ``average_gradients()`` gathered them. A parameter without gradient on every rank keeps its value
+      rank 0); ``load_state_dict`` takes a full state (of a sharded or an unsharded optimizer). ``p.grad``
+      keeps this rank's own gradients (only the blocks were averaged, and changing ``.grad`` before
+      ``step()`` has no effect) unless ``average_gradients()`` gathered the average into it (for clipping). A parameter without gradient on every rank keeps its value
       and state, but shares the group's step count (Adam's bias correction counts the group's steps).
     - **optax-like** (has ``init`` and ``update``, pure functions, e.g. an ``optax.GradientTransformation``):
       returns a :class:`DistributedTransformation` ``(init, update)``; ``update(grads, state, params=None)``

@@ -123,6 +123,19 @@ def _remove_hooks(handles: list) -> None:
     handles.clear()
 
 
+def _end_of_backward(ref) -> None:
+    engine = ref()
+    if engine is not None:
+        engine.end_of_backward()
+
+
+def _queue_callback(ref) -> None:
+    """Run ``engine.end_of_backward()`` when the current backward pass has finished (called in a hook)."""
+    from torch.autograd import Variable
+
+    Variable._execution_engine.queue_callback(lambda: _end_of_backward(ref))
+
+
 def _make_hook(ref, index: int):
     def hook(param):  # a post-accumulate-grad hook: param.grad now holds this backward's sum
         engine = ref()
@@ -144,6 +157,7 @@ class Buckets:
         self.missing_mode = missing
         self.communicating = communicating  # False in the accumulating passes (k-1 of every k)
         self.poisoned: BaseException | None = None
+        self.deferred: BaseException | None = None  # a MismatchError of the end of backward, for step()
         self.loose = []  # parameters without requires_grad: reduced by finish() if they have a .grad
         entries = []
         index = 0
@@ -190,8 +204,8 @@ class Buckets:
         self.shards = Shards(self) if shard else None
         self._reset()
         self.hooks: list = []
+        self._ref = ref = weakref.ref(self)
         if hooks:
-            ref = weakref.ref(self)
             for s in self.slots:
                 self.hooks.append(s.param.register_post_accumulate_grad_hook(_make_hook(ref, s.index)))
         # Hooks leave with the engine (the wrapper dropped): they hold it only weakly.
@@ -214,6 +228,7 @@ class Buckets:
         self.next = 0
         self.flag_handle = None
         self.finished = False
+        self.queued = False
 
     def _drain(self) -> None:
         for b in self.buckets:
@@ -232,7 +247,7 @@ class Buckets:
 
     def new_round(self, clear_poison: bool = False) -> None:
         if clear_poison:
-            self.poisoned = None
+            self.poisoned = self.deferred = None
         self._reset()
 
     # ---- during backward ----
@@ -252,13 +267,25 @@ class Buckets:
                 f"gradients (needed now before training on); to accumulate several backward passes per "
                 f"update, pass DistributedOptimizer(opt, backward_passes_per_step=k)")
             raise self.poisoned
+        if not self.queued:  # finish() at the end of this backward pass (as DDP does): .grad is then
+            self.queued = True  # the average when backward() returns, safe to read or clip
+            _queue_callback(self._ref)
         s.ready = True
         b = s.bucket
         b.pending -= 1
-        if b.pending == 0 and self.buckets[self.next] is b:
+        if b.pending == 0 and self.next < len(self.buckets) and self.buckets[self.next] is b:
             self._leave_ready()
         else:
             self._progress()
+
+    def end_of_backward(self) -> None:
+        """Autograd's final callback of a backward pass in which a hook fired: complete the round."""
+        self.queued = False
+        if self.poisoned is None and not self.finished:
+            try:
+                self.finish()
+            except MismatchError as exc:  # raised by step() (or average_gradients()), as without overlap
+                self.deferred = exc
 
     def _leave_ready(self) -> None:
         buckets = self.buckets
@@ -310,6 +337,9 @@ class Buckets:
         in the shard gradients)."""
         if self.poisoned is not None:
             raise self.poisoned
+        if self.deferred is not None:
+            exc, self.deferred = self.deferred, None
+            raise exc
         if self.finished:
             return
         torch = _torch()

@@ -133,9 +133,16 @@ def test_bucket_leaves_during_backward_and_grads_are_views(comm):
     opt = coll.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm=comm, bucket_bytes=4096)
     engine = opt._engine
     x, y = batch("mlp", comm, 0, 0)
+    left = []
+    real_leave = engine._leave
+    engine._leave = lambda b: (left.append(b), real_leave(b))
     torch.nn.functional.cross_entropy(model(x), y).backward()
-    assert engine.next == len(engine.buckets), "every bucket left during backward"
-    assert all(b.handle is not None for b in engine.buckets)
+    engine._leave = real_leave
+    assert left == engine.buckets, "every bucket left during backward, in order"
+    assert engine.finished, "and backward() returned with every gradient averaged (as DDP)"
+    local = [p.grad.clone() for p in model.parameters()]
+    every = coll.allgather(torch.cat([g.reshape(-1) for g in local]), comm=comm)
+    assert all(torch.equal(every[0], every[r]) for r in range(comm.size)), ".grad is the average after backward"
     opt.step()
     for s in engine.slots:
         assert s.param.grad is s.view
