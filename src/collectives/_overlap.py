@@ -3,12 +3,13 @@
 :class:`Buckets` is the engine of a :class:`~collectives._optim.TorchDistributedOptimizer` made with
 ``overlap=True`` or ``shard_state=True``:
 
-- **layout**: the optimizer's parameters (those with ``requires_grad``), in *reverse* ``param_groups``
+- **layout**: the optimizer's parameters, in *reverse* ``param_groups``
   order (the order backward produces their gradients), are laid out in flat buffers, one per (parameter
   group, dtype, device), each at most ``bucket_bytes`` (a larger parameter gets a bucket of its own).
   Every rank builds the same layout from the same optimizer, so no agreement is needed;
-- **hooks**: a post-accumulate-grad hook per parameter marks it ready; when every parameter of a bucket is
-  ready, and every bucket before it has left, the bucket leaves: its gradients are copied into the flat
+- **hooks**: a post-accumulate-grad hook per parameter with ``requires_grad`` marks it ready (a frozen
+  parameter is not waited for; it gets its hook when unfrozen, from the next round); when every such
+  parameter of a bucket is ready, and every bucket before it has left, the bucket leaves: its gradients are copied into the flat
   buffer (unless ``.grad`` already *is* its view of the buffer) and an asynchronous ``allreduce``
   (``reduce_scatter`` with sharded state) of the buffer starts. Buckets always leave in the same order on
   every rank; those that did not leave during backward (a parameter without gradient, gradients set by
@@ -18,8 +19,9 @@
   buffer and neither the copy in nor the copy out is needed; a ``.grad`` that is not the view (``None``
   after ``zero_grad(set_to_none=True)``, or a tensor the user assigned) is detected at the next departure
   and copied in (one copy, then it is the view again);
-- **missing gradients**: after the buckets, one 8-byte allreduce counts the parameters without gradient
-  over all ranks. When that count is not zero (rare), one object allgather tells every rank which rank
+- **missing gradients**: after the buckets, one 24-byte allreduce tells whether a parameter that requires
+  grad lacks a gradient somewhere, or the frozen ones without gradient differ between ranks. When so
+  (rare), one object allgather tells every rank which rank
   lacks which: a parameter without gradient everywhere is skipped (its ``.grad`` stays ``None``); one
   without gradient on some ranks only is a :class:`MismatchError` naming it on every rank, or, with
   ``missing_grads="zero"``, those ranks contribute zeros;
@@ -82,7 +84,8 @@ def _ranks(ranks: list[int]) -> str:
 class _Slot:
     """One parameter in a bucket: elements ``offset .. offset + numel`` of the bucket's buffer."""
 
-    __slots__ = ("bucket", "index", "missing", "name", "numel", "offset", "param", "ready", "stepped", "view")
+    __slots__ = ("bucket", "counted", "hooked", "index", "missing", "name", "numel", "offset", "param", "ready",
+                 "stepped", "view")
 
     def __init__(self, index, name, param, bucket, offset):
         self.index = index  # position in the optimizer's param_groups order (all groups)
@@ -95,6 +98,8 @@ class _Slot:
         self.ready = False  # its hook fired in this round
         self.missing = False  # no gradient here when its bucket left
         self.stepped = False  # sharded state: it has been stepped at least once (its state exists)
+        self.hooked = False  # its post-accumulate-grad hook is registered
+        self.counted = False  # this round waits for its hook
 
 
 class _Bucket:
@@ -158,17 +163,13 @@ class Buckets:
         self.communicating = communicating  # False in the accumulating passes (k-1 of every k)
         self.poisoned: BaseException | None = None
         self.deferred: BaseException | None = None  # a MismatchError of the end of backward, for step()
-        self.loose = []  # parameters without requires_grad: reduced by finish() if they have a .grad
         entries = []
         index = 0
         for g, group in enumerate(inner.param_groups):
             names = group.get("param_names")
             for i, p in enumerate(group["params"]):
                 name = f"['param_groups'][{g}][{i}]" + (f" ({names[i]})" if names and i < len(names) else "")
-                if p.requires_grad:
-                    entries.append((index, name, g, p))
-                else:
-                    self.loose.append((index, name, p))
+                entries.append((index, name, g, p))
                 index += 1
         size = comm.size
         buckets: list[_Bucket] = []
@@ -197,19 +198,24 @@ class Buckets:
             b.flat = torch.zeros(max(b.padded, 1), dtype=dtype, device=device)[:b.padded]
             for s in b.slots:
                 s.view = b.flat[s.offset:s.offset + s.numel].view(s.param.shape)
-        self.flag = np.zeros(1, np.int64)
+        self.flag = np.zeros(3, np.int64)
         self.flag_handle = None
         self.next = 0
         self.finished = False
         self.shards = Shards(self) if shard else None
-        self._reset()
+        self.with_hooks = hooks
         self.hooks: list = []
-        self._ref = ref = weakref.ref(self)
-        if hooks:
-            for s in self.slots:
-                self.hooks.append(s.param.register_post_accumulate_grad_hook(_make_hook(ref, s.index)))
+        self._ref = weakref.ref(self)
         # Hooks leave with the engine (the wrapper dropped): they hold it only weakly.
         self._finalizer = weakref.finalize(self, _remove_hooks, self.hooks)
+        self._reset()
+
+    def _hook(self, s: _Slot) -> None:
+        """A hook on ``s``'s parameter (torch refuses one on a tensor without requires_grad: a frozen
+        parameter gets its hook when it is unfrozen, at the next round)."""
+        if self.with_hooks and not s.hooked and s.param.requires_grad:
+            self.hooks.append(s.param.register_post_accumulate_grad_hook(_make_hook(self._ref, s.index)))
+            s.hooked = True
 
     def close(self) -> None:
         """Remove the hooks now."""
@@ -220,11 +226,13 @@ class Buckets:
         """A new round: no bucket has left. Pending collectives of the old one are completed first (every
         rank started them: each must be completed, even if its result is dropped)."""
         self._drain()
-        for b in self.buckets:
-            b.pending = len(b.slots)
-            b.handle = b.block = None
         for s in self.slots:
             s.ready = s.missing = False
+            self._hook(s)
+            s.counted = s.hooked and s.param.requires_grad  # its hook will fire in this round's backward
+        for b in self.buckets:
+            b.pending = sum(s.counted for s in b.slots)
+            b.handle = b.block = None
         self.next = 0
         self.flag_handle = None
         self.finished = False
@@ -290,7 +298,10 @@ class Buckets:
     def _leave_ready(self) -> None:
         buckets = self.buckets
         while self.next < len(buckets) and buckets[self.next].pending == 0:
-            self._leave(buckets[self.next])
+            b = buckets[self.next]
+            if any(s.param.requires_grad and not s.counted for s in b.slots):
+                break  # unfrozen since the round began (no hook counted it): it leaves in finish()
+            self._leave(b)
             self.next += 1
         if self.next == len(buckets) and threading.current_thread() is _MAIN:
             # (CUDA gradients: hooks run on autograd's device thread; the host count then waits for
@@ -327,8 +338,15 @@ class Buckets:
             b.handle = self.comm.allreduce(b.flat, self.op, async_op=True)
 
     def _send_flag(self) -> None:
-        self.flag[0] = sum(s.missing for s in self.slots)
-        self.flag_handle = self.comm.allreduce(self.flag, "sum", async_op=True)
+        """One small allreduce (max) that tells whether the ranks agree on the missing gradients: element 0
+        is 1 where a parameter that requires grad has none; elements 1 and 2 are a digest of the frozen
+        parameters (requires_grad=False) without gradient and its negation, equal on every rank iff
+        max == -max(-x). Frozen layers, the same everywhere, then cost no further collective."""
+        frozen = tuple(s.index for s in self.slots if s.missing and not s.param.requires_grad)
+        digest = hash(frozen) & ((1 << 62) - 1)
+        self.flag[0] = any(s.missing and s.param.requires_grad for s in self.slots)
+        self.flag[1], self.flag[2] = digest, -digest
+        self.flag_handle = self.comm.allreduce(self.flag, "max", async_op=True)
 
     # ---- in step() ----
     def finish(self) -> None:
@@ -356,8 +374,10 @@ class Buckets:
         self.flag_handle.wait()
         self.flag_handle = None
         skipped: set = set()
-        if int(self.flag[0]):
+        if int(self.flag[0]) or int(self.flag[1]) != -int(self.flag[2]):
             skipped = self._settle_missing()
+        else:  # the frozen parameters without gradient, the same on every rank: skipped
+            skipped = {s.index for s in self.slots if s.missing}
         with torch.no_grad():
             if self.shards is None:
                 for s in self.slots:
@@ -366,7 +386,6 @@ class Buckets:
                     g = s.param.grad
                     if g is not s.view:
                         g.copy_(s.view)
-            self._reduce_loose()
         if self.shards is not None:
             self.shards.take_gradients(skipped)
         self.finished = True
@@ -405,18 +424,6 @@ class Buckets:
                     s.param.grad = s.view if self.views else s.view.clone()
                 s.missing = False
         return {i for i, rs in lacking.items() if len(rs) == size}
-
-    def _reduce_loose(self) -> None:
-        """Parameters without requires_grad that nevertheless have a .grad (set by hand): the tree path."""
-        if not self.loose:
-            return
-        from ._comm import allreduce_tree
-
-        tree = [p.grad for _, _, p in self.loose]
-        out = allreduce_tree(tree, self.op, comm=self.comm)
-        for (_, _, p), g in zip(self.loose, out):
-            if g is not p.grad:
-                p.grad = g
 
     def step(self, closure=None):
         """The inner step over the reduced gradients (:meth:`finish` done), or the sharded step."""

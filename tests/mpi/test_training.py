@@ -441,3 +441,35 @@ def test_add_param_group_joins_the_buckets(comm, shard_state):
     assert sorted(opt.state_dict()["state"]) == [0, 1]
     if comm.size > 1:
         assert b.detach().tolist() != [0.0] * 3
+
+
+@pytest.mark.parametrize("shard_state", [False, True])
+def test_frozen_parameters(comm, shard_state):
+    """A frozen layer is not waited for (the others leave during backward), is skipped without a further
+    collective, and once unfrozen gets its hook and is trained like the rest."""
+    torch.manual_seed(0)
+    model = mlp()
+    model[0].weight.requires_grad_(False)
+    opt = coll.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm=comm, bucket_bytes=1024,
+                                    shard_state=shard_state)
+    engine = opt._engine
+    calls = []
+    real = engine._settle_missing
+    engine._settle_missing = lambda: (calls.append(1), real())[1]
+    frozen = model[0].weight.detach().clone()
+    for step in range(2):
+        opt.zero_grad()
+        x, y = batch("mlp", comm, step, 0)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        assert engine.finished
+        opt.step()
+    assert torch.equal(model[0].weight.detach(), frozen) and model[0].weight.grad is None
+    assert not calls, "frozen parameters cost no object allgather"
+    model[0].weight.requires_grad_(True)
+    opt.zero_grad()
+    x, y = batch("mlp", comm, 5, 0)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    assert not torch.equal(model[0].weight.detach(), frozen)
+    every = coll.allgather(model[0].weight.detach().reshape(-1).clone(), comm=comm)
+    assert all(torch.equal(every[0], every[r]) for r in range(comm.size))
