@@ -310,6 +310,9 @@ def test_hooks_leave_with_the_wrapper(comm):
         del opt
     gc.collect()
     assert all(not p._post_accumulate_grad_hooks for p in params), "hooks left behind"
+    from collectives._overlap import Buckets
+
+    assert not [o for o in gc.get_objects() if type(o) is Buckets], "bucket engines left behind"
     opt = coll.DistributedOptimizer(inner, comm=comm)
     assert all(len(p._post_accumulate_grad_hooks) == 1 for p in params)
     opt.close()
