@@ -44,6 +44,7 @@ import weakref
 import numpy as np
 
 from ._errors import MismatchError
+from ._handles import Handle
 
 MISSING_GRADS = ("error", "zero")
 
@@ -334,6 +335,11 @@ class Buckets:
                     s.param.grad = s.view
         if self.shards is not None:
             b.handle = self.comm.reduce_scatter(b.flat, self.op, async_op=True)
+        elif b is self.buckets[-1]:
+            # The last bucket: nothing is left to overlap it with (backward is done, or step() waits at
+            # once), so the blocking call, which may take the node-shared-memory allreduce (faster than a
+            # non-blocking one between ranks of a node); the same bits (tests/mpi/test_training.py).
+            b.handle = Handle.completed("allreduce", self.comm.allreduce(b.flat, self.op))
         else:
             b.handle = self.comm.allreduce(b.flat, self.op, async_op=True)
 
