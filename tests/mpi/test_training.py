@@ -240,8 +240,6 @@ def test_missing_grad_on_some_ranks_is_a_mismatch_by_default(comm):
 @pytest.mark.parametrize("shard_state", [False, True])
 def test_missing_grads_zero(comm, overlap, shard_state):
     """Horovod's test_force_allreduce: a branch only some ranks take; those without contribute zeros."""
-    if not overlap and shard_state:
-        shard_state = True
     a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))
     c = torch.nn.Parameter(torch.zeros(1))  # no gradient anywhere: skipped
     opt = coll.DistributedOptimizer(torch.optim.SGD([a, b, c], lr=1.0), comm=comm, missing_grads="zero",
@@ -501,4 +499,25 @@ def test_large_buckets_the_same_bits(comm):
         got, opt = run(**options)
         assert opt._engine.buckets[-1].numel * 4 >= 256 << 10
         for i, (a, b) in enumerate(zip(ref, got)):
+            assert torch.equal(a, b), f"{options}: parameter {i}"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
+@pytest.mark.parametrize("op", ["mean", "sum"])
+def test_other_dtypes_and_ops_the_same_bits(comm, dtype, op):
+    def run(**options):
+        torch.manual_seed(0)
+        model = mlp().to(getattr(torch, dtype))
+        opt = coll.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), comm=comm, op=op,
+                                        bucket_bytes=2048, **options)
+        for step in range(4):
+            x, y = batch("mlp", comm, step, 0)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x.to(getattr(torch, dtype))), y).backward()
+            opt.step()
+        return params_of(model)
+
+    ref = run(overlap=False)
+    for options in (dict(), dict(grad_views=False), dict(shard_state=True)):
+        for i, (a, b) in enumerate(zip(ref, run(**options))):
             assert torch.equal(a, b), f"{options}: parameter {i}"
