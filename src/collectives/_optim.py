@@ -239,7 +239,18 @@ class TorchDistributedOptimizer:
                                 shard=self.shard_state, communicating=self.backward_passes_per_step == 1)
 
     def close(self) -> None:
-        """Remove the gradient hooks now (dropping the wrapper does it too). Not collective."""
+        """Remove the gradient hooks now (dropping the wrapper does it too). Not collective.
+
+        Example:
+            >>> import torch, collectives as coll
+            >>> p = torch.nn.Parameter(torch.zeros(2))
+            >>> opt = coll.DistributedOptimizer(torch.optim.SGD([p], lr=1.0))
+            >>> len(p._post_accumulate_grad_hooks)
+            1
+            >>> opt.close()
+            >>> len(p._post_accumulate_grad_hooks)
+            0
+        """
         if self._engine is not None:
             self._engine.close()
 
@@ -463,6 +474,20 @@ class TorchDistributedOptimizer:
         With ``shard_state=True``: collective (every rank calls it); the full state, as the unsharded
         optimizer would hold it (per parameter, in the inner optimizer's format), gathered from every
         rank's share, on every rank (save it on rank 0).
+
+        Example:
+            >>> import torch, collectives as coll
+            >>> p = torch.nn.Parameter(torch.zeros(5))
+            >>> opt = coll.DistributedOptimizer(torch.optim.Adam([p], lr=0.1), shard_state=True)
+            >>> p.grad = torch.ones(5)
+            >>> opt.step()
+            >>> sd = opt.state_dict()                      # every rank: the whole state
+            >>> sd["state"][0]["exp_avg"].shape
+            torch.Size([5])
+            >>> fresh = coll.DistributedOptimizer(torch.optim.Adam([p], lr=0.1), shard_state=True)
+            >>> fresh.load_state_dict(sd)                  # each rank keeps its share
+            >>> torch.equal(fresh.state_dict()["state"][0]["exp_avg"], sd["state"][0]["exp_avg"])
+            True
         """
         if not self.shard_state:
             return self.inner.state_dict()

@@ -521,3 +521,19 @@ def test_other_dtypes_and_ops_the_same_bits(comm, dtype, op):
     for options in (dict(), dict(grad_views=False), dict(shard_state=True)):
         for i, (a, b) in enumerate(zip(ref, run(**options))):
             assert torch.equal(a, b), f"{options}: parameter {i}"
+
+
+def test_a_sharded_optimizer_is_not_pickled(comm):
+    import copy
+    import pickle
+
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = coll.DistributedOptimizer(torch.optim.Adam([p]), shard_state=True, comm=comm)
+    assert "shard_state=True" in repr(opt)
+    with pytest.raises(TypeError, match="state_dict"):
+        pickle.dumps(opt)
+    with pytest.raises(TypeError, match="load_state_dict"):
+        copy.deepcopy(opt)
+    plain = coll.DistributedOptimizer(torch.optim.Adam([p]), comm=comm)
+    twin = copy.deepcopy(plain)  # a copy gets buckets (and hooks) of its own, on the copied parameters
+    assert twin._engine is not plain._engine and twin._engine.slots[0].param is not p
