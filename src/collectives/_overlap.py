@@ -3,17 +3,21 @@
 :class:`Buckets` is the engine of a :class:`~collectives._optim.TorchDistributedOptimizer` made with
 ``overlap=True`` or ``shard_state=True``:
 
-- **layout**: the optimizer's parameters, in *reverse* ``param_groups``
-  order (the order backward produces their gradients), are laid out in flat buffers, one per (parameter
-  group, dtype, device), each at most ``bucket_bytes`` (a larger parameter gets a bucket of its own).
-  Every rank builds the same layout from the same optimizer, so no agreement is needed;
+- **layout**: the optimizer's parameters, in *reverse* ``param_groups`` order (the order backward
+  produces their gradients), are laid out in flat buffers, one per (parameter group, dtype, device), each
+  at most ``bucket_bytes`` (a larger parameter gets a bucket of its own). Every rank builds the same
+  layout from the same optimizer, so no agreement is needed;
 - **hooks**: a post-accumulate-grad hook per parameter with ``requires_grad`` marks it ready (a frozen
   parameter is not waited for; it gets its hook when unfrozen, from the next round); when every such
-  parameter of a bucket is ready, and every bucket before it has left, the bucket leaves: its gradients are copied into the flat
-  buffer (unless ``.grad`` already *is* its view of the buffer) and an asynchronous ``allreduce``
-  (``reduce_scatter`` with sharded state) of the buffer starts. Buckets always leave in the same order on
-  every rank; those that did not leave during backward (a parameter without gradient, gradients set by
-  hand) leave in :meth:`Buckets.finish`, called by ``step()``;
+  parameter of a bucket is ready, and every bucket before it has left, the bucket leaves: its gradients
+  are copied into the flat buffer (unless ``.grad`` already *is* its view of the buffer) and an
+  asynchronous ``allreduce`` (``reduce_scatter`` with sharded state) of the buffer starts; the last
+  bucket takes the blocking allreduce (nothing is left to overlap it with, and on one node the blocking
+  call may use the node-shared-memory allreduce). Buckets always leave in the same order on every rank.
+  The first hook of a backward pass queues autograd's final callback, which completes the round
+  (:meth:`Buckets.finish`: the buckets that did not leave go, everything is waited for) before
+  ``backward()`` returns, as DDP does; ``step()`` completes a round no hook started (gradients set by
+  hand);
 - **views**: with ``grad_views=True`` each parameter's ``.grad`` is then pointed at its view of the
   buffer (DDP's ``gradient_as_bucket_view``), so later backward passes accumulate straight into the
   buffer and neither the copy in nor the copy out is needed; a ``.grad`` that is not the view (``None``
@@ -21,9 +25,9 @@
   and copied in (one copy, then it is the view again);
 - **missing gradients**: after the buckets, one 24-byte allreduce tells whether a parameter that requires
   grad lacks a gradient somewhere, or the frozen ones without gradient differ between ranks. When so
-  (rare), one object allgather tells every rank which rank
-  lacks which: a parameter without gradient everywhere is skipped (its ``.grad`` stays ``None``); one
-  without gradient on some ranks only is a :class:`MismatchError` naming it on every rank, or, with
+  (rare), one object allgather tells every rank which rank lacks which: a parameter without gradient
+  everywhere is skipped (its ``.grad`` stays ``None``); one without gradient on some ranks only is a
+  :class:`MismatchError` naming it on every rank (raised by ``step()``), or, with
   ``missing_grads="zero"``, those ranks contribute zeros;
 - **sharded state** (:class:`Shards`): every bucket is padded to a multiple of the number of ranks and
   rank r owns the r-th block of each; after the reduce-scatter every rank steps, with an optimizer of the
