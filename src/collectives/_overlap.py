@@ -18,8 +18,11 @@
   (:meth:`Buckets.finish`: the buckets that did not leave go, everything is waited for) before
   ``backward()`` returns, as DDP does; ``step()`` completes a round no hook started (gradients set by
   hand);
-- **views**: with ``grad_views=True`` each parameter's ``.grad`` is then pointed at its view of the
-  buffer (DDP's ``gradient_as_bucket_view``), so later backward passes accumulate straight into the
+- **solo parameters**: a bucket of one parameter (one at least ``bucket_bytes``, or the only one of its
+  dtype) is reduced in the parameter's own ``.grad`` when that is a plain dense tensor: no buffer and no
+  copy, whatever ``zero_grad`` did;
+- **views**: with ``grad_views=True`` each parameter's ``.grad`` (of a bucket of several) is then pointed
+  at its view of the buffer (DDP's ``gradient_as_bucket_view``), so later backward passes accumulate straight into the
   buffer and neither the copy in nor the copy out is needed; a ``.grad`` that is not the view (``None``
   after ``zero_grad(set_to_none=True)``, or a tensor the user assigned) is detected at the next departure
   and copied in (one copy, then it is the view again);
@@ -89,8 +92,8 @@ def _ranks(ranks: list[int]) -> str:
 class _Slot:
     """One parameter in a bucket: elements ``offset .. offset + numel`` of the bucket's buffer."""
 
-    __slots__ = ("bucket", "counted", "hooked", "index", "missing", "name", "numel", "offset", "param", "ready",
-                 "stepped", "view")
+    __slots__ = ("bucket", "counted", "hooked", "index", "inplace", "missing", "name", "numel", "offset", "param",
+                 "ready", "stepped", "view")
 
     def __init__(self, index, name, param, bucket, offset):
         self.index = index  # position in the optimizer's param_groups order (all groups)
@@ -105,11 +108,12 @@ class _Slot:
         self.stepped = False  # sharded state: it has been stepped at least once (its state exists)
         self.hooked = False  # its post-accumulate-grad hook is registered
         self.counted = False  # this round waits for its hook
+        self.inplace = False  # this round reduces its .grad in place (a solo bucket)
 
 
 class _Bucket:
     __slots__ = ("block", "flat", "group", "handle", "key", "last", "lo", "numel", "padded", "pending",
-                 "shard_k", "shard_off", "slots")
+                 "shard_k", "shard_off", "slots", "solo")
 
     def __init__(self, key, group):
         self.key = key
@@ -125,6 +129,7 @@ class _Bucket:
         self.lo = 0
         self.shard_off = 0
         self.shard_k = 0
+        self.solo = False
 
 
 def _remove_hooks(handles: list) -> None:
@@ -159,7 +164,6 @@ class Buckets:
 
     def __init__(self, inner, comm, *, op: str, bucket_bytes: int, hooks: bool, views: bool, missing: str,
                  shard: bool, communicating: bool):
-        torch = _torch()
         self.inner = inner
         self.comm = comm
         self.op = op
@@ -199,10 +203,9 @@ class Buckets:
         self.by_index = {s.index: s for s in self.slots}
         for b in buckets:
             b.padded = -(-b.numel // size) * size if shard else b.numel
-            dtype, device = b.key[1], b.key[2]
-            b.flat = torch.zeros(max(b.padded, 1), dtype=dtype, device=device)[:b.padded]
-            for s in b.slots:
-                s.view = b.flat[s.offset:s.offset + s.numel].view(s.param.shape)
+            b.solo = not shard and len(b.slots) == 1
+            if not b.solo:  # a solo parameter's buffer is made only if ever needed (see _leave)
+                self._flat(b)
         self.flag = np.zeros(3, np.int64)
         self.flag_handle = None
         self.next = 0
@@ -226,13 +229,23 @@ class Buckets:
         """Remove the hooks now."""
         self._finalizer()
 
+    @staticmethod
+    def _flat(b: _Bucket):
+        """The bucket's flat buffer (and its slots' views of it), made on first use."""
+        if b.flat is None:
+            torch = _torch()
+            b.flat = torch.zeros(max(b.padded, 1), dtype=b.key[1], device=b.key[2])[:b.padded]
+            for s in b.slots:
+                s.view = b.flat[s.offset:s.offset + s.numel].view(s.param.shape)
+        return b.flat
+
     # ---- rounds: one reduction of the gradients ----
     def _reset(self) -> None:
         """A new round: no bucket has left. Pending collectives of the old one are completed first (every
         rank started them: each must be completed, even if its result is dropped)."""
         self._drain()
         for s in self.slots:
-            s.ready = s.missing = False
+            s.ready = s.missing = s.inplace = False
             self._hook(s)
             s.counted = s.hooked and s.param.requires_grad  # its hook will fire in this round's backward
         for b in self.buckets:
@@ -322,6 +335,16 @@ class Buckets:
 
     def _leave(self, b: _Bucket) -> None:
         torch = _torch()
+        if b.solo:
+            # One parameter: reduced in its own .grad where that is a plain dense tensor (as
+            # allreduce_tree's solo leaves are): no buffer, no copy in, no copy out
+            s = b.slots[0]
+            g = s.param.grad
+            if g is not None and g is not s.view and g.layout is torch.strided and g.is_contiguous():
+                s.inplace = True
+                self._reduce(b, g)
+                return
+        flat = self._flat(b)
         with torch.no_grad():
             for s in b.slots:
                 g = s.param.grad
@@ -337,15 +360,19 @@ class Buckets:
                 s.view.copy_(g)  # the first pass after zero_grad(set_to_none=True), or a replaced .grad
                 if self.views:
                     s.param.grad = s.view
+        self._reduce(b, flat)
+
+    def _reduce(self, b: _Bucket, buf) -> None:
+        """Start the reduction of bucket ``b`` held in ``buf`` (its flat buffer, or a solo .grad)."""
         if self.shards is not None:
-            b.handle = self.comm.reduce_scatter(b.flat, self.op, async_op=True)
+            b.handle = self.comm.reduce_scatter(buf, self.op, async_op=True)
         elif b is self.buckets[-1]:
             # The last bucket: nothing is left to overlap it with (backward is done, or step() waits at
             # once), so the blocking call, which may take the node-shared-memory allreduce (faster than a
             # non-blocking one between ranks of a node); the same bits (tests/mpi/test_training.py).
-            b.handle = Handle.completed("allreduce", self.comm.allreduce(b.flat, self.op))
+            b.handle = Handle.completed("allreduce", self.comm.allreduce(buf, self.op))
         else:
-            b.handle = self.comm.allreduce(b.flat, self.op, async_op=True)
+            b.handle = self.comm.allreduce(buf, self.op, async_op=True)
 
     def _send_flag(self) -> None:
         """One small allreduce (max) that tells whether the ranks agree on the missing gradients: element 0
@@ -391,7 +418,7 @@ class Buckets:
         with torch.no_grad():
             if self.shards is None:
                 for s in self.slots:
-                    if s.missing:
+                    if s.missing or s.inplace:
                         continue
                     g = s.param.grad
                     if g is not s.view:

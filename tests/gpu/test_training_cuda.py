@@ -38,7 +38,8 @@ def test_gradient_buckets_on_cuda(comm, dev):
         assert all(torch.equal(gathered[0], gathered[r]) for r in range(comm.size)), f"{options}: ranks differ"
         if options.get("overlap") and options.get("grad_views", True) and not options.get("shard_state"):
             for s in opt._engine.slots:
-                assert s.param.grad is s.view and s.view.is_cuda
+                if not s.bucket.solo:
+                    assert s.param.grad is s.view and s.view.is_cuda
         results.append(flat)
     for options, flat in zip(CONFIGS[1:], results[1:]):
         # NCCL may sum in another order for a bucket than for the tree's group: close, not bit for bit

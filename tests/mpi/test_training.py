@@ -144,30 +144,40 @@ def test_bucket_leaves_during_backward_and_grads_are_views(comm):
     every = coll.allgather(torch.cat([g.reshape(-1) for g in local]), comm=comm)
     assert all(torch.equal(every[0], every[r]) for r in range(comm.size)), ".grad is the average after backward"
     opt.step()
-    for s in engine.slots:
+    shared = [s for s in engine.slots if not s.bucket.solo]
+    solo = [s for s in engine.slots if s.bucket.solo]
+    assert shared and solo, "the test wants both kinds"
+    for s in shared:
         assert s.param.grad is s.view
         assert s.param.grad.untyped_storage().data_ptr() == s.bucket.flat.untyped_storage().data_ptr()
+    for s in solo:  # reduced in its own .grad: no buffer at all
+        assert s.bucket.flat is None and s.view is None
+    grads = {id(s): s.param.grad for s in solo}
     before = [p.grad.clone() for p in model.parameters()]
     opt.zero_grad(set_to_none=False)  # views kept, zeroed
-    assert all(s.param.grad is s.view and not s.view.any() for s in engine.slots)
+    assert all(s.param.grad is s.view and not s.view.any() for s in shared)
     torch.nn.functional.cross_entropy(model(x), y).backward()
     opt.step()
-    assert all(s.param.grad is s.view for s in engine.slots)
+    assert all(s.param.grad is s.view for s in shared)
+    assert all(s.param.grad is grads[id(s)] for s in solo), "accumulated and reduced in place"
     assert not all(torch.equal(a, p.grad) for a, p in zip(before, model.parameters())), "a new step"
 
 
 def test_a_replaced_grad_is_detected_and_copied(comm):
     p = torch.nn.Parameter(torch.zeros(3))
-    opt = coll.DistributedOptimizer(torch.optim.SGD([p], lr=1.0), comm=comm)
+    other = torch.nn.Parameter(torch.zeros(2))  # in the same bucket: p.grad becomes a view of it
+    opt = coll.DistributedOptimizer(torch.optim.SGD([p, other], lr=1.0), comm=comm)
     (p * float(comm.rank)).sum().backward()
+    other.grad = torch.zeros(2)
     opt.step()
-    assert p.grad is opt._engine.slots[0].view
+    view = next(s.view for s in opt._engine.slots if s.param is p)
+    assert p.grad is view
     opt.zero_grad(set_to_none=False)
     mine = torch.full((3,), float(comm.rank + 1))
     p.grad = mine  # the user's own tensor, not the bucket's view
     opt.step()
     want = (comm.size + 1) / 2
-    assert p.grad is opt._engine.slots[0].view and p.grad.tolist() == [want] * 3
+    assert p.grad is view and p.grad.tolist() == [want] * 3
     assert mine.tolist() == [float(comm.rank + 1)] * 3, "the user's tensor is left alone"
 
 
@@ -537,3 +547,17 @@ def test_a_sharded_optimizer_is_not_pickled(comm):
     plain = coll.DistributedOptimizer(torch.optim.Adam([p]), comm=comm)
     twin = copy.deepcopy(plain)  # a copy gets buckets (and hooks) of its own, on the copied parameters
     assert twin._engine is not plain._engine and twin._engine.slots[0].param is not p
+
+
+def test_a_solo_parameter_is_reduced_in_its_own_grad(comm):
+    """One parameter per bucket (a large one, or bucket_bytes): its .grad is reduced where it is, whatever
+    zero_grad did, as allreduce_tree's solo leaves; a gradient missing there still takes the buffer."""
+    p = torch.nn.Parameter(torch.zeros(4))
+    opt = coll.DistributedOptimizer(torch.optim.SGD([p], lr=1.0), comm=comm)
+    for set_to_none in (True, False, True):
+        opt.zero_grad(set_to_none=set_to_none)
+        (p * float(comm.rank)).sum().backward()
+        g = p.grad
+        opt.step()
+        assert p.grad is g and g.tolist() == [(comm.size - 1) / 2] * 4
+    assert opt._engine.buckets[0].flat is None
