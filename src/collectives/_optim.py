@@ -42,7 +42,8 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
       wrapper is dropped (or by ``close()``). ``overlap=False`` averages everything in ``step()``
       instead, with one fused :func:`allreduce_tree` (parameters in ``param_groups`` order): every way
       gives the same bits.
-    - **Gradients as views** (``grad_views=True``, with overlap): after its bucket left once, every
+    - **Gradients as views** (``grad_views=True``, with overlap): a bucket of one parameter is reduced in
+      its own ``p.grad`` (no buffer, no copy); in a bucket of several, after it left once, every
       ``p.grad`` *is* a view of the bucket (DDP's ``gradient_as_bucket_view``), so backward accumulates
       straight into the buffer and nothing is copied in or out. Do not replace ``p.grad`` with a new
       tensor if you want to keep that: a ``.grad`` that is not the view (``None`` after
