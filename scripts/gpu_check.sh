@@ -8,12 +8,15 @@
 #   4. benchmarks/bench_nccl.py: ours / raw NCCL, 1 rank and (if step 2 could run) 2 ranks
 #   (tests/gpu includes test_torch_backend_cuda.py: DDP with CUDA tensors over the torch.distributed backend
 #    "collectives", equal to one process, and dist.* collectives on CUDA, in steps 1-3)
+#   5. benchmarks/bench_training.py --device cuda: the training step with the gradient buckets (overlap,
+#      views, sharded state) on CUDA tensors, 1 rank and (if step 2 could run) 2 ranks over NCCL
 #
 # Usage: bash scripts/gpu_check.sh          (from anywhere; output also goes to $OUT if set)
 # The tests run with COLLECTIVES_TEST_REQUIRE_GPU=1: no GPU is a failure, not a skip.
 # Without mpiexec: wheels/ (if present) is installed offline (pip --no-index); else only the 1-rank
 # steps run, with plain python, and the log says so. Exit status 0 only if every step that ran passed.
-# $OUT receives at most 3 files (gpu_check.log, bench_nccl_n1.json, bench_nccl_n2.json).
+# $OUT receives at most 5 files (gpu_check.log, bench_nccl_n1.json, bench_nccl_n2.json,
+# bench_training_cuda_n1.json, bench_training_cuda_n2.json).
 
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -180,6 +183,19 @@ if [ ${#LAUNCH[@]} -gt 0 ] && [ "$MULTI_OK" = 1 ]; then
     record "bench_nccl 2 ranks" $?
 else
     skip "bench_nccl 2 ranks" "needs mpiexec and NCCL >= 2.30"
+fi
+
+section "training step on CUDA, 1 rank"
+timeout 180 "$PY" benchmarks/bench_training.py --device cuda --rounds 5 --steps 5 \
+    --json "$OUTDIR/bench_training_cuda_n1.json"
+record "bench_training cuda 1 rank" $?
+if [ ${#LAUNCH[@]} -gt 0 ] && [ "$MULTI_OK" = 1 ]; then
+    section "training step on CUDA, 2 ranks on one GPU (NCCL)"
+    env NCCL_MULTI_RANK_GPU_ENABLE=1 timeout 240 "${LAUNCH[@]}" -n 2 "$PY" benchmarks/bench_training.py \
+        --device cuda --rounds 5 --steps 5 --json "$OUTDIR/bench_training_cuda_n2.json"
+    record "bench_training cuda 2 ranks" $?
+else
+    skip "bench_training cuda 2 ranks" "needs mpiexec and NCCL >= 2.30"
 fi
 
 section "summary"

@@ -15,21 +15,65 @@ from . import _dtypes
 from ._backends import closed as _closed
 from ._comm import _resolve, allreduce_tree
 from ._errors import BackendUnavailableError
+from ._overlap import MISSING_GRADS
 from ._tree import WRAPPER_ATTRIBUTE, is_array, map_leaves
 
 
 def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_step: int = 1,
-                         bucket_bytes: int | None = None, comm=None):
+                         bucket_bytes: int | None = None, comm=None, overlap: bool = True,
+                         grad_views: bool = True, missing_grads: str = "error", shard_state: bool = False):
     """Wrap an optimizer so that every update uses gradients averaged over all ranks.
 
     Two kinds of optimizer are accepted:
 
     - **torch-like** (has ``param_groups`` and ``step``, e.g. ``torch.optim.Adam``): returns a
-      :class:`TorchDistributedOptimizer`. Its ``step(closure=None)`` averages every ``p.grad`` over the
-      ranks (fused, see :func:`allreduce_tree`; parameters in ``param_groups`` order) and then calls the
-      inner ``step``. Everything else (``zero_grad``, ``state_dict``, ``load_state_dict``,
-      ``param_groups``, ``state``, ...) is the inner optimizer's. A parameter whose ``.grad`` is ``None``
-      must be ``None`` on every rank (else :class:`MismatchError` names it).
+      :class:`TorchDistributedOptimizer`. Its ``step(closure=None)`` waits for every ``p.grad`` to be
+      averaged over the ranks and then calls the inner ``step``. Everything else (``param_groups``,
+      ``state``, ``add_param_group``, ...) is the inner optimizer's. With ``overlap=True`` (the default)
+      the averaging runs during backward: a post-accumulate-grad hook on every parameter (with
+      ``requires_grad``) marks its gradient ready, and as soon as every gradient of a bucket is ready its
+      asynchronous allreduce starts. Buckets hold the parameters in reverse ``param_groups`` order (the
+      order backward produces them), one flat buffer per (group, dtype, device) of at most
+      ``bucket_bytes`` (a larger parameter gets its own); they leave in that order on every rank. At the
+      end of the backward pass the rest leave and all are waited for (as DDP does): when ``backward()``
+      returns, every ``p.grad`` holds the average (with ``overlap=False``: only in ``step()``). The
+      gradient collectives run on a communicator of their own (one ``split`` of ``comm``, made by the
+      first DistributedOptimizer on ``comm``: all ranks make it together). Hooks are removed when the
+      wrapper is dropped (or by ``close()``). ``overlap=False`` averages everything in ``step()``
+      instead, with one fused :func:`allreduce_tree` (parameters in ``param_groups`` order): every way
+      gives the same bits.
+    - **Gradients as views** (``grad_views=True``, with overlap): a bucket of one parameter is reduced in
+      its own ``p.grad`` (no buffer, no copy); in a bucket of several, after it left once, every
+      ``p.grad`` *is* a view of the bucket (DDP's ``gradient_as_bucket_view``), so backward accumulates
+      straight into the buffer and nothing is copied in or out. Do not replace ``p.grad`` with a new
+      tensor if you want to keep that: a ``.grad`` that is not the view (``None`` after
+      ``zero_grad(set_to_none=True)``, or your own tensor) is detected when the bucket leaves and copied
+      in (one copy; your tensor is not changed, and ``p.grad`` is the view again). Use
+      ``zero_grad(set_to_none=False)`` for no copy at all. ``grad_views=False`` copies every gradient in
+      and the result back out, and leaves ``p.grad`` the tensor torch made.
+    - **A second backward pass before** ``step()`` (with ``backward_passes_per_step=1``, or in the k-th
+      micro-batch) is a RuntimeError raised by that backward on every rank that runs it: its gradients
+      would be added to buckets already on their way. ``zero_grad()`` drops the round (every rank
+      completes what it started) and training goes on.
+    - **Missing gradients**: a parameter whose ``.grad`` is ``None`` at ``step()`` on every rank is
+      skipped (its ``.grad`` stays ``None``, as torch optimizers skip it). One that has a gradient on some
+      ranks only is a :class:`MismatchError` on every rank naming it and the ranks (no update happens);
+      with ``missing_grads="zero"`` the ranks without one contribute zeros and every rank gets the average
+      (Horovod's behaviour, DDP's with ``find_unused_parameters=True``): models whose graph depends on the
+      rank need it.
+    - **Sharded optimizer state** (``shard_state=True``, for the element-wise torch optimizers: SGD,
+      Adam, AdamW, Adamax, Adagrad, Adadelta, RMSprop, Rprop, NAdam, RAdam, ASGD): every bucket is padded
+      to a multiple of the number of ranks and each rank owns one block of it; the buckets are
+      reduce-scattered (each rank receives the average of its blocks only), each rank steps an optimizer
+      of the inner optimizer's class and hyper-parameters over one flat tensor per (group, dtype, device)
+      holding its blocks, and the parameters come back by allgather. The optimizer state per rank is
+      1/size of the unsharded one; the parameters are bit for bit those of the unsharded optimizer. The
+      inner optimizer keeps no state (its ``param_groups`` still rule: LR schedulers given ``inner``
+      work); ``state_dict()`` is collective and gives the full, unsharded state on every rank (save it on
+      rank 0); ``load_state_dict`` takes a full state (of a sharded or an unsharded optimizer). ``p.grad``
+      keeps this rank's own gradients (only the blocks were averaged, and changing ``.grad`` before
+      ``step()`` has no effect) unless ``average_gradients()`` gathered the average into it (for clipping). A parameter without gradient on every rank keeps its value
+      and state, but shares the group's step count (Adam's bias correction counts the group's steps).
     - **optax-like** (has ``init`` and ``update``, pure functions, e.g. an ``optax.GradientTransformation``):
       returns a :class:`DistributedTransformation` ``(init, update)``; ``update(grads, state, params=None)``
       averages ``grads`` over the ranks and then calls the inner ``update``. Call it outside ``jax.jit``
@@ -53,16 +97,24 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
         optimizer: a torch-like or optax-like optimizer (see above).
         op: how gradients are combined: ``"mean"`` (default) or ``"sum"`` (any op of :func:`allreduce`).
         backward_passes_per_step: communicate and update every this many steps (default 1).
-        bucket_bytes: fused buffer bound for the gradient allreduce (default ``COLLECTIVES_BUCKET_BYTES``).
+        bucket_bytes: bound of a gradient bucket (default 4 MiB, or ``COLLECTIVES_BUCKET_BYTES`` where that
+            is set lower; with ``overlap=False``: the fused buffer bound of :func:`allreduce_tree`).
         comm: a :class:`Communicator` or an mpi4py communicator (default: :func:`world`).
+        overlap: torch: average during backward (default), or all in ``step()`` (``False``).
+        grad_views: torch, with overlap: ``p.grad`` as a view of its bucket (default).
+        missing_grads: torch: ``"error"`` (default) or ``"zero"``: what a gradient missing on some ranks
+            only is (see above).
+        shard_state: torch: shard the optimizer state over the ranks (see above).
 
     Returns:
         A :class:`TorchDistributedOptimizer` or a :class:`DistributedTransformation`.
 
     Raises:
-        TypeError: ``optimizer`` is neither torch-like nor optax-like.
-        ValueError: ``backward_passes_per_step`` is not a positive integer, or the optimizer is already
-            distributed.
+        TypeError: ``optimizer`` is neither torch-like nor optax-like; ``shard_state=True`` for an optimizer
+            that is not element-wise; a switch that is not a bool.
+        ValueError: ``backward_passes_per_step`` is not a positive integer, the optimizer is already
+            distributed, ``missing_grads`` is unknown, or ``shard_state``/``missing_grads`` for an
+            optax-like optimizer.
 
     Example:
         >>> import numpy as np, collectives as coll
@@ -78,6 +130,16 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
         >>> updates, state = opt.update(grads, state, params)
         >>> bool(np.allclose(updates["w"], -0.1 * (coll.world().size - 1) / 2))
         True
+
+        torch, with the optimizer state sharded over the ranks:
+
+        >>> import torch
+        >>> model = coll.synchronize(torch.nn.Linear(4, 2))
+        >>> opt = coll.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.1), shard_state=True)
+        >>> model(torch.ones(3, 4)).sum().backward()      # the buckets are reduce-scattered meanwhile
+        >>> opt.step()                                    # each rank steps its share; allgather
+        >>> sorted(opt.state_dict()["state"])             # the full state (collective)
+        [0, 1]
     """
     if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int):
         raise TypeError(f"backward_passes_per_step must be a positive integer, got "
@@ -85,6 +147,11 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
     if backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
     op = _dtypes.check_op(op)
+    for name, value in (("overlap", overlap), ("grad_views", grad_views), ("shard_state", shard_state)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    if missing_grads not in MISSING_GRADS:
+        raise ValueError(f"missing_grads must be one of {', '.join(map(repr, MISSING_GRADS))}, got {missing_grads!r}")
     if isinstance(optimizer, TorchDistributedOptimizer) or getattr(getattr(optimizer, "update", None),
                                                                    "_collectives_distributed", False):
         raise ValueError("this optimizer is already a DistributedOptimizer; wrap the inner optimizer once")
@@ -92,9 +159,21 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
     if c.closed:  # refused now, not at the first step
         raise BackendUnavailableError(f"DistributedOptimizer: {_closed.MESSAGE}")
     if hasattr(optimizer, "param_groups") and callable(getattr(optimizer, "step", None)):
+        if shard_state:
+            from ._overlap import check_shardable
+
+            check_shardable(optimizer)
         return TorchDistributedOptimizer(optimizer, op=op, backward_passes_per_step=backward_passes_per_step,
-                                         bucket_bytes=bucket_bytes, comm=c)
+                                         bucket_bytes=bucket_bytes, comm=c, overlap=overlap,
+                                         grad_views=grad_views, missing_grads=missing_grads,
+                                         shard_state=shard_state)
     if callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None)):
+        if shard_state or missing_grads != "error":
+            raise ValueError(
+                "an optax-like optimizer supports op, backward_passes_per_step, bucket_bytes and comm; "
+                "shard_state and missing_grads are for torch optimizers (an optax update gets the whole "
+                "gradient tree, and its gradients are never missing). overlap and grad_views have no effect "
+                "(the gradients exist only once the whole backward pass has run)")
         return _transformation(optimizer, op, backward_passes_per_step, bucket_bytes, c)
     raise TypeError(
         f"DistributedOptimizer expects a torch-like optimizer (with param_groups and step) or an optax-like "
@@ -107,12 +186,16 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
 
 
 class TorchDistributedOptimizer:
-    """A torch optimizer whose ``step`` first averages the gradients over all ranks.
+    """A torch optimizer whose ``step`` uses gradients averaged over all ranks.
 
     Made by :func:`DistributedOptimizer`; wraps (does not subclass) the inner optimizer, available as
     ``inner``. Attributes and methods not listed here are the inner optimizer's. LR schedulers check
     ``isinstance(optimizer, torch.optim.Optimizer)``: give them ``inner`` (they change the same
     ``param_groups``).
+
+    With ``overlap=True`` (the default) the gradients are averaged in flat buckets that leave during
+    backward (see :func:`DistributedOptimizer`); its hooks are removed when the wrapper is dropped (or
+    by :meth:`close`).
 
     Example:
         >>> import torch, collectives as coll
@@ -120,8 +203,8 @@ class TorchDistributedOptimizer:
         >>> opt = coll.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
         >>> model = coll.synchronize(model)              # same start everywhere
         >>> loss = model(torch.ones(4, 2)).pow(2).mean()
-        >>> loss.backward()
-        >>> opt.step()                                   # averaged gradients, then SGD
+        >>> loss.backward()                              # the gradient buckets leave during backward
+        >>> opt.step()                                   # waits for them, then SGD
         >>> opt.zero_grad()
         >>> opt.param_groups[0]["lr"]
         0.1
@@ -130,14 +213,47 @@ class TorchDistributedOptimizer:
     _collectives_distributed = True
 
     def __init__(self, optimizer, *, op: str = "mean", backward_passes_per_step: int = 1,
-                 bucket_bytes: int | None = None, comm=None):
+                 bucket_bytes: int | None = None, comm=None, overlap: bool = True, grad_views: bool = True,
+                 missing_grads: str = "error", shard_state: bool = False):
         self.inner = optimizer
         self.comm = _resolve(comm)
         self.op = op
         self.backward_passes_per_step = backward_passes_per_step
         self.bucket_bytes = bucket_bytes
+        self.overlap = overlap
+        self.grad_views = grad_views
+        self.missing_grads = missing_grads
+        self.shard_state = shard_state
         self._passes = 0  # step() calls since the last real step
         self._averaged = False  # average_gradients() ran since the last step
+        self._engine = None
+        self._engine = self._make_engine()
+
+    def _make_engine(self):
+        if not (self.overlap or self.shard_state):
+            return None
+        from . import _overlap
+
+        nbytes = _overlap_bucket_bytes(self.bucket_bytes)
+        return _overlap.Buckets(self.inner, _overlap.grad_comm(self.comm), op=self.op, bucket_bytes=nbytes,
+                                hooks=self.overlap, views=self.grad_views, missing=self.missing_grads,
+                                shard=self.shard_state, communicating=self.backward_passes_per_step == 1)
+
+    def close(self) -> None:
+        """Remove the gradient hooks now (dropping the wrapper does it too). Not collective.
+
+        Example:
+            >>> import torch, collectives as coll
+            >>> p = torch.nn.Parameter(torch.zeros(2))
+            >>> opt = coll.DistributedOptimizer(torch.optim.SGD([p], lr=1.0))
+            >>> len(p._post_accumulate_grad_hooks)
+            1
+            >>> opt.close()
+            >>> len(p._post_accumulate_grad_hooks)
+            0
+        """
+        if self._engine is not None:
+            self._engine.close()
 
     def __getattr__(self, name):
         inner = self.__dict__.get("inner")
@@ -148,9 +264,14 @@ class TorchDistributedOptimizer:
     # A communicator is a resource of this process (an MPI communicator), not data: a copy shares it, and
     # a pickle leaves it out (it could not travel); unpickled, the optimizer uses the default communicator
     # (collectives.world()) of the process that loads it, and the inner optimizer is pickled as torch does.
+    # The gradient buckets (hooks, buffers, collectives in flight) are made anew for the copy's parameters.
     def __getstate__(self):
+        if self.shard_state:
+            raise TypeError("a DistributedOptimizer with shard_state=True holds only this rank's share of the "
+                            "optimizer state: save state_dict() (the full state) instead of pickling it")
         state = dict(self.__dict__)
         state["comm"] = None
+        state["_engine"] = None
         return state
 
     def __setstate__(self, state):
@@ -159,19 +280,27 @@ class TorchDistributedOptimizer:
             from ._comm import world
 
             self.comm = world()
+        self._engine = self._make_engine()
 
     def __deepcopy__(self, memo):
         import copy
 
+        if self.shard_state:
+            raise TypeError("a DistributedOptimizer with shard_state=True cannot be copied: make a new one over "
+                            "the copied optimizer and load_state_dict() into it")
         memo[id(self.comm)] = self.comm  # shared, not copied
         clone = object.__new__(type(self))
         memo[id(self)] = clone
-        clone.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        state = {k: v for k, v in self.__dict__.items() if k != "_engine"}
+        clone.__dict__.update(copy.deepcopy(state, memo))
+        clone._engine = clone._make_engine()
         return clone
 
     def __repr__(self) -> str:
+        extra = "" if self.overlap else ", overlap=False"
+        extra += ", shard_state=True" if self.shard_state else ""
         return (f"DistributedOptimizer({self.inner!r}, op={self.op!r}, "
-                f"backward_passes_per_step={self.backward_passes_per_step})")
+                f"backward_passes_per_step={self.backward_passes_per_step}{extra})")
 
     @property
     def accumulating(self) -> bool:
@@ -182,7 +311,9 @@ class TorchDistributedOptimizer:
         """Average every parameter's ``.grad`` over the ranks now (all ranks must call it).
 
         For work between averaging and stepping, such as gradient clipping: call this, clip, then
-        ``step()``, which will not average again.
+        ``step()``, which will not average again. With ``shard_state=True`` this also gathers the
+        averaged gradients back into every ``.grad`` (one allgather per bucket more than ``step()``
+        alone), and ``step()`` then takes its share from ``.grad`` as it is after your changes.
 
         Example:
             >>> import torch, collectives as coll
@@ -195,6 +326,13 @@ class TorchDistributedOptimizer:
             >>> bool((p.grad == p.grad[0]).all())
             True
         """
+        if self._engine is not None:
+            self._engine.finish()
+            if self.shard_state:
+                self._engine.shards.gather_gradients()
+            self._averaged = True
+            return
+        self._zero_missing()
         params = [p for group in self.inner.param_groups for p in group["params"]]
         tree = {"param_groups": [[p.grad for p in group["params"]] for group in self.inner.param_groups]}
         out = allreduce_tree(tree, self.op, comm=self.comm, bucket_bytes=self.bucket_bytes)
@@ -204,6 +342,24 @@ class TorchDistributedOptimizer:
                 if g is not p.grad:
                     p.grad = g
         self._averaged = True
+
+    def _zero_missing(self) -> None:
+        """overlap=False with missing_grads="zero": a parameter with a gradient on some ranks only gets
+        zeros where it has none (one object allgather of who lacks which)."""
+        if self.missing_grads != "zero" or self.comm.size == 1:
+            return
+        params = [p for group in self.inner.param_groups for p in group["params"]]
+        mine = [i for i, p in enumerate(params) if p.grad is None]
+        lists = self.comm.allgather_object(mine)
+        counts: dict[int, int] = {}
+        for indices in lists:
+            for i in indices:
+                counts[i] = counts.get(i, 0) + 1
+        import torch
+
+        for i in mine:
+            if counts[i] < self.comm.size:
+                params[i].grad = torch.zeros_like(params[i])
 
     def step(self, closure: Callable | None = None):
         """Average the gradients over all ranks, then run the inner optimizer's step.
@@ -218,15 +374,42 @@ class TorchDistributedOptimizer:
         Returns:
             What the inner ``step`` returns (the loss when a closure was given), or ``None`` while
             accumulating.
+
+        Raises:
+            MismatchError: a parameter has a gradient on some ranks only (``missing_grads="error"``), on
+                every rank, before any update.
+            RuntimeError: a second backward pass ran since the last ``step()`` (overlap; see
+                :func:`DistributedOptimizer`).
         """
         k = self.backward_passes_per_step
         if closure is not None and k > 1:
             raise ValueError("step(closure) is not supported with backward_passes_per_step > 1: the closure "
                              "would run one backward pass more than the k accumulated ones")
+        engine = self._engine
         self._passes += 1
         if self._passes < k:
+            if engine is not None:
+                engine.communicating = self._passes == k - 1
             return None
         self._passes = 0
+        if engine is not None:
+            try:
+                if closure is None:
+                    if not self._averaged:
+                        engine.finish()
+                    return engine.step()
+
+                def reduced_closure():
+                    engine.new_round()
+                    loss = closure()
+                    engine.finish()
+                    return loss
+
+                return engine.step(reduced_closure)
+            finally:
+                self._averaged = False
+                engine.communicating = k == 1
+                engine.new_round()
         if closure is None:
             if not self._averaged:
                 self.average_gradients()
@@ -242,10 +425,125 @@ class TorchDistributedOptimizer:
         return self.inner.step(averaged_closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """The inner ``zero_grad``, skipped while accumulating (so the k backward passes add up)."""
+        """The inner ``zero_grad``, skipped while accumulating (so the k backward passes add up).
+
+        With the gradient buckets it also drops a round of reductions not stepped (after a failed
+        step or a second backward pass: every rank completes what it started, the results are dropped).
+        With ``grad_views=True``, ``set_to_none=False`` keeps every ``.grad`` a view of its bucket (no
+        copy at the next backward pass); ``set_to_none=True`` (torch's default) costs one copy per
+        gradient in the next backward pass.
+        """
         if self.accumulating:
             return
+        if self._engine is not None:
+            self._engine.new_round(clear_poison=True)
+            self._averaged = False
         self.inner.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """The inner ``add_param_group``; the gradient buckets are laid out anew to include the group
+        (every rank must call it; with ``shard_state=True`` it is collective: the state is carried over
+        through the full state).
+
+        Example:
+            >>> import torch, collectives as coll
+            >>> a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+            >>> opt = coll.DistributedOptimizer(torch.optim.SGD([a], lr=1.0))
+            >>> opt.add_param_group({"params": [b], "lr": 0.5})
+            >>> b.grad = torch.ones(2)
+            >>> opt.step()
+            >>> b.detach().tolist()
+            [-0.5, -0.5]
+        """
+        engine = self._engine
+        if engine is None:
+            self.inner.add_param_group(param_group)
+            return
+        full = engine.shards.full_state() if self.shard_state else None
+        engine.new_round(clear_poison=True)
+        engine.close()
+        self.inner.add_param_group(param_group)
+        self._engine = self._make_engine()
+        if full is not None:
+            sd = self.inner.state_dict()
+            sd["state"] = full
+            self._engine.shards.load_full(sd)
+
+    def state_dict(self) -> dict:
+        """The inner optimizer's ``state_dict``.
+
+        With ``shard_state=True``: collective (every rank calls it); the full state, as the unsharded
+        optimizer would hold it (per parameter, in the inner optimizer's format), gathered from every
+        rank's share, on every rank (save it on rank 0).
+
+        Example:
+            >>> import torch, collectives as coll
+            >>> p = torch.nn.Parameter(torch.zeros(5))
+            >>> opt = coll.DistributedOptimizer(torch.optim.Adam([p], lr=0.1), shard_state=True)
+            >>> p.grad = torch.ones(5)
+            >>> opt.step()
+            >>> sd = opt.state_dict()                      # every rank: the whole state
+            >>> sd["state"][0]["exp_avg"].shape
+            torch.Size([5])
+            >>> fresh = coll.DistributedOptimizer(torch.optim.Adam([p], lr=0.1), shard_state=True)
+            >>> fresh.load_state_dict(sd)                  # each rank keeps its share
+            >>> torch.equal(fresh.state_dict()["state"][0]["exp_avg"], sd["state"][0]["exp_avg"])
+            True
+        """
+        if not self.shard_state:
+            return self.inner.state_dict()
+        sd = self.inner.state_dict()
+        sd["state"] = self._engine.shards.full_state()
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """The inner optimizer's ``load_state_dict``; with ``shard_state=True`` each rank keeps its share
+        of the given (full, unsharded) state. Not collective."""
+        if not self.shard_state:
+            self.inner.load_state_dict(state_dict)
+            return
+        self._engine.shards.load_full(state_dict)
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state tensors this rank holds (the inner optimizer's and, with
+        ``shard_state=True``, its shard optimizer's).
+
+        Example:
+            >>> import torch, collectives as coll
+            >>> p = torch.nn.Parameter(torch.zeros(4))
+            >>> opt = coll.DistributedOptimizer(torch.optim.SGD([p], lr=0.1, momentum=0.9))
+            >>> p.grad = torch.ones(4)
+            >>> opt.step()
+            >>> opt.state_bytes()            # the momentum buffer: 4 float32
+            16
+        """
+        import torch
+
+        def nbytes(opt):
+            return sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
+                       if torch.is_tensor(v))
+
+        total = nbytes(self.inner)
+        if self.shard_state:
+            total += nbytes(self._engine.shards.opt)
+        return total
+
+
+def _overlap_bucket_bytes(bucket_bytes) -> int:
+    """The gradient buckets' bound: ``bucket_bytes`` if given, else ``GRAD_BUCKET_BYTES`` (or
+    ``COLLECTIVES_BUCKET_BYTES`` where that is set lower)."""
+    import os
+
+    from ._tree import _bucket_bytes
+
+    if bucket_bytes is not None:
+        return _bucket_bytes(bucket_bytes)
+    if os.environ.get("COLLECTIVES_BUCKET_BYTES"):
+        return min(_bucket_bytes(None), GRAD_BUCKET_BYTES)
+    return GRAD_BUCKET_BYTES
+
+
+GRAD_BUCKET_BYTES = 4 << 20  # gradient buckets that leave during backward (benchmarks/bench_training.py)
 
 
 setattr(TorchDistributedOptimizer, WRAPPER_ATTRIBUTE, True)  # synchronize() syncs the inner optimizer

@@ -6,9 +6,10 @@ small-leaf buckets and the solo leaves of ``allreduce_tree``, the shared-memory 
 threshold) and off, the deadline transport, ``reduce``, torch tensors (hot and general path), and the two
 CUDA transports that do not need a GPU for their logic (host staging, CUDA-aware MPI), with CPU tensors
 standing in for device tensors; the asynchronous calls (``async_op=True``, trees too) on those host paths; the
-torch.distributed backend (``collectives.torch_backend``, torch's ReduceOp on CPU tensors); and
-``reduce_scatter`` through the same host paths (its hot path too) and stand-ins (its
-block must hold the documented bits too). Every result is compared with a reference computed on every rank from all
+torch.distributed backend (``collectives.torch_backend``, torch's ReduceOp on CPU tensors);
+``reduce_scatter`` through the same host paths (its hot path too) and stand-ins (its block must hold the
+documented bits too); and DistributedOptimizer's gradient reduction (buckets with views or copies, sharded
+state, overlap=False). Every result is compared with a reference computed on every rank from all
 ranks' inputs (every rank can make every rank's inputs: they are seeded), under the documented rules:
 integers wrap (modulo 2**n), float min/max is a total order in which NaN wins and -0.0 < +0.0, mean is the
 sum divided once by the number of ranks. Values are small integers, zeros of both signs, infinities and
@@ -228,6 +229,38 @@ def torch_paths(x, dtype, op, comm):
     t = as_lib(x, dtype, "torch")
     assert group.allreduce([t], opts).wait()
     out["torch.distributed backend"] = to_numpy(t, dtype)
+    if dtype in ("float16", "bfloat16", "float32", "float64"):
+        out.update(optimizer_paths(x, dtype, op, comm))
+    return out
+
+
+def optimizer_paths(x, dtype, op, comm):
+    """DistributedOptimizer's gradient reduction: the buckets (views or copies, during backward or in
+    step()), sharded state (reduce-scatter, then gathered back by average_gradients), and overlap=False."""
+    import torch
+
+    out = {}
+    configs = {"optimizer tree": dict(overlap=False), "optimizer bucket views": dict(),
+               "optimizer bucket copies": dict(grad_views=False), "optimizer sharded": dict(shard_state=True)}
+    for name, options in configs.items():
+        p = torch.nn.Parameter(torch.zeros(COUNT, dtype=getattr(torch, dtype)))
+        q = torch.nn.Parameter(torch.zeros(5, dtype=getattr(torch, dtype)))  # a second bucket (bucket_bytes)
+        opt = coll.DistributedOptimizer(torch.optim.SGD([q, p], lr=0.0), op=op, comm=comm, bucket_bytes=64,
+                                        **options)
+        p.grad = as_lib(x, dtype, "torch")
+        q.grad = torch.ones(5, dtype=getattr(torch, dtype))
+        opt.average_gradients()
+        out[name] = to_numpy(p.grad, dtype)
+        opt.close()
+    # the hooks: the same gradient produced by backward (d/dp of sum(p * x) is x)
+    p = torch.nn.Parameter(torch.zeros(COUNT, dtype=getattr(torch, dtype)))
+    opt = coll.DistributedOptimizer(torch.optim.SGD([p], lr=0.0), op=op, comm=comm)
+    finite = as_lib(np.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0), dtype, "torch")
+    (p * finite).sum().backward()
+    want = coll.allreduce(finite.clone(), op, comm=comm)
+    got = p.grad.clone()
+    opt.close()
+    assert torch.equal(got, want), "the gradient reduced during backward is the allreduce's"
     return out
 
 

@@ -1,0 +1,709 @@
+"""The torch DistributedOptimizer's gradient buckets: reduction during backward, views, sharded state.
+
+:class:`Buckets` is the engine of a :class:`~collectives._optim.TorchDistributedOptimizer` made with
+``overlap=True`` or ``shard_state=True``:
+
+- **layout**: the optimizer's parameters, in *reverse* ``param_groups`` order (the order backward
+  produces their gradients), are laid out in flat buffers, one per (parameter group, dtype, device), each
+  at most ``bucket_bytes`` (a larger parameter gets a bucket of its own). Every rank builds the same
+  layout from the same optimizer, so no agreement is needed;
+- **hooks**: a post-accumulate-grad hook per parameter with ``requires_grad`` marks it ready (a frozen
+  parameter is not waited for; it gets its hook when unfrozen, from the next round); when every such
+  parameter of a bucket is ready, and every bucket before it has left, the bucket leaves: its gradients
+  are copied into the flat buffer (unless ``.grad`` already *is* its view of the buffer) and an
+  asynchronous ``allreduce`` (``reduce_scatter`` with sharded state) of the buffer starts; the last
+  bucket takes the blocking allreduce (nothing is left to overlap it with, and on one node the blocking
+  call may use the node-shared-memory allreduce). Buckets always leave in the same order on every rank.
+  The first hook of a backward pass queues autograd's final callback, which completes the round
+  (:meth:`Buckets.finish`: the buckets that did not leave go, everything is waited for) before
+  ``backward()`` returns, as DDP does; ``step()`` completes a round no hook started (gradients set by
+  hand);
+- **solo parameters**: a bucket of one parameter (one at least ``bucket_bytes``, or the only one of its
+  dtype) is reduced in the parameter's own ``.grad`` when that is a plain dense tensor: no buffer and no
+  copy, whatever ``zero_grad`` did;
+- **views**: with ``grad_views=True`` each parameter's ``.grad`` (of a bucket of several) is then pointed
+  at its view of the buffer (DDP's ``gradient_as_bucket_view``), so later backward passes accumulate straight into the
+  buffer and neither the copy in nor the copy out is needed; a ``.grad`` that is not the view (``None``
+  after ``zero_grad(set_to_none=True)``, or a tensor the user assigned) is detected at the next departure
+  and copied in (one copy, then it is the view again);
+- **missing gradients**: after the buckets, one 24-byte allreduce tells whether a parameter that requires
+  grad lacks a gradient somewhere, or the frozen ones without gradient differ between ranks. When so
+  (rare), one object allgather tells every rank which rank lacks which: a parameter without gradient
+  everywhere is skipped (its ``.grad`` stays ``None``); one without gradient on some ranks only is a
+  :class:`MismatchError` naming it on every rank (raised by ``step()``), or, with
+  ``missing_grads="zero"``, those ranks contribute zeros;
+- **sharded state** (:class:`Shards`): every bucket is padded to a multiple of the number of ranks and
+  rank r owns the r-th block of each; after the reduce-scatter every rank steps, with an optimizer of the
+  user's class and hyper-parameters, one flat tensor per (group, dtype, device) holding its blocks, and
+  the parameters come back by one allgather per bucket.
+
+The gradient collectives run on a communicator of their own (one ``split`` of the optimizer's, made once
+per communicator), so a collective the user calls between backward and ``step()`` never meets a bucket
+that another rank has not sent yet.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import weakref
+
+import numpy as np
+
+from ._errors import MismatchError
+from ._handles import Handle
+
+MISSING_GRADS = ("error", "zero")
+
+# The torch optimizers whose update of an element depends only on that element's own gradient and state
+# (and on scalars: the step count, the hyper-parameters): stepping a flat shard of the parameters gives
+# every element what stepping the parameters would.
+ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop", "Rprop", "NAdam", "RAdam",
+               "ASGD")
+
+_MAIN = threading.main_thread()
+_GRAD_COMMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def grad_comm(comm):
+    """The communicator the gradient collectives of ``comm``'s optimizers run on: one ``split`` of it,
+    made on first use (collective: every rank makes its first DistributedOptimizer on ``comm`` together)
+    and shared by every optimizer on ``comm`` after that. One rank: ``comm`` itself."""
+    if comm.size == 1:
+        return comm
+    hit = _GRAD_COMMS.get(comm)
+    if hit is None or hit.closed:
+        hit = _GRAD_COMMS[comm] = comm.split(0, comm.rank)
+    return hit
+
+
+def _torch():
+    return sys.modules["torch"]
+
+
+def _desc(p) -> str:
+    return f"{str(p.dtype).replace('torch.', '')} {tuple(p.shape)}"
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(map(str, ranks))
+
+
+class _Slot:
+    """One parameter in a bucket: elements ``offset .. offset + numel`` of the bucket's buffer."""
+
+    __slots__ = ("bucket", "counted", "hooked", "index", "inplace", "missing", "name", "numel", "offset", "param",
+                 "ready", "stepped", "view")
+
+    def __init__(self, index, name, param, bucket, offset):
+        self.index = index  # position in the optimizer's param_groups order (all groups)
+        self.name = name
+        self.param = param
+        self.bucket = bucket
+        self.offset = offset
+        self.numel = param.numel()
+        self.view = None
+        self.ready = False  # its hook fired in this round
+        self.missing = False  # no gradient here when its bucket left
+        self.stepped = False  # sharded state: it has been stepped at least once (its state exists)
+        self.hooked = False  # its post-accumulate-grad hook is registered
+        self.counted = False  # this round waits for its hook
+        self.inplace = False  # this round reduces its .grad in place (a solo bucket)
+
+
+class _Bucket:
+    __slots__ = ("block", "flat", "group", "handle", "key", "last", "lo", "numel", "padded", "pending",
+                 "shard_k", "shard_off", "slots", "solo")
+
+    def __init__(self, key, group):
+        self.key = key
+        self.group = group
+        self.slots: list[_Slot] = []
+        self.numel = 0
+        self.padded = 0
+        self.flat = None
+        self.pending = 0
+        self.handle = None
+        self.block = None
+        self.last = 0
+        self.lo = 0
+        self.shard_off = 0
+        self.shard_k = 0
+        self.solo = False
+
+
+def _remove_hooks(handles: list) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()
+
+
+def _end_of_backward(ref) -> None:
+    engine = ref()
+    if engine is not None:
+        engine.end_of_backward()
+
+
+def _queue_callback(ref) -> None:
+    """Run ``engine.end_of_backward()`` when the current backward pass has finished (called in a hook)."""
+    from torch.autograd import Variable
+
+    Variable._execution_engine.queue_callback(lambda: _end_of_backward(ref))
+
+
+def _make_hook(ref, index: int):
+    def hook(param):  # a post-accumulate-grad hook: param.grad now holds this backward's sum
+        engine = ref()
+        if engine is not None:
+            engine.ready(index)
+    return hook
+
+
+class Buckets:
+    """The gradient buckets of one torch optimizer (see the module docstring)."""
+
+    def __init__(self, inner, comm, *, op: str, bucket_bytes: int, hooks: bool, views: bool, missing: str,
+                 shard: bool, communicating: bool):
+        self.inner = inner
+        self.comm = comm
+        self.op = op
+        self.views = views
+        self.missing_mode = missing
+        self.communicating = communicating  # False in the accumulating passes (k-1 of every k)
+        self.poisoned: BaseException | None = None
+        self.deferred: BaseException | None = None  # a MismatchError of the end of backward, for step()
+        entries = []
+        index = 0
+        for g, group in enumerate(inner.param_groups):
+            names = group.get("param_names")
+            for i, p in enumerate(group["params"]):
+                name = f"['param_groups'][{g}][{i}]" + (f" ({names[i]})" if names and i < len(names) else "")
+                entries.append((index, name, g, p))
+                index += 1
+        size = comm.size
+        buckets: list[_Bucket] = []
+        open_: dict = {}
+        self.slots: list[_Slot] = []
+        for order, (index, name, g, p) in enumerate(reversed(entries)):
+            key = (g, p.dtype, p.device)
+            b = open_.get(key)
+            nbytes = p.numel() * p.element_size()
+            if b is not None and b.slots and (b.numel * p.element_size() + nbytes > bucket_bytes):
+                b = None
+            if b is None:
+                b = open_[key] = _Bucket(key, g)
+                buckets.append(b)
+            s = _Slot(index, name, p, b, b.numel)
+            b.slots.append(s)
+            b.numel += s.numel
+            b.last = order
+            self.slots.append(s)
+        buckets.sort(key=lambda b: b.last)  # they leave in the order backward completes them
+        self.buckets = buckets
+        self.by_index = {s.index: s for s in self.slots}
+        for b in buckets:
+            b.padded = -(-b.numel // size) * size if shard else b.numel
+            b.solo = not shard and len(b.slots) == 1
+            if not b.solo:  # a solo parameter's buffer is made only if ever needed (see _leave)
+                self._flat(b)
+        self.flag = np.zeros(3, np.int64)
+        self.flag_handle = None
+        self.next = 0
+        self.finished = False
+        self.shards = Shards(self) if shard else None
+        self.with_hooks = hooks
+        self.hooks: list = []
+        self._ref = weakref.ref(self)
+        # Hooks leave with the engine (the wrapper dropped): they hold it only weakly.
+        self._finalizer = weakref.finalize(self, _remove_hooks, self.hooks)
+        self._reset()
+
+    def _hook(self, s: _Slot) -> None:
+        """A hook on ``s``'s parameter (torch refuses one on a tensor without requires_grad: a frozen
+        parameter gets its hook when it is unfrozen, at the next round)."""
+        if self.with_hooks and not s.hooked and s.param.requires_grad:
+            self.hooks.append(s.param.register_post_accumulate_grad_hook(_make_hook(self._ref, s.index)))
+            s.hooked = True
+
+    def close(self) -> None:
+        """Remove the hooks now."""
+        self._finalizer()
+
+    @staticmethod
+    def _flat(b: _Bucket):
+        """The bucket's flat buffer (and its slots' views of it), made on first use."""
+        if b.flat is None:
+            torch = _torch()
+            b.flat = torch.zeros(max(b.padded, 1), dtype=b.key[1], device=b.key[2])[:b.padded]
+            for s in b.slots:
+                s.view = b.flat[s.offset:s.offset + s.numel].view(s.param.shape)
+        return b.flat
+
+    # ---- rounds: one reduction of the gradients ----
+    def _reset(self) -> None:
+        """A new round: no bucket has left. Pending collectives of the old one are completed first (every
+        rank started them: each must be completed, even if its result is dropped)."""
+        self._drain()
+        for s in self.slots:
+            s.ready = s.missing = s.inplace = False
+            self._hook(s)
+            s.counted = s.hooked and s.param.requires_grad  # its hook will fire in this round's backward
+        for b in self.buckets:
+            b.pending = sum(s.counted for s in b.slots)
+            b.handle = b.block = None
+        self.next = 0
+        self.flag_handle = None
+        self.finished = False
+        self.queued = False
+
+    def _drain(self) -> None:
+        for b in self.buckets:
+            if b.handle is not None:
+                try:
+                    b.handle.wait()
+                except Exception:  # noqa: BLE001 - the round is dropped; its error with it
+                    pass
+                b.handle = None
+        if self.flag_handle is not None:
+            try:
+                self.flag_handle.wait()
+            except Exception:  # noqa: BLE001 - as above
+                pass
+            self.flag_handle = None
+
+    def new_round(self, clear_poison: bool = False) -> None:
+        if clear_poison:
+            self.poisoned = self.deferred = None
+        self._reset()
+
+    # ---- during backward ----
+    def ready(self, index: int) -> None:
+        """The hook of parameter ``index``: its gradient is complete for this backward pass."""
+        if not self.communicating:  # an accumulating pass: torch adds the gradients up in .grad
+            return
+        if self.poisoned is not None:
+            raise self.poisoned
+        s = self.by_index[index]
+        if s.ready or self.finished:
+            self.poisoned = RuntimeError(
+                f"DistributedOptimizer: a second backward pass reached parameter {s.name} before step(): its "
+                f"gradient {'was already averaged' if self.finished else 'is already being averaged'} over "
+                f"the ranks (its bucket left during the previous backward pass), so this pass's gradient "
+                f"cannot join it. Call step() after every backward pass, or zero_grad() to drop this step's "
+                f"gradients (needed now before training on); to accumulate several backward passes per "
+                f"update, pass DistributedOptimizer(opt, backward_passes_per_step=k)")
+            raise self.poisoned
+        if not self.queued:  # finish() at the end of this backward pass (as DDP does): .grad is then
+            self.queued = True  # the average when backward() returns, safe to read or clip
+            _queue_callback(self._ref)
+        s.ready = True
+        b = s.bucket
+        b.pending -= 1
+        if b.pending == 0 and self.next < len(self.buckets) and self.buckets[self.next] is b:
+            self._leave_ready()
+        else:
+            self._progress()
+
+    def end_of_backward(self) -> None:
+        """Autograd's final callback of a backward pass in which a hook fired: complete the round."""
+        self.queued = False
+        if self.poisoned is None and not self.finished:
+            try:
+                self.finish()
+            except MismatchError as exc:  # raised by step() (or average_gradients()), as without overlap
+                self.deferred = exc
+
+    def _leave_ready(self) -> None:
+        buckets = self.buckets
+        while self.next < len(buckets) and buckets[self.next].pending == 0:
+            b = buckets[self.next]
+            if any(s.param.requires_grad and not s.counted for s in b.slots):
+                break  # unfrozen since the round began (no hook counted it): it leaves in finish()
+            self._leave(b)
+            self.next += 1
+        if self.next == len(buckets) and threading.current_thread() is _MAIN:
+            # (CUDA gradients: hooks run on autograd's device thread; the host count then waits for
+            # finish(), on the caller's thread, for an MPI started at the 'funneled' thread level)
+            self._send_flag()
+        self._progress()
+
+    def _progress(self) -> None:
+        """Let MPI move the buckets in flight (it progresses only inside MPI calls): test the oldest."""
+        for b in self.buckets[:self.next]:
+            if b.handle is not None and not b.handle.done():
+                return
+
+    def _leave(self, b: _Bucket) -> None:
+        torch = _torch()
+        if b.solo:
+            # One parameter: reduced in its own .grad where that is a plain dense tensor (as
+            # allreduce_tree's solo leaves are): no buffer, no copy in, no copy out
+            s = b.slots[0]
+            g = s.param.grad
+            if g is not None and g is not s.view and g.layout is torch.strided and g.is_contiguous():
+                s.inplace = True
+                self._reduce(b, g)
+                return
+        flat = self._flat(b)
+        with torch.no_grad():
+            for s in b.slots:
+                g = s.param.grad
+                if g is s.view:
+                    continue
+                if g is None:
+                    s.missing = True
+                    s.view.zero_()
+                    continue
+                if g.is_sparse:
+                    raise TypeError(f"DistributedOptimizer: parameter {s.name} has a sparse gradient; the "
+                                    f"gradient buckets take dense ones (use a dense embedding, or overlap=False)")
+                s.view.copy_(g)  # the first pass after zero_grad(set_to_none=True), or a replaced .grad
+                if self.views:
+                    s.param.grad = s.view
+        self._reduce(b, flat)
+
+    def _reduce(self, b: _Bucket, buf) -> None:
+        """Start the reduction of bucket ``b`` held in ``buf`` (its flat buffer, or a solo .grad)."""
+        if self.shards is not None:
+            b.handle = self.comm.reduce_scatter(buf, self.op, async_op=True)
+        elif b is self.buckets[-1]:
+            # The last bucket: nothing is left to overlap it with (backward is done, or step() waits at
+            # once), so the blocking call, which may take the node-shared-memory allreduce (faster than a
+            # non-blocking one between ranks of a node); the same bits (tests/mpi/test_training.py).
+            b.handle = Handle.completed("allreduce", self.comm.allreduce(buf, self.op))
+        else:
+            b.handle = self.comm.allreduce(buf, self.op, async_op=True)
+
+    def _send_flag(self) -> None:
+        """One small allreduce (max) that tells whether the ranks agree on the missing gradients: element 0
+        is 1 where a parameter that requires grad has none; elements 1 and 2 are a digest of the frozen
+        parameters (requires_grad=False) without gradient and its negation, equal on every rank iff
+        max == -max(-x). Frozen layers, the same everywhere, then cost no further collective."""
+        frozen = tuple(s.index for s in self.slots if s.missing and not s.param.requires_grad)
+        digest = hash(frozen) & ((1 << 62) - 1)
+        self.flag[0] = any(s.missing and s.param.requires_grad for s in self.slots)
+        self.flag[1], self.flag[2] = digest, -digest
+        self.flag_handle = self.comm.allreduce(self.flag, "max", async_op=True)
+
+    # ---- in step() ----
+    def finish(self) -> None:
+        """Complete the round: send what has not left, wait for everything, settle missing gradients.
+        After it every present ``.grad`` holds the reduction (with sharded state: this rank's blocks are
+        in the shard gradients)."""
+        if self.poisoned is not None:
+            raise self.poisoned
+        if self.deferred is not None:
+            exc, self.deferred = self.deferred, None
+            raise exc
+        if self.finished:
+            return
+        torch = _torch()
+        for b in self.buckets[self.next:]:
+            self._leave(b)
+        self.next = len(self.buckets)
+        if self.flag_handle is None:
+            self._send_flag()
+        for b in self.buckets:
+            out = b.handle.wait()
+            b.handle = None
+            if self.shards is not None:
+                b.block = out
+        self.flag_handle.wait()
+        self.flag_handle = None
+        skipped: set = set()
+        if int(self.flag[0]) or int(self.flag[1]) != -int(self.flag[2]):
+            skipped = self._settle_missing()
+        else:  # the frozen parameters without gradient, the same on every rank: skipped
+            skipped = {s.index for s in self.slots if s.missing}
+        with torch.no_grad():
+            if self.shards is None:
+                for s in self.slots:
+                    if s.missing or s.inplace:
+                        continue
+                    g = s.param.grad
+                    if g is not s.view:
+                        g.copy_(s.view)
+        if self.shards is not None:
+            self.shards.take_gradients(skipped)
+        self.finished = True
+
+    def _settle_missing(self) -> set:
+        """Some rank lacks some gradient: who lacks which (one object allgather, every rank takes this
+        branch together). Returns the indices of the parameters skipped (no gradient anywhere)."""
+        mine = [s.index for s in self.slots if s.missing]
+        lists = self.comm.allgather_object(mine)
+        size = self.comm.size
+        lacking: dict[int, list[int]] = {}
+        for r, indices in enumerate(lists):
+            for i in indices:
+                lacking.setdefault(i, []).append(r)
+        partial = {i: rs for i, rs in lacking.items() if len(rs) < size}
+        if partial and self.missing_mode == "error":
+            lines = []
+            for i in sorted(partial):
+                s = self.by_index[i]
+                have = [r for r in range(size) if r not in partial[i]]
+                verb_have = "has" if len(have) == 1 else "have"
+                verb_none = "has" if len(partial[i]) == 1 else "have"
+                lines.append(f"{s.name}: {_ranks(have)} {verb_have} {_desc(s.param)}, "
+                             f"{_ranks(partial[i])} {verb_none} None")
+            self._reset()
+            raise MismatchError(
+                "DistributedOptimizer: gradients missing on some ranks only (a parameter this backward pass "
+                "did not reach there): " + "; ".join(lines) + ". Nothing was updated. A model whose graph "
+                "differs between ranks needs DistributedOptimizer(opt, missing_grads=\"zero\") (the ranks "
+                "without a gradient contribute zeros)")
+        torch = _torch()
+        with torch.no_grad():
+            for i in partial:  # missing_grads="zero": this rank contributed zeros; it gets the reduction
+                s = self.by_index[i]
+                if s.missing and self.shards is None:
+                    s.param.grad = s.view if self.views else s.view.clone()
+                s.missing = False
+        return {i for i, rs in lacking.items() if len(rs) == size}
+
+    def step(self, closure=None):
+        """The inner step over the reduced gradients (:meth:`finish` done), or the sharded step."""
+        if self.shards is not None:
+            return self.shards.step(closure)
+        return self.inner.step() if closure is None else self.inner.step(closure)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# sharded optimizer state
+
+
+def check_shardable(inner) -> None:
+    """TypeError unless ``inner`` is one of the element-wise torch optimizers (before anything is made)."""
+    name = type(inner).__name__
+    if not (type(inner).__module__.startswith("torch.optim") and name in ELEMENTWISE):
+        raise TypeError(
+            f"shard_state=True needs an element-wise optimizer (each element's update depends only on its "
+            f"own gradient and state): torch.optim's {', '.join(ELEMENTWISE)}; got "
+            f"{type(inner).__module__}.{type(inner).__qualname__}. Use shard_state=False for it")
+
+
+class Shards:
+    """Sharded optimizer state over the flat buckets of a :class:`Buckets` (see the module docstring).
+
+    Rank r owns elements ``r * c .. (r + 1) * c`` of every bucket (``c = padded / size``). Its shard
+    tensors, one per (parameter group, dtype, device), hold its blocks of all the group's buckets one after
+    the other; ``opt`` is an optimizer of the inner optimizer's class over them, one param group per shard
+    tensor, with the hyper-parameters of the inner group (copied before every step, so LR schedulers given
+    ``inner`` work).
+    """
+
+    def __init__(self, engine: Buckets):
+        torch = _torch()
+        inner = engine.inner
+        check_shardable(inner)
+        self.engine = engine
+        comm = engine.comm
+        self.size, self.rank = comm.size, comm.rank
+        self.tensors = []  # shard tensors, one per (group, dtype, device)
+        self.groups = []  # the inner group index of each shard tensor
+        keyed: dict = {}
+        for b in engine.buckets:
+            c = b.padded // self.size
+            b.lo = self.rank * c
+            k = keyed.get(b.key)
+            if k is None:
+                k = keyed[b.key] = len(self.groups)
+                self.groups.append((b.group, b.key, []))
+            _, _, members = self.groups[k]
+            b.shard_off = sum(m.padded // self.size for m in members)
+            b.shard_k = k
+            members.append(b)
+        self.skipped: set = set()  # this round's parameters without gradient on every rank
+        self.from_grads = False  # average_gradients() put the reduction back into .grad
+        self.pieces = []  # (shard tensor index, position in it, slot, start in the parameter, count)
+        for k, (_, key, members) in enumerate(self.groups):
+            n = sum(b.padded // self.size for b in members)
+            t = torch.zeros(n, dtype=key[1], device=key[2])
+            t.grad = torch.zeros_like(t)
+            self.tensors.append(t)
+            for b in members:
+                c = b.padded // self.size
+                lo, hi = b.lo, b.lo + c
+                for s in b.slots:
+                    a, z = max(s.offset, lo), min(s.offset + s.numel, hi)
+                    if a < z:
+                        self.pieces.append((k, b.shard_off + a - lo, s, a - s.offset, z - a))
+        groups = []
+        for k, (g, _, _) in enumerate(self.groups):
+            hyper = {key: v for key, v in inner.param_groups[g].items() if key not in ("params", "param_names")}
+            groups.append({"params": [self.tensors[k]], **hyper})
+        cls = type(inner)
+        try:
+            self.opt = cls(groups, **inner.defaults)
+        except TypeError:
+            self.opt = cls(groups)
+        if inner.state:  # state held before wrapping (or made at construction, as Adagrad's): sharded
+            self.load_full(inner.state_dict())
+
+    def _sync_hyper(self) -> None:
+        inner_groups = self.engine.inner.param_groups
+        for k, (g, _, _) in enumerate(self.groups):
+            mine = self.opt.param_groups[k]
+            for key, v in inner_groups[g].items():
+                if key not in ("params", "param_names"):
+                    mine[key] = v
+
+    def take_gradients(self, skipped: set) -> None:
+        """After the reduce-scatter: this rank's blocks into the shard gradients."""
+        torch = _torch()
+        self.skipped = skipped
+        with torch.no_grad():
+            for b in self.engine.buckets:
+                c = b.padded // self.size
+                self.tensors[b.shard_k].grad[b.shard_off:b.shard_off + c].copy_(b.block.reshape(-1))
+                b.block = None
+
+    def gather_gradients(self) -> None:
+        """average_gradients(): the reduced blocks back into every ``.grad`` (one allgather per bucket);
+        the next step takes this rank's blocks from ``.grad`` again (after the user's clipping)."""
+        torch = _torch()
+        comm = self.engine.comm
+        skipped = self.skipped
+        with torch.no_grad():
+            handles = [comm.allgather(self._grad_block(b), async_op=True) for b in self.engine.buckets]
+            for b, h in zip(self.engine.buckets, handles):
+                b.flat.copy_(h.wait().reshape(-1))
+                for s in b.slots:
+                    if s.index in skipped:
+                        continue
+                    g = s.param.grad
+                    if g is None:
+                        s.param.grad = s.view if self.engine.views else s.view.clone()
+                    elif g is not s.view:
+                        g.copy_(s.view)
+        self.from_grads = True
+
+    def _grad_block(self, b):
+        c = b.padded // self.size
+        return self.tensors[b.shard_k].grad[b.shard_off:b.shard_off + c]
+
+    def step(self, closure=None):
+        torch = _torch()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._sync_hyper()
+        skipped = self.skipped
+        with torch.no_grad():
+            if self.from_grads:  # average_gradients() gathered them; the user may have changed .grad since
+                for b in self.engine.buckets:
+                    for s in b.slots:
+                        g = s.param.grad
+                        if g is not None and g is not s.view:
+                            s.view.copy_(g)
+                    self._grad_block(b).copy_(b.flat[b.lo:b.lo + b.padded // self.size])
+                self.from_grads = False
+            for k, pos, s, start, n in self.pieces:  # the parameters' current values (the user may have set them)
+                self.tensors[k][pos:pos + n].copy_(s.param.detach().reshape(-1)[start:start + n])
+            saved = []
+            for k, pos, s, _, n in self.pieces:
+                if s.index in skipped:  # no gradient anywhere: left as it is, state included
+                    t = self.tensors[k]
+                    state = self.opt.state.get(t, {})
+                    kept = {key: v[pos:pos + n].clone() for key, v in state.items()
+                            if torch.is_tensor(v) and v.shape == t.shape}
+                    saved.append((k, pos, n, kept))
+        self.opt.step()
+        self.engine.inner._opt_called = True  # an LR scheduler given inner: its step() counts as stepped
+        with torch.no_grad():
+            for k, pos, n, kept in saved:
+                state = self.opt.state[self.tensors[k]]
+                for key, v in kept.items():
+                    state[key][pos:pos + n].copy_(v)
+            for s in self.engine.slots:
+                if s.index not in skipped:
+                    s.stepped = True
+            comm = self.engine.comm
+            handles = []
+            for b in self.engine.buckets:
+                c = b.padded // self.size
+                handles.append(comm.allgather(self.tensors[b.shard_k][b.shard_off:b.shard_off + c], async_op=True))
+            for b, h in zip(self.engine.buckets, handles):
+                full = h.wait().reshape(-1)
+                for s in b.slots:
+                    if s.index not in skipped:
+                        s.param.detach().copy_(full[s.offset:s.offset + s.numel].view(s.param.shape))
+        self.skipped = set()
+        return loss
+
+    # ---- state dicts ----
+    def full_state(self) -> dict:
+        """The unsharded optimizer's ``state`` (parameter index -> state), on every rank (collective: one
+        allgather per bucket and element-wise state tensor)."""
+        torch = _torch()
+        comm = self.engine.comm
+        out: dict = {}
+        for k, (_, _, members) in enumerate(self.groups):
+            t = self.tensors[k]
+            state = self.opt.state.get(t, {})
+            for b in members:
+                c = b.padded // self.size
+                gathered = {}
+                for name, v in state.items():
+                    if torch.is_tensor(v) and v.shape == t.shape:
+                        gathered[name] = comm.allgather(v[b.shard_off:b.shard_off + c].contiguous()).reshape(-1)
+                for s in b.slots:
+                    if not s.stepped:
+                        continue
+                    entry = {}
+                    for name, v in state.items():
+                        if name in gathered:
+                            entry[name] = gathered[name][s.offset:s.offset + s.numel].view(s.param.shape).clone()
+                        else:
+                            entry[name] = v.clone() if torch.is_tensor(v) else v
+                    out[s.index] = entry
+        return out
+
+    def load_full(self, state_dict: dict) -> None:
+        """Take this rank's blocks of an unsharded ``state_dict`` (the inner optimizer's format)."""
+        torch = _torch()
+        inner = self.engine.inner
+        inner.load_state_dict(state_dict)  # ids, hyper-parameters, dtype and device casts: torch's own rules
+        params = [p for group in inner.param_groups for p in group["params"]]
+        full = {i: inner.state[p] for i, p in enumerate(params) if p in inner.state}
+        for s in self.engine.slots:
+            s.stepped = s.index in full
+        self.opt.state.clear()
+        with torch.no_grad():
+            for k, t in enumerate(self.tensors):
+                pieces = [piece for piece in self.pieces if piece[0] == k]
+                # the state's entries from any parameter of the group (not only this rank's: a rank whose
+                # blocks are all padding still holds the same entries as the others)
+                group_slots = [s for b in self.groups[k][2] for s in b.slots if s.index in full]
+                if not group_slots:
+                    continue
+                first = group_slots[0]
+                state = {}
+                for name, v in full[first.index].items():
+                    if _elementwise(name, v, first.param):
+                        state[name] = torch.zeros_like(t)
+                    else:
+                        state[name] = v.clone() if torch.is_tensor(v) else v
+                for _, pos, s, start, n in pieces:
+                    entry = full.get(s.index)
+                    if entry is None:
+                        continue
+                    for name, v in entry.items():
+                        if _elementwise(name, v, s.param) and name in state:
+                            state[name][pos:pos + n].copy_(v.reshape(-1)[start:start + n])
+                self.opt.state[t] = state
+        inner.state.clear()  # the full state is not kept: this rank's blocks are
+
+    def state_bytes(self) -> int:
+        """Bytes of tensors in this rank's shard optimizer state."""
+        torch = _torch()
+        return sum(v.numel() * v.element_size() for st in self.opt.state.values() for v in st.values()
+                   if torch.is_tensor(v))
+
+
+def _elementwise(name: str, v, param) -> bool:
+    """Whether a per-parameter state entry is element-wise (one value per element of the parameter)."""
+    torch = _torch()
+    return name != "step" and torch.is_tensor(v) and v.shape == param.shape
