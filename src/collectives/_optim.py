@@ -206,7 +206,7 @@ class TorchDistributedOptimizer:
         >>> loss.backward()                              # the gradient buckets leave during backward
         >>> opt.step()                                   # waits for them, then SGD
         >>> opt.zero_grad()
-        >>> opt.param_groups[0]["lr"]
+        >>> opt.param_groups[0].get("lr")             # the inner optimizer's groups
         0.1
     """
 
@@ -483,11 +483,12 @@ class TorchDistributedOptimizer:
             >>> p.grad = torch.ones(5)
             >>> opt.step()
             >>> sd = opt.state_dict()                      # every rank: the whole state
-            >>> sd["state"][0]["exp_avg"].shape
+            >>> adam = sd["state"].get(0)                  # parameter 0's Adam state
+            >>> adam.get("exp_avg").shape
             torch.Size([5])
             >>> fresh = coll.DistributedOptimizer(torch.optim.Adam([p], lr=0.1), shard_state=True)
             >>> fresh.load_state_dict(sd)                  # each rank keeps its share
-            >>> torch.equal(fresh.state_dict()["state"][0]["exp_avg"], sd["state"][0]["exp_avg"])
+            >>> torch.equal(fresh.state_dict()["state"].get(0).get("exp_avg"), adam.get("exp_avg"))
             True
         """
         if not self.shard_state:

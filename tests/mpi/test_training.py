@@ -64,6 +64,28 @@ def params_of(model):
     return [p.detach().clone() for p in model.parameters()]
 
 
+def _sums_in_one_order() -> bool:
+    """Whether this MPI's blocking and non-blocking allreduce (and reduce_scatter) add the ranks' floats in
+    one order: MPICH does; Open MPI's non-blocking collectives (libnbc) add 3+ ranks in another order than
+    its blocking ones, so overlap on and off can differ in the last bits there (docs/semantics.md)."""
+    from mpi4py import MPI
+
+    return "MPICH" in MPI.Get_library_version()
+
+
+TOLERANCE = {torch.float32: (1e-4, 1e-5), torch.float64: (1e-9, 1e-11), torch.bfloat16: (2e-2, 1e-3)}
+
+
+def assert_same_params(comm, a, b, msg: str) -> None:
+    """Bit for bit where the MPI adds in one order (MPICH; any MPI at 1 or 2 ranks, where a sum has one
+    order); else (Open MPI at 3+ ranks) within a few roundings of the parameters' dtype."""
+    if comm.size <= 2 or _sums_in_one_order():
+        assert torch.equal(a, b), msg
+    else:  # the MPI's blocking and non-blocking sums of 3+ ranks add in different orders (semantics.md)
+        rtol, atol = TOLERANCE[a.dtype]
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=msg)
+
+
 CONFIGS = [dict(overlap=False), dict(overlap=True), dict(overlap=True, grad_views=False),
            dict(overlap=True, shard_state=True), dict(overlap=False, shard_state=True),
            dict(overlap=True, grad_views=False, shard_state=True)]
@@ -82,7 +104,7 @@ def test_every_way_gives_the_same_bits(comm, kind, opt_name, k):
     ref = results[0]
     for options, got in zip(CONFIGS[1:], results[1:]):
         for i, (a, b) in enumerate(zip(ref, got)):
-            assert torch.equal(a, b), f"{options}: parameter {i} differs from overlap=False"
+            assert_same_params(comm, a, b, f"{options}: parameter {i} differs from overlap=False")
     flat = torch.cat([p.reshape(-1) for p in ref]).numpy()
     every = coll.allgather(flat, comm=comm)
     assert (every == every[0]).all(), "parameters differ between ranks"
@@ -509,7 +531,7 @@ def test_large_buckets_the_same_bits(comm):
         got, opt = run(**options)
         assert opt._engine.buckets[-1].numel * 4 >= 256 << 10
         for i, (a, b) in enumerate(zip(ref, got)):
-            assert torch.equal(a, b), f"{options}: parameter {i}"
+            assert_same_params(comm, a, b, f"{options}: parameter {i}")
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
@@ -530,7 +552,7 @@ def test_other_dtypes_and_ops_the_same_bits(comm, dtype, op):
     ref = run(overlap=False)
     for options in (dict(), dict(grad_views=False), dict(shard_state=True)):
         for i, (a, b) in enumerate(zip(ref, run(**options))):
-            assert torch.equal(a, b), f"{options}: parameter {i}"
+            assert_same_params(comm, a, b, f"{options}: parameter {i}")
 
 
 def test_a_sharded_optimizer_is_not_pickled(comm):
