@@ -597,7 +597,7 @@ class MPITransport(HostTransport):
         datatype = self._types[send.dtype]
         mop = self._ops[op]
         for s, r, back in self._blocks(send.reshape(self.size, -1), recv.reshape(1, -1)):
-            self.comm.Reduce_scatter_block([s, datatype], [r, datatype], mop)
+            self._reduce_scatter_piece(s, r, datatype, mop, op)
             if back is not None:
                 back[0][...] = back[1]
 
@@ -605,9 +605,17 @@ class MPITransport(HostTransport):
         raw_s = send.reshape(self.size, -1).view(np.uint8)
         raw_r = recv.reshape(self.size, -1).view(np.uint8)
         for s, r, back in self._blocks(raw_s, raw_r):
-            self.comm.Alltoall([s, self.MPI.BYTE], [r, self.MPI.BYTE])
+            self._alltoall_piece(s, r)
             if back is not None:
                 back[0][...] = back[1]
+
+    def _reduce_scatter_piece(self, s, r, datatype, mop, op) -> None:
+        """One MPI call of :meth:`reduce_scatter` (the deadline transport polls a non-blocking one)."""
+        self.comm.Reduce_scatter_block([s, datatype], [r, datatype], mop)
+
+    def _alltoall_piece(self, s, r) -> None:
+        """One MPI call of :meth:`alltoall` (the deadline transport polls a non-blocking one)."""
+        self.comm.Alltoall([s, self.MPI.BYTE], [r, self.MPI.BYTE])
 
     def allgather_object(self, obj):
         return self.comm.allgather(obj)
@@ -820,22 +828,12 @@ class DeadlineMPITransport(MPITransport):
                   [send.reshape(-1).view(np.uint8), self.MPI.BYTE],
                   [recv.reshape(-1).view(np.uint8), self.MPI.BYTE])
 
-    def reduce_scatter(self, send, recv, op):
-        datatype = self._types[send.dtype]
-        mop = self._ops[op]
-        for s, r, back in self._blocks(send.reshape(self.size, -1), recv.reshape(1, -1)):
-            self._run(("reduce_scatter", s, f"op={op}"), self.comm.Ireduce_scatter_block, [s, datatype],
-                      [r, datatype], mop)
-            if back is not None:
-                back[0][...] = back[1]
+    def _reduce_scatter_piece(self, s, r, datatype, mop, op) -> None:
+        self._run(("reduce_scatter", s, f"op={op}"), self.comm.Ireduce_scatter_block, [s, datatype],
+                  [r, datatype], mop)
 
-    def alltoall(self, send, recv):
-        raw_s = send.reshape(self.size, -1).view(np.uint8)
-        raw_r = recv.reshape(self.size, -1).view(np.uint8)
-        for s, r, back in self._blocks(raw_s, raw_r):
-            self._run(("alltoall", s, None), self.comm.Ialltoall, [s, self.MPI.BYTE], [r, self.MPI.BYTE])
-            if back is not None:
-                back[0][...] = back[1]
+    def _alltoall_piece(self, s, r) -> None:
+        self._run(("alltoall", s, None), self.comm.Ialltoall, [s, self.MPI.BYTE], [r, self.MPI.BYTE])
 
     def allgather_object(self, obj):
         data = np.frombuffer(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
