@@ -154,6 +154,11 @@ class Communicator:
             f"array on {_arrays.device_name(device)}: no transport for this device; copy it to host memory"
         )
 
+    def _reduces_on_the_callers_cpus(self, nbytes: int) -> bool:
+        """Whether a blocking allreduce of ``nbytes`` of host memory is computed by the ranks' own CPUs
+        (``HostTransport.reduces_on_the_callers_cpus``): the gradient buckets then take the blocking call."""
+        return self._transport_for(_arrays.HOST).reduces_on_the_callers_cpus(nbytes)
+
     def _check_root(self, root) -> int:
         if isinstance(root, (bool, np.bool_)) or not isinstance(root, (int, np.integer)):
             raise TypeError(f"root must be an integer rank, got {type(root).__name__} {root!r}")

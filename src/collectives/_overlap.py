@@ -5,22 +5,27 @@
 
 - **layout**: the optimizer's parameters, in *reverse* ``param_groups`` order (the order backward
   produces their gradients), are laid out in flat buffers, one per (parameter group, dtype, device), each
-  at most ``bucket_bytes`` (a larger parameter gets a bucket of its own). Every rank builds the same
-  layout from the same optimizer, so no agreement is needed;
+  at most ``bucket_bytes``; a parameter of ``_buckets.solo_bytes(bucket_bytes)`` bytes or more (256 KiB,
+  as for ``allreduce_tree``'s solo leaves) gets a bucket of its own (without sharded state). Every rank
+  builds the same layout from the same optimizer, so no agreement is needed;
 - **hooks**: a post-accumulate-grad hook per parameter with ``requires_grad`` marks it ready (a frozen
   parameter is not waited for; it gets its hook when unfrozen, from the next round); when every such
   parameter of a bucket is ready, and every bucket before it has left, the bucket leaves: its gradients
   are copied into the flat buffer (unless ``.grad`` already *is* its view of the buffer) and an
-  asynchronous ``allreduce`` (``reduce_scatter`` with sharded state) of the buffer starts; the last
-  bucket takes the blocking allreduce (nothing is left to overlap it with, and on one node the blocking
-  call may use the node-shared-memory allreduce). Buckets always leave in the same order on every rank.
+  asynchronous ``allreduce`` (``reduce_scatter`` with sharded state) of the buffer starts. The blocking
+  allreduce is taken instead where nothing could overlap with the asynchronous one: for the last bucket
+  (backward is done), and, when every rank is on one node, for a host bucket at or above the
+  shared-memory threshold (the ranks' own CPUs reduce it in node-shared memory, and only when they are
+  not computing: measured, the asynchronous form only finishes later). Buckets always leave in the same
+  order on every rank.
   The first hook of a backward pass queues autograd's final callback, which completes the round
   (:meth:`Buckets.finish`: the buckets that did not leave go, everything is waited for) before
   ``backward()`` returns, as DDP does; ``step()`` completes a round no hook started (gradients set by
   hand);
-- **solo parameters**: a bucket of one parameter (one at least ``bucket_bytes``, or the only one of its
-  dtype) is reduced in the parameter's own ``.grad`` when that is a plain dense tensor: no buffer and no
-  copy, whatever ``zero_grad`` did;
+- **solo parameters**: a bucket of one parameter (a large one, or one alone between two large ones) is
+  reduced in the parameter's own ``.grad`` when that is a plain dense tensor: no buffer and no copy,
+  whatever ``zero_grad`` did (a view would save the same copy, but keeping ``.grad`` alive across steps
+  makes backward add into it instead of handing it over: one more pass per step);
 - **views**: with ``grad_views=True`` each parameter's ``.grad`` (of a bucket of several) is then pointed
   at its view of the buffer (DDP's ``gradient_as_bucket_view``), so later backward passes accumulate straight into the
   buffer and neither the copy in nor the copy out is needed; a ``.grad`` that is not the view (``None``
@@ -50,6 +55,7 @@ import weakref
 
 import numpy as np
 
+from ._buckets import solo_bytes
 from ._errors import MismatchError
 from ._handles import Handle
 
@@ -112,8 +118,8 @@ class _Slot:
 
 
 class _Bucket:
-    __slots__ = ("block", "flat", "group", "handle", "key", "last", "lo", "numel", "padded", "pending",
-                 "shard_k", "shard_off", "slots", "solo")
+    __slots__ = ("block", "blocking", "flat", "group", "handle", "key", "last", "lo", "numel", "padded",
+                 "pending", "shard_k", "shard_off", "slots", "solo")
 
     def __init__(self, key, group):
         self.key = key
@@ -130,6 +136,7 @@ class _Bucket:
         self.shard_off = 0
         self.shard_k = 0
         self.solo = False
+        self.blocking = False  # reduced by the blocking allreduce when it leaves (see Buckets._reduce)
 
 
 def _remove_hooks(handles: list) -> None:
@@ -184,14 +191,18 @@ class Buckets:
         buckets: list[_Bucket] = []
         open_: dict = {}
         self.slots: list[_Slot] = []
+        solo_at = solo_bytes(bucket_bytes) if not shard else None
         for order, (index, name, g, p) in enumerate(reversed(entries)):
             key = (g, p.dtype, p.device)
             b = open_.get(key)
             nbytes = p.numel() * p.element_size()
             if b is not None and b.slots and (b.numel * p.element_size() + nbytes > bucket_bytes):
                 b = None
+            if solo_at is not None and nbytes >= solo_at:  # a large gradient: reduced in its own .grad
+                b = None
             if b is None:
-                b = open_[key] = _Bucket(key, g)
+                b = _Bucket(key, g)
+                open_[key] = None if solo_at is not None and nbytes >= solo_at else b
                 buckets.append(b)
             s = _Slot(index, name, p, b, b.numel)
             b.slots.append(s)
@@ -204,6 +215,8 @@ class Buckets:
         for b in buckets:
             b.padded = -(-b.numel // size) * size if shard else b.numel
             b.solo = not shard and len(b.slots) == 1
+            b.blocking = not shard and (b is buckets[-1] or (
+                b.key[2].type == "cpu" and comm._reduces_on_the_callers_cpus(b.numel * b.slots[0].param.element_size())))
             if not b.solo:  # a solo parameter's buffer is made only if ever needed (see _leave)
                 self._flat(b)
         self.flag = np.zeros(3, np.int64)
@@ -366,10 +379,12 @@ class Buckets:
         """Start the reduction of bucket ``b`` held in ``buf`` (its flat buffer, or a solo .grad)."""
         if self.shards is not None:
             b.handle = self.comm.reduce_scatter(buf, self.op, async_op=True)
-        elif b is self.buckets[-1]:
-            # The last bucket: nothing is left to overlap it with (backward is done, or step() waits at
-            # once), so the blocking call, which may take the node-shared-memory allreduce (faster than a
-            # non-blocking one between ranks of a node); the same bits (tests/mpi/test_training.py).
+        elif b.blocking:
+            # The blocking call, which may take the node-shared-memory allreduce, where nothing could
+            # overlap with a non-blocking one: the last bucket (backward is done, or step() waits at once),
+            # and a host bucket the ranks' own CPUs would reduce anyway (every rank on one node, the
+            # shared-memory threshold reached: no network or other core runs it while they compute, and
+            # the non-blocking form would only finish later). The same bits (tests/mpi/test_training.py).
             b.handle = Handle.completed("allreduce", self.comm.allreduce(buf, self.op))
         else:
             b.handle = self.comm.allreduce(buf, self.op, async_op=True)

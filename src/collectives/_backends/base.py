@@ -16,6 +16,10 @@ Optional capabilities, declared here with their defaults (a transport overrides 
 - :meth:`reduces`: which (dtype, op) pairs it reduces correctly itself (default: all but float16 where
   ``_float16`` is False).
 
+- :meth:`reduces_on_the_callers_cpus`: whether a blocking allreduce of so many bytes is done by the
+  calling processes' own CPUs (node-shared memory), so that starting it asynchronously cannot overlap it
+  with anything (default: False);
+
 - :meth:`start`: begin an operation and return a :class:`Request` (default: run the blocking operation
   now and return a completed request); the asynchronous collectives (``async_op=True``) use it.
 
@@ -61,6 +65,13 @@ class HostTransport(abc.ABC):
         """True if this transport reduces ``dtype`` with ``op`` correctly itself (else the reduction rules
         widen it: float16 to float32, small integers to 64 bits)."""
         return dtype != _F16 or self._float16
+
+    def reduces_on_the_callers_cpus(self, nbytes: int) -> bool:
+        """True where a blocking allreduce of ``nbytes`` is computed by the calling processes themselves
+        (every rank on one node, through node-shared memory): nothing else advances a non-blocking one
+        while they compute, so it would only finish later. The gradient buckets then take the blocking
+        call (the same bits)."""
+        return False
 
     def fast_call(self, op: str, dtype: np.dtype, size: int):
         """A direct callable for contiguous writable buffers of ``dtype``: ``run(buf)`` reducing with

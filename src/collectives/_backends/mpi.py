@@ -236,6 +236,11 @@ class MPITransport(HostTransport):
 
     _faulty: frozenset = frozenset()
 
+    def reduces_on_the_callers_cpus(self, nbytes: int) -> bool:
+        """Every rank on one node and ``nbytes`` at or above the shared-memory threshold: the allreduce runs
+        in the node-shared window, computed by the ranks themselves (``shm``)."""
+        return 1 < self.size == self.local_size and nbytes >= self._shm_threshold
+
     # ---- data ----
     def fast_call(self, op: str, dtype: np.dtype, size: int):
         """A direct call for contiguous writable NumPy arrays of ``dtype`` (the Communicator's hot path),
