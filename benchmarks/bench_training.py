@@ -14,6 +14,13 @@ round every row runs ``--steps`` steps (a barrier first; the slowest rank's time
 changes per round; each figure is the median over rounds of the per-round ratio to ``no-comm`` (one
 process's step, no communication), with the median times:
 
+* ``no-comm, keep``: the same with ``zero_grad(set_to_none=False)`` (torch then adds each new gradient
+  into the zeroed ``.grad``: the baseline of ``overlap+views``);
+* ``floor: barrier``: ``no-comm`` plus one ``MPI_Barrier`` per step (what any synchronous data-parallel
+  step pays for waiting on the slower rank);
+* ``floor: flat``: ``no-comm`` plus one raw in-place ``MPI_Allreduce`` (sum) of a preallocated flat buffer
+  of all the gradients' bytes, not packed and not unpacked: the least a step that reduces after backward
+  can cost;
 * ``tree``: ``DistributedOptimizer(opt, overlap=False)``: every gradient averaged after backward by
   one fused ``allreduce_tree`` (the path before the gradient buckets);
 * ``overlap``: the buckets leave during backward (``grad_views=False``: copied in and out);
@@ -35,6 +42,7 @@ import socket
 import statistics
 import time
 
+import numpy as np
 from mpi4py import MPI
 
 import collectives as coll
@@ -94,6 +102,24 @@ def rows_for(torch, comm, kind: str, steps: int, device: str = "cpu") -> dict:
     rows = {}
     m = make_model(torch, kind)
     rows["no-comm"] = stepper(m, sgd(m))
+    m = make_model(torch, kind)
+    rows["no-comm, keep"] = stepper(m, sgd(m), set_to_none=False)
+    if not cuda:
+        floor_model = make_model(torch, kind)
+        floor_opt = sgd(floor_model)
+        flat = np.zeros(sum(p.numel() for p in floor_model.parameters()), np.float32)
+
+        def floor_step(reduce):
+            def step():
+                for _ in range(steps):
+                    floor_opt.zero_grad()
+                    torch.nn.functional.cross_entropy(floor_model(x), y).backward()
+                    reduce()
+                    floor_opt.step()
+            return step
+
+        rows["floor: barrier"] = floor_step(RAW.Barrier)
+        rows["floor: flat"] = floor_step(lambda: RAW.Allreduce(MPI.IN_PLACE, flat, MPI.SUM))
     m = make_model(torch, kind)
     rows["tree"] = stepper(m, coll.DistributedOptimizer(sgd(m), overlap=False, comm=comm))
     m = make_model(torch, kind)

@@ -34,7 +34,9 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
       ``requires_grad``) marks its gradient ready, and as soon as every gradient of a bucket is ready its
       asynchronous allreduce starts. Buckets hold the parameters in reverse ``param_groups`` order (the
       order backward produces them), one flat buffer per (group, dtype, device) of at most
-      ``bucket_bytes`` (a larger parameter gets its own); they leave in that order on every rank. At the
+      ``bucket_bytes`` (a parameter of 256 KiB or more gets its own); they leave in that order on every
+      rank (with the blocking allreduce where nothing could overlap it: the last bucket, and on one node
+      the large host ones, which the ranks' CPUs reduce in shared memory). At the
       end of the backward pass the rest leave and all are waited for (as DDP does): when ``backward()``
       returns, every ``p.grad`` holds the average (with ``overlap=False``: only in ``step()``). The
       gradient collectives run on a communicator of their own (one ``split`` of ``comm``, made by the
