@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import collectives as coll
-from support.comms import communicator
+from support.comms import communicator, settings
 
 COUNT = 67  # elements per array: odd, so buckets, slices and chunks do not line up
 OPS = ("sum", "prod", "min", "max", "mean")
@@ -208,7 +208,7 @@ def numpy_paths(x, op, comm, comms):
     return out
 
 
-def torch_paths(x, dtype, op, comm):
+def torch_paths(x, dtype, op, comm, comms):
     out = {}
     t = as_lib(x, dtype, "torch")
     comm.allreduce(t, op)
@@ -225,28 +225,39 @@ def torch_paths(x, dtype, op, comm):
         t = as_lib(x, dtype, "torch")
         transport.allreduce(t, None, op)
         out[f"{transport.name} (CPU tensors standing in)"] = to_numpy(t, dtype)
-    group, opts = torch_group(comm, op, "AllreduceOptions")
-    t = as_lib(x, dtype, "torch")
-    assert group.allreduce([t], opts).wait()
-    out["torch.distributed backend"] = to_numpy(t, dtype)
+    # the backend; on one node with shared memory from 64 B, a host tensor is reduced at the call (blocking)
+    for name, c in (("", comm), (", shm", comms["shm-on"]), (", simulated nodes", comms["nodes"])):
+        group, opts = torch_group(c, op, "AllreduceOptions")
+        t = as_lib(x, dtype, "torch")
+        assert group.allreduce([t], opts).wait()
+        out["torch.distributed backend" + name] = to_numpy(t, dtype)
     if dtype in ("float16", "bfloat16", "float32", "float64"):
-        out.update(optimizer_paths(x, dtype, op, comm))
+        out.update(optimizer_paths(x, dtype, op, comm, comms))
     return out
 
 
-def optimizer_paths(x, dtype, op, comm):
+def optimizer_paths(x, dtype, op, comm, comms):
     """DistributedOptimizer's gradient reduction: the buckets (views or copies, during backward or in
-    step()), sharded state (reduce-scatter, then gathered back by average_gradients), and overlap=False."""
+    step(); blocking where the ranks' CPUs reduce in shared memory, from 64 B on the "shm" communicator,
+    else non-blocking), sharded state (reduce-scatter, then gathered back by average_gradients), and
+    overlap=False."""
     import torch
 
     out = {}
-    configs = {"optimizer tree": dict(overlap=False), "optimizer bucket views": dict(),
-               "optimizer bucket copies": dict(grad_views=False), "optimizer sharded": dict(shard_state=True)}
-    for name, options in configs.items():
+    shm_settings = dict(COLLECTIVES_SHM_THRESHOLD=64, COLLECTIVES_SHM_SLOT_BYTES=65536)
+    configs = {"optimizer tree": (comm, {}, dict(overlap=False)), "optimizer bucket views": (comm, {}, {}),
+               "optimizer bucket copies": (comm, {}, dict(grad_views=False)),
+               "optimizer sharded": (comm, {}, dict(shard_state=True)),
+               "optimizer bucket views, shm": (comms["shm-on"], shm_settings, {}),
+               "optimizer bucket copies, simulated nodes": (comms["nodes"], dict(COLLECTIVES_SHM_THRESHOLD=64,
+                                                                                  COLLECTIVES_SIMULATE_NODES=2),
+                                                             dict(grad_views=False))}
+    for name, (c, env, options) in configs.items():
         p = torch.nn.Parameter(torch.zeros(COUNT, dtype=getattr(torch, dtype)))
         q = torch.nn.Parameter(torch.zeros(5, dtype=getattr(torch, dtype)))  # a second bucket (bucket_bytes)
-        opt = coll.DistributedOptimizer(torch.optim.SGD([q, p], lr=0.0), op=op, comm=comm, bucket_bytes=64,
-                                        **options)
+        with settings(**env):  # the gradient communicator (a split of c, made here) reads them
+            opt = coll.DistributedOptimizer(torch.optim.SGD([q, p], lr=0.0), op=op, comm=c, bucket_bytes=64,
+                                            **options)
         p.grad = as_lib(x, dtype, "torch")
         q.grad = torch.ones(5, dtype=getattr(torch, dtype))
         opt.average_gradients()
@@ -363,7 +374,7 @@ def test_every_path_gives_the_documented_bits(comm, comms, dtype, op):
     if dtype != "bfloat16":
         results.update(numpy_paths(x, op, comm, comms))
     if dtype not in ("longdouble", "uint16"):
-        results.update(torch_paths(x, dtype, op, comm))
+        results.update(torch_paths(x, dtype, op, comm, comms))
     results.update(reduce_scatter_paths(x, dtype, op, comm, comms))
     if dtype == "bfloat16":  # the reference is float32; bfloat16 rounds it (small integers: exactly)
         import torch

@@ -26,25 +26,35 @@ def gather_objects(obj) -> list:
     return MPI.COMM_WORLD.allgather(obj)
 
 
+SETTINGS = ("COLLECTIVES_SHM", "COLLECTIVES_SHM_THRESHOLD", "COLLECTIVES_SHM_SLOT_BYTES", "COLLECTIVES_TIMEOUT",
+            "COLLECTIVES_SIMULATE_NODES", "COLLECTIVES_MAX_COUNT", "COLLECTIVES_SYNC_PIPELINE")
+
+
+@contextlib.contextmanager
+def settings(**env):
+    """Exactly these library settings in the environment (the others unset) while the block runs: a
+    transport made in it (``init``, a ``split``, a DistributedOptimizer's gradient communicator) reads
+    them."""
+    saved = {k: os.environ.pop(k, None) for k in SETTINGS}
+    os.environ.update({k: str(v) for k, v in env.items()})
+    try:
+        yield
+    finally:
+        for k in SETTINGS:
+            os.environ.pop(k, None)
+            if saved[k] is not None:
+                os.environ[k] = saved[k]
+
+
 @contextlib.contextmanager
 def communicator(**env):
     """A new communicator of every rank, made with exactly these settings (an mpi4py duplicate under
     ``init(comm=...)``, the public way a framework brings its own communicator)."""
     from mpi4py import MPI
 
-    names = ("COLLECTIVES_SHM", "COLLECTIVES_SHM_THRESHOLD", "COLLECTIVES_SHM_SLOT_BYTES",
-             "COLLECTIVES_TIMEOUT", "COLLECTIVES_SIMULATE_NODES", "COLLECTIVES_MAX_COUNT",
-             "COLLECTIVES_SYNC_PIPELINE")
-    saved = {k: os.environ.pop(k, None) for k in names}
-    os.environ.update({k: str(v) for k, v in env.items()})
     user = MPI.COMM_WORLD.Dup()
-    try:
+    with settings(**env):
         c = coll.init(comm=user)
-    finally:
-        for k in names:
-            os.environ.pop(k, None)
-            if saved[k] is not None:
-                os.environ[k] = saved[k]
     try:
         yield c
     finally:
