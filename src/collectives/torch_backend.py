@@ -27,10 +27,7 @@ How it fits torch:
 - **The process group** (:class:`ProcessGroupCollectives`, a Python ``ProcessGroup`` as torch's own
   threaded test group is) runs every operation through the public collectives of its
   :class:`~collectives.Communicator` with ``async_op=True``: same validation, same dtype rules (an illegal
-  op/dtype pair raises the ``TypeError`` that :func:`collectives.allreduce` raises), same bits. One
-  exception: where every rank is on one node, ``allreduce`` of a contiguous CPU tensor at or above the
-  shared-memory threshold takes the blocking call (node-shared memory, computed by the ranks' own CPUs,
-  which a non-blocking call would only finish later) and returns a completed ``Work``.
+  op/dtype pair raises the ``TypeError`` that :func:`collectives.allreduce` raises), same bits.
 - **Work.** Every operation returns a :class:`Work` backed by our handles (:class:`~collectives.Handle`):
   ``wait()`` (bounded by torch's ``timeout=`` and ``COLLECTIVES_TIMEOUT``), ``is_completed()`` (never
   blocks), ``get_future()`` (see :class:`Work`).
@@ -68,7 +65,6 @@ import collectives as _coll
 
 from . import _config
 from ._errors import CollectiveTimeoutError
-from ._handles import Handle
 
 __all__ = ["BACKEND", "ProcessGroupCollectives", "Work", "register"]
 
@@ -312,14 +308,7 @@ class ProcessGroupCollectives(dist.ProcessGroup):
             for t in tensors:
                 t.mul_(factor)
         if len(tensors) == 1:
-            t = tensors[0]
-            if t.device.type == "cpu" and t.is_contiguous() and self._comm._reduces_on_the_callers_cpus(t.nbytes):
-                # every rank on one node, a large host tensor: the blocking call reduces it in node-shared
-                # memory with the ranks' own CPUs, which is all a non-blocking one could use too (it would
-                # only finish later; the same bits): done at the call, a completed Work
-                return self._work("allreduce", [Handle.completed("allreduce", self._comm.allreduce(t, op))],
-                                  result=tensors)
-            return self._work("allreduce", [self._comm.allreduce(t, op, async_op=True)], result=tensors)
+            return self._work("allreduce", [self._comm.allreduce(tensors[0], op, async_op=True)], result=tensors)
         return self._work("allreduce", [self._comm.allreduce_tree(tensors, op, async_op=True)], result=tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):

@@ -734,6 +734,9 @@ class DeadlineMPITransport(MPITransport):
     def fast_call(self, op, dtype, size):
         return None  # every call goes through the polled operations below
 
+    def reduces_on_the_callers_cpus(self, nbytes):
+        return False  # no shared-memory allreduce here (its barriers have no deadline)
+
     def fast_blocks(self, operation, op, dtype, size):
         return None  # the same
 
