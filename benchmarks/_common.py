@@ -93,3 +93,15 @@ def measure(barrier, sides, rounds: int, k: int, warmup: tuple[int, int] = (2, 5
                 f()
             times[r, i] = (perf() - t0) / k
     return times
+
+
+def finish(start: float, results: dict, json_path: str | None) -> None:
+    """Rank 0's end of a benchmark: the elapsed seconds since ``start`` (``time.perf_counter()``), and
+    ``results`` written to ``json_path`` when one was given."""
+    import json
+    import time
+
+    print(f"\n({time.perf_counter() - start:.0f} s)")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(results, f, indent=2)

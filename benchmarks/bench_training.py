@@ -36,13 +36,13 @@ wrapper holds) with and without ``shard_state``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import statistics
 import time
 
 import numpy as np
+from _common import finish
 from mpi4py import MPI
 
 import collectives as coll
@@ -229,10 +229,7 @@ def main() -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
     if comm.rank == 0:
-        print(f"\n({time.perf_counter() - start:.0f} s)")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=2)
+        finish(start, results, args.json)
 
 
 if __name__ == "__main__":

@@ -50,13 +50,13 @@ with other jobs, every rendezvous of the ranks can cost a scheduler time slice: 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import statistics
 import time
 
 import numpy as np
+from _common import finish
 from mpi4py import MPI
 
 import collectives as coll
@@ -289,10 +289,7 @@ def main() -> None:
         if comm.rank == 0:
             report("training step, MLP 784-1024-1024-10, batch 64 per rank (times per step)", results["training"])
     if comm.rank == 0:
-        print(f"\n({time.perf_counter() - start:.0f} s)")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=2)
+        finish(start, results, args.json)
 
 
 if __name__ == "__main__":
