@@ -1,10 +1,10 @@
-"""The tree collectives and DistributedOptimizer against raw mpi4py and torch DDP, in the same job.
+"""The tree collectives against raw mpi4py, in the same job.
 
     mpiexec -n 2 python benchmarks/bench_tree.py
     mpiexec -n 2 python benchmarks/bench_tree.py --rounds 5 --json out.json
-    mpiexec -n 2 python benchmarks/bench_tree.py --thresholds --skip-training   # re-measure _buckets' thresholds
+    mpiexec -n 2 python benchmarks/bench_tree.py --thresholds   # re-measure _buckets' thresholds
 
-Part 1, a realistic tree: 200 float32 leaves (100 weight matrices of mixed sizes and their 100 biases,
+A realistic tree: 200 float32 leaves (100 weight matrices of mixed sizes and their 100 biases,
 about 57 MiB in all).
 
 ==============================  ===============================================  ===========================================
@@ -30,11 +30,8 @@ row                             ours                                            
 The flat buffer is the lower bound: what the data costs without any tree. The raw per-leaf rows are what
 the data costs moved where it lies, one collective per leaf, without any library.
 
-Part 2, a training step of a torch MLP 784-1024-1024-10 (1.9 M parameters), batch 64 per rank, SGD:
-forward, backward, step, with ``DistributedOptimizer`` vs ``torch.nn.parallel.DistributedDataParallel``
-over gloo (initialised in this job from MPI's ranks, on a free port chosen by rank 0) vs raw mpi4py (one
-``Allreduce`` per gradient, then a division) vs one process with no communication at all. One torch thread
-per rank.
+Training steps (DistributedOptimizer against DDP, raw mpi4py and no communication) are in
+``bench_training.py``.
 
 ``--thresholds`` adds rows for ``synchronize`` and ``allreduce_tree`` with other values of
 ``_buckets.BROADCAST_SOLO_BYTES`` and ``_buckets.SOLO_BYTES`` (leaves at least this big get a collective
@@ -50,8 +47,6 @@ with other jobs, every rendezvous of the ranks can cost a scheduler time slice: 
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import statistics
 import time
 
@@ -91,7 +86,7 @@ def compare(ours, raw, rounds: int, k: int = 1, warmup: int = 1) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# part 1: a 200-leaf tree
+# a 200-leaf tree
 
 
 def make_tree(rank: int) -> dict:
@@ -189,76 +184,6 @@ def tree_part(comm, rounds: int, thresholds: bool = False) -> dict:
     return out
 
 
-# ---------------------------------------------------------------------------------------------------------
-# part 2: a training step
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def mlp(torch):
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(784, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
-                               torch.nn.ReLU(), torch.nn.Linear(1024, 10))
-
-
-def training_part(comm, rounds: int, steps: int) -> dict:
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(RAW.bcast(free_port() if comm.rank == 0 else None, root=0))
-    dist.init_process_group("gloo", rank=comm.rank, world_size=comm.size)
-
-    g = torch.Generator().manual_seed(comm.rank)
-    x = torch.randn(64, 784, generator=g)
-    y = torch.randint(0, 10, (64,), generator=g)
-
-    def stepper(model, opt):
-        def step():
-            for _ in range(steps):
-                opt.zero_grad()
-                torch.nn.functional.cross_entropy(model(x), y).backward()
-                opt.step()
-        return step
-
-    local = mlp(torch)
-    single = stepper(local, torch.optim.SGD(local.parameters(), lr=1e-3))
-    ours_model = mlp(torch)
-    ours = stepper(ours_model, coll.DistributedOptimizer(torch.optim.SGD(ours_model.parameters(), lr=1e-3),
-                                                         comm=comm))
-    ddp_model = torch.nn.parallel.DistributedDataParallel(mlp(torch))
-    ddp = stepper(ddp_model, torch.optim.SGD(ddp_model.parameters(), lr=1e-3))
-    raw_model = mlp(torch)
-    raw_opt = torch.optim.SGD(raw_model.parameters(), lr=1e-3)
-    size = comm.size
-
-    def raw_step():  # what a user would write with mpi4py alone: one allreduce per gradient, then average
-        for _ in range(steps):
-            raw_opt.zero_grad()
-            torch.nn.functional.cross_entropy(raw_model(x), y).backward()
-            for p in raw_model.parameters():
-                RAW.Allreduce(MPI.IN_PLACE, p.grad.numpy(), MPI.SUM)
-                p.grad.div_(size)
-            raw_opt.step()
-
-    out = {"parameters": sum(p.numel() for p in local.parameters()), "batch_per_rank": 64}
-    out["DistributedOptimizer vs DDP(gloo)"] = compare(ours, ddp, rounds)
-    out["DistributedOptimizer vs no communication"] = compare(ours, single, rounds)
-    out["DDP(gloo) vs no communication"] = compare(ddp, single, rounds)
-    out["DistributedOptimizer vs raw mpi4py per gradient"] = compare(ours, raw_step, rounds)
-    out["raw mpi4py per gradient vs no communication"] = compare(raw_step, single, rounds)
-    for k in list(out):
-        if isinstance(out[k], dict):
-            out[k] = {key: v / steps if key.endswith("_s") else v for key, v in out[k].items()}
-    dist.destroy_process_group()
-    return out
-
-
 def report(title: str, rows: dict) -> None:
     print(f"\n{title}")
     for name, r in rows.items():
@@ -272,9 +197,8 @@ def report(title: str, rows: dict) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--steps", type=int, default=5, help="training steps per timed round")
-    ap.add_argument("--skip-training", action="store_true")
-    ap.add_argument("--thresholds", action="store_true", help="also time other solo thresholds (part 1)")
+    ap.add_argument("--skip-training", action="store_true", help=argparse.SUPPRESS)  # (old command lines)
+    ap.add_argument("--thresholds", action="store_true", help="also time other solo thresholds")
     ap.add_argument("--json", help="write the figures to this file")
     args = ap.parse_args()
     comm = coll.init()
@@ -284,11 +208,6 @@ def main() -> None:
         t = results["tree"]
         report(f"tree of {t['leaves']} float32 leaves, {t['bytes'] / 2**20:.1f} MiB, {comm.size} ranks "
                f"(other = one raw flat Bcast/Allreduce of the same bytes; /per-leaf: one raw call per leaf)", t)
-    if not args.skip_training:
-        results["training"] = training_part(comm, args.rounds, args.steps)
-        if comm.rank == 0:
-            report("training step, MLP 784-1024-1024-10, batch 64 per rank (times per step)", results["training"])
-    if comm.rank == 0:
         finish(start, results, args.json)
 
 
