@@ -239,6 +239,38 @@ def test_deadline_fires_in_wait(comm):
             gather_objects(None)
 
 
+def test_deadline_bounds_the_shared_memory_allreduce(comm):
+    """With COLLECTIVES_TIMEOUT, a large allreduce on one node goes through the node-shared window, each
+    of its barriers waited for under the deadline: a rank alone in it raises CollectiveTimeoutError
+    instead of hanging (rank 0, at the first barrier; then the others, who enter late, at the second),
+    and the communicator is unusable afterwards."""
+    if comm.size < 2 or comm.backend != "mpi" or comm.size != comm.local_size:
+        pytest.skip("needs two MPI ranks on one node")
+    with communicator(COLLECTIVES_TIMEOUT=0.5, COLLECTIVES_SHM_THRESHOLD=64, COLLECTIVES_SHM_SLOT_BYTES=65536) as d:
+        x = np.arange(5000, dtype=np.float64)
+        assert (d.allreduce(x.copy(), "sum") == comm.size * x).all()  # every rank: the window is made
+        gather_objects(None)
+        t0 = time.monotonic()
+        if comm.rank == 0:
+            with pytest.raises(coll.CollectiveTimeoutError, match="node-shared memory"):
+                d.allreduce(x.copy(), "sum")
+            assert 0.4 < time.monotonic() - t0 < 5
+            with pytest.raises(coll.CollectiveError, match="unusable"):
+                d.allreduce(x.copy(), "sum")
+        gather_objects(None)
+        if comm.rank != 0:  # late: past the first barrier (rank 0's is pending), alone at the second
+            with pytest.raises(coll.CollectiveTimeoutError, match="node-shared memory"):
+                d.allreduce(x.copy(), "sum")
+        gather_objects(None)
+        if comm.rank == 0:
+            # The others wait in a node barrier that rank 0 will never reach; nothing public can complete
+            # it (a communicator is broken by design after a timeout), so the test does, on the window's
+            # node communicator, to leave no request unmatched at MPI_Finalize. (Every rank's transport
+            # has failed, so none frees the window collectively at close.)
+            d._host._shm.node.Ibarrier().Wait()
+        gather_objects(None)
+
+
 def test_close_completes_outstanding_handles(comm):
     if comm.backend != "mpi":
         pytest.skip("needs the MPI backend")

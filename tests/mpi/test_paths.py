@@ -135,8 +135,11 @@ def comms():
     with communicator(COLLECTIVES_SHM_THRESHOLD=64, COLLECTIVES_SHM_SLOT_BYTES=65536) as shm_on, \
             communicator(COLLECTIVES_SHM="0") as shm_off, \
             communicator(COLLECTIVES_TIMEOUT=300) as deadline, \
+            communicator(COLLECTIVES_TIMEOUT=300, COLLECTIVES_SHM_THRESHOLD=64,
+                         COLLECTIVES_SHM_SLOT_BYTES=65536) as deadline_shm, \
             communicator(COLLECTIVES_SHM_THRESHOLD=64, COLLECTIVES_SIMULATE_NODES=2) as nodes:
-        yield {"shm-on": shm_on, "shm-off": shm_off, "deadline": deadline, "nodes": nodes}
+        yield {"shm-on": shm_on, "shm-off": shm_off, "deadline": deadline, "deadline shm": deadline_shm,
+               "nodes": nodes}
 
 
 # ---- the paths: each returns its result as NumPy ----

@@ -277,12 +277,19 @@ def test_bad_settings_are_named(monkeypatch):
         _config.shm_threshold()
 
 
-def test_deadline_transport_does_not_use_shared_memory(monkeypatch):
-    c = make_comm(monkeypatch, COLLECTIVES_TIMEOUT=120, COLLECTIVES_SHM_THRESHOLD=4096)
+@pytest.mark.parametrize("per_node", [None, 1])
+def test_deadline_transport_uses_shared_memory_on_one_node(monkeypatch, per_node):
+    """With a deadline, the shared window serves ranks of one node (its barriers polled under the
+    deadline: tests/mpi/test_async.py); across nodes (here simulated) MPI's non-blocking allreduce."""
+    env = {} if per_node is None else {"COLLECTIVES_SIMULATE_NODES": per_node}
+    c = make_comm(monkeypatch, COLLECTIVES_TIMEOUT=120, COLLECTIVES_SHM_THRESHOLD=4096, **env)
     try:
-        x = np.ones(100_000, dtype=np.float32)
-        c.allreduce(x, op="mean")
-        assert (x == 1).all() and c._host._shm is None
+        for op in ("mean", "sum"):
+            x = np.ones(100_000, dtype=np.float32)
+            c.allreduce(x, op=op)
+            assert (x == (1 if op == "mean" else c.size)).all()
+        one_node = c.size > 1 and per_node is None
+        assert (c._host._shm is not None) == one_node
     finally:
         c.close()
 

@@ -536,8 +536,7 @@ def test_large_buckets_the_same_bits(comm):
         if not options:
             mid = buckets[:-1]
             assert any(not b.blocking for b in mid), "a small bucket leaves by the non-blocking allreduce"
-            one_node = (1 < comm.size == comm.local_size and shm_config.shm() and shm_config.timeout() is None
-                        and shm_config.shm_threshold() <= 600 << 10)  # (the deadline transport has no shm)
+            one_node = 1 < comm.size == comm.local_size and shm_config.shm() and shm_config.shm_threshold() <= 600 << 10
             assert any(b.blocking for b in mid) == one_node, "one node: large buckets block in backward"
         for i, (a, b) in enumerate(zip(ref, got)):
             assert_same_params(comm, a, b, f"{options}: parameter {i}")

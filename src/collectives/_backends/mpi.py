@@ -365,14 +365,17 @@ class MPITransport(HostTransport):
         for piece in self._chunks(buf):
             self.comm.Allreduce(self._in_place, [piece, datatype], mop)
 
-    def _shm_allreduce(self, buf, op) -> bool:
-        """Reduce ``buf`` through node-shared memory (``op`` may also be "mean"); False if it cannot."""
+    def _shm_allreduce(self, buf, op, wait=None) -> bool:
+        """Reduce ``buf`` through node-shared memory (``op`` may also be "mean"); False if it cannot.
+        ``wait``: how to complete each node barrier (shm.Reducer.allreduce; the deadline transport's)."""
         if self._shm is None:  # collective, and safe here: every rank is in this allreduce
+            if wait is not None:  # every rank has arrived (within the deadline) before the blocking setup
+                wait(self.comm.Ibarrier())
             self._shm = shm.Reducer(self.comm, slot_bytes=_config.shm_slot_bytes(), types=self._types,
                                     node_color=self._node_color, ops=self._ops, reduces=self.reduces)
-        if not self._shm.supports(buf.dtype, op):
+        if not self._shm.supports(buf.dtype, op, bounded=wait is not None):
             return False
-        self._shm.allreduce(buf, op)
+        self._shm.allreduce(buf, op, wait)
         return True
 
     def reduce(self, buf, op, root):
@@ -721,6 +724,11 @@ class DeadlineMPITransport(MPITransport):
     request cannot be cancelled, so the transport is unusable afterwards: later calls raise
     :class:`CollectiveError` at once, and ``close`` leaves the MPI communicator to the end of the process.
 
+    Between ranks of one node, allreduces from the shared-memory threshold on go through the node-shared
+    window (``shm``) as on :class:`MPITransport`, each of its node barriers an ``MPI_Ibarrier`` polled
+    the same way, so they too are bounded; ``mean`` of floats is the one hot-path call (the window
+    divides while copying out).
+
     Made by ``MPITransport(comm)`` when ``COLLECTIVES_TIMEOUT`` is set; not constructed directly.
     """
 
@@ -732,10 +740,19 @@ class DeadlineMPITransport(MPITransport):
     can_broadcast_many = False  # broadcast_many's blocking pipeline has no deadline: buckets instead
 
     def fast_call(self, op, dtype, size):
-        return None  # every call goes through the polled operations below
+        """Only ``mean`` of floats (so the shared-memory allreduce can divide while copying out); every other
+        call goes through the polled operations below."""
+        if op != "mean" or dtype.kind not in "fc" or dtype not in self._types or not self.reduces(dtype, "sum"):
+            return None
+        n = float(size)
 
-    def reduces_on_the_callers_cpus(self, nbytes):
-        return False  # no shared-memory allreduce here (its barriers have no deadline)
+        def run_mean(x):
+            if not self._bounded_shm(x, "mean"):
+                self.allreduce(x, "sum")
+                divide(x, n)
+
+        return run_mean
+
 
     def fast_blocks(self, operation, op, dtype, size):
         return None  # the same
@@ -804,7 +821,19 @@ class DeadlineMPITransport(MPITransport):
         raise CollectiveTimeoutError(msg)
 
     # ---- data ----
+    def _bounded_shm(self, buf, op) -> bool:
+        """On one node, from the shared-memory threshold: ``buf`` reduced through the shared window, each of
+        its barriers an ``MPI_Ibarrier`` waited for under the deadline (the window is made after a bounded
+        rendezvous of every rank). False where that path does not apply."""
+        if buf.nbytes < self._shm_threshold or self.size != self.local_size:
+            return False
+        self._usable()
+        what = ("allreduce", buf, f"op={op}, node-shared memory")
+        return self._shm_allreduce(buf, op, lambda req: self._wait(what, req))
+
     def allreduce(self, buf, op):
+        if self._bounded_shm(buf, op):
+            return
         datatype = self._types[buf.dtype]
         mop = self._ops[op]
         for piece in self._chunks(buf):

@@ -164,10 +164,12 @@ class Reducer:
             self._slots.append(np.frombuffer(mem, dtype=np.uint8))
         self._regions: dict = {}  # dtype -> regions[q][p]: rank q's region p, as that dtype
         self._win_sync, self._node_barrier = self.win.Sync, self.node.Barrier
+        self._wait = None  # how this call waits for a node barrier (see allreduce)
 
-    def supports(self, dtype: np.dtype, op: str) -> bool:
-        """True if :meth:`allreduce` takes this dtype/op pair (else the caller uses MPI)."""
-        if dtype.kind not in _KINDS or not dtype.isnative or op not in KERNELS:
+    def supports(self, dtype: np.dtype, op: str, bounded: bool = False) -> bool:
+        """True if :meth:`allreduce` takes this dtype/op pair (else the caller uses MPI); with ``bounded``,
+        with a ``wait`` (only where every rank is on this node: no leaders' allreduce to bound)."""
+        if dtype.kind not in _KINDS or not dtype.isnative or op not in KERNELS or (bounded and self.multi_node):
             return False
         if op == "mean" and dtype.kind not in "fc":
             return False
@@ -187,18 +189,29 @@ class Reducer:
 
     def _sync(self) -> None:
         self._win_sync()
-        self._node_barrier()
+        if self._wait is None:
+            self._node_barrier()
+        else:
+            self._wait(self.node.Ibarrier())
         self._win_sync()
 
-    def allreduce(self, buf: np.ndarray, op: str) -> None:
+    def allreduce(self, buf: np.ndarray, op: str, wait=None) -> None:
         """Reduce the contiguous ``buf`` in place over every rank of ``comm``; ``op`` as in :meth:`supports`.
 
         Every rank must call it with the same op, dtype and size. NumPy's floating-point errors are
         ignored here whatever the caller's error state: a rank reducing a slice with ``inf - inf`` must not
         raise where the others do not (they would wait in the next barrier forever).
+
+        ``wait``: None for MPI's blocking barriers; else a callable that completes an MPI request (or
+        raises), given each node barrier as an ``MPI_Ibarrier``: the deadline transport bounds every
+        wait for the other ranks that way. Only on one node (:meth:`supports` with ``bounded``).
         """
-        with np.errstate(all="ignore"):
-            self._allreduce(buf, op)
+        self._wait = wait
+        try:
+            with np.errstate(all="ignore"):
+                self._allreduce(buf, op)
+        finally:
+            self._wait = None
 
     def _allreduce(self, buf: np.ndarray, op: str) -> None:
         flat = buf.reshape(-1)
