@@ -196,13 +196,12 @@ class Buckets:
             key = (g, p.dtype, p.device)
             b = open_.get(key)
             nbytes = p.numel() * p.element_size()
-            if b is not None and b.slots and (b.numel * p.element_size() + nbytes > bucket_bytes):
-                b = None
-            if solo_at is not None and nbytes >= solo_at:  # a large gradient: reduced in its own .grad
+            large = solo_at is not None and nbytes >= solo_at  # a bucket of its own, reduced in its .grad
+            if large or (b is not None and b.slots and b.numel * p.element_size() + nbytes > bucket_bytes):
                 b = None
             if b is None:
                 b = _Bucket(key, g)
-                open_[key] = None if solo_at is not None and nbytes >= solo_at else b
+                open_[key] = None if large else b
                 buckets.append(b)
             s = _Slot(index, name, p, b, b.numel)
             b.slots.append(s)

@@ -825,7 +825,7 @@ class DeadlineMPITransport(MPITransport):
         """On one node, from the shared-memory threshold: ``buf`` reduced through the shared window, each of
         its barriers an ``MPI_Ibarrier`` waited for under the deadline (the window is made after a bounded
         rendezvous of every rank). False where that path does not apply."""
-        if buf.nbytes < self._shm_threshold or self.size != self.local_size:
+        if not self.reduces_on_the_callers_cpus(buf.nbytes):
             return False
         self._usable()
         what = ("allreduce", buf, f"op={op}, node-shared memory")
