@@ -64,7 +64,7 @@ def agree(transport, what: str, header: tuple = (), entries=(), error: BaseExcep
     mine[DIGEST] = error is not None
     table = np.empty((transport.size, DIGEST + 1), dtype=np.uint8)
     try:
-        transport.allgather(mine, table)
+        transport.agree_allgather(mine, table)
         if not table[:, DIGEST].any() and (table == table[0]).all():
             return
         note = None if error is None else f"{type(error).__name__}: {error}"

@@ -81,7 +81,7 @@ class Communicator:
         self._devices: dict = {}  # (dlpack device type, id) -> device transport
         self._fast: dict = {}  # op -> {array dtype: the call the general path chose} (hot path); see _fast_path
         self._fast_broadcast: dict = {}  # the same for broadcast (one look-up less)
-        self._fast_blocks: dict = {}  # (op or "alltoall", dtype) -> the same for reduce_scatter and alltoall
+        self._fast_blocks: dict = {}  # ("reduce_scatter", op, dtype) or ("alltoall", dtype) -> the same
         self._runners: dict = {}  # (op, DType) -> (transport, reduction call); see _runner
         self._pool = _buckets.Pool()  # the fused collectives' flat buffers (_buckets)
         self._plans: OrderedDict = OrderedDict()  # tree structure -> (description, digest, plan) (_tree)
@@ -89,6 +89,10 @@ class Communicator:
         self._subs: list = []  # communicators made by split(), closed with this one
         self._outstanding: dict = {}  # id -> Handle: asynchronous collectives not yet complete
         self.check = bool(check)
+        host.on_failure(self._forget_fast_paths)  # a failed transport: every later call takes the checks
+
+    def _forget_fast_paths(self) -> None:
+        self._fast, self._fast_broadcast, self._fast_blocks, self._runners = {}, {}, {}, {}
 
     @property
     def check(self) -> bool:
@@ -143,6 +147,8 @@ class Communicator:
         """
         if self._host is CLOSED:
             raise BackendUnavailableError(_closed.MESSAGE)
+        if self._host.failed is not None:  # a timeout or a mismatch failed it: it stays failed
+            self._host.usable()
         if device[0] in _arrays.HOST_DEVICE_TYPES:
             return self._host
         if device[0] in (_arrays.CUDA, _arrays.CUDA_MANAGED):
@@ -281,7 +287,7 @@ class Communicator:
         try:
             if x.__class__ is _ndarray:  # the hot path (see _fast_path): the call the general path chose
                 try:
-                    run = self._fast_blocks.get((op, x.dtype))
+                    run = self._fast_blocks.get(("reduce_scatter", op, x.dtype))
                 except TypeError:  # an unhashable op: the general path says what is wrong with it
                     run = None
                 if run is not None and x.flags.c_contiguous and x.ndim and not x.shape[0] % self._size:
@@ -302,7 +308,7 @@ class Communicator:
         out = np.empty((view.shape[0] // self._size,) + view.shape[1:], dtype=view.dtype)
         run = self._scatter_runner(transport, info, op)
         run(send, out)
-        self._fast_path((op, view.dtype), x, a, view, info, run, self._fast_blocks)
+        self._fast_path(("reduce_scatter", op, view.dtype), x, a, view, info, run, self._fast_blocks)
         return a.wrap(out, info, x)
 
     def _scatter_runner(self, transport, info, op: str):
@@ -373,6 +379,7 @@ class Communicator:
         """A :class:`Handle` for ``make(*args)``: validation (and checked mode's agreement) runs here and
         a TypeError/ValueError is raised here; ``make`` returns the collective's steps (a generator, see
         ``_handles``), or a finished Handle. Errors of the collective itself are raised by ``wait()``."""
+        self._host.usable()  # a failed (or closed) communicator refuses at the call, as the blocking calls do
         if not _enter(False):  # another thread is inside a collective: refused (_threads)
             _refuse_thread(what)
         try:
@@ -388,7 +395,7 @@ class Communicator:
             _leave()
         if isinstance(steps, Handle):
             return steps
-        return Handle(what, steps, self._outstanding)
+        return Handle(what, steps, self._outstanding, self._host.fail)
 
     @staticmethod
     def _placing(x, a, view, info):
@@ -582,19 +589,16 @@ class Communicator:
             raise
         if self.check:
             _agree.agree(host, "broadcast_object", (("root", root),))
-        header = np.zeros(2, dtype=np.int64)  # (bytes, whether root's object failed to pickle)
-        data = None
-        if self.rank == root:
+        blob = None
+        if self.rank == root:  # (whether it pickled, the bytes or the message): every rank raises alike
             data, failure = _pickled(obj, "broadcast_object", "root's obj")
-            header[:] = data.size, failure
-        host.broadcast(header, root)  # first: whether it pickled, so every rank raises alike
-        if self.rank != root:
-            data = np.empty(int(header[0]), dtype=np.uint8)
-        if data.size:
-            host.broadcast(data, root)
-        if header[1]:
-            raise TypeError(data.tobytes().decode())
-        return obj if self.rank == root else pickle.loads(data.tobytes())
+            blob = (failure, data)
+        failure, data = host.objects_broadcast(blob, root)
+        if failure:
+            raise TypeError(data.decode())
+        result = obj if self.rank == root else _unpickled(data, "broadcast_object", f"root {root}'s obj", self.rank)
+        _agree_unpickled(host, result)
+        return obj if self.rank == root else result
 
     @collective("allgather_object")
     def allgather_object(self, obj) -> list:
@@ -603,13 +607,14 @@ class Communicator:
         if self.check:
             _agree.agree(host, "allgather_object")
         data, failure = _pickled(obj, "allgather_object", f"rank {self.rank}'s obj")
-        flags = np.empty(self.size, dtype=np.uint8)
-        host.allgather(np.array([failure], dtype=np.uint8), flags.reshape(self.size, 1))
-        if flags.any():  # every rank learns who failed, then every rank raises the same TypeError
-            notes = host.allgather_object(data.tobytes().decode() if failure else None)
-            raise TypeError("; ".join(n for n in notes if n is not None))
-        blobs = host.allgather_object(data.tobytes())  # bytes travel as they are (no second pickling cost)
-        return [obj if r == self.rank else pickle.loads(b) for r, b in enumerate(blobs)]
+        blobs = host.objects_allgather((failure, data))  # bytes travel as they are (pickled once)
+        notes = [d.decode() for f, d in blobs if f]
+        if notes:  # every rank learns who failed, then every rank raises the same TypeError
+            raise TypeError("; ".join(notes))
+        values = [obj if r == self.rank else _unpickled(d, "allgather_object", f"rank {r}'s obj", self.rank)
+                  for r, (_, d) in enumerate(blobs)]
+        _agree_unpickled(host, *values)
+        return values
 
     def _check_blocks(self, collective: str, x) -> None:
         """``x``'s leading dimension must split into ``size`` equal blocks (reduce_scatter, alltoall)."""
@@ -692,8 +697,8 @@ class Communicator:
         see). Never filled in checked mode (setting ``check`` empties it). Bounded: a handful of ops times
         the dtypes in use. ``close()`` empties it.
 
-        ``blocks``: the table of reduce_scatter and alltoall, keyed ``(op or "alltoall", dtype)`` (``op``
-        is that key), taking ``run(x, out)``; NumPy arrays only (the block output is a new array).
+        ``blocks``: the table of reduce_scatter and alltoall, keyed ``("reduce_scatter", op, dtype)`` and
+        ``("alltoall", dtype)`` (``op`` is that key: no op of one can find an entry of the other), taking ``run(x, out)``; NumPy arrays only (the block output is a new array).
         """
         global _torch_tensor, _strided
         if self._check:
@@ -959,16 +964,46 @@ def _check_split(color, key) -> tuple[int | None, int]:
     return color, key
 
 
-def _pickled(obj, collective: str, whose: str) -> tuple[np.ndarray, bool]:
-    """``(bytes as uint8, False)``, or ``(the error message as uint8, True)`` when ``obj`` cannot be pickled."""
+def _pickled(obj, collective: str, whose: str) -> tuple[bytes, bool]:
+    """``(its pickle, False)``, or ``(the error message, True)`` when ``obj`` cannot be pickled."""
     try:
         data = pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
     except Exception as exc:  # noqa: BLE001 - any pickling failure (PicklingError, TypeError, AttributeError) is reported on every rank
         text = (f"{collective}: {whose} of type {type(obj).__module__}.{type(obj).__qualname__} cannot be "
                 f"pickled ({type(exc).__name__}: {exc}); send a picklable object (plain data, or an object "
                 f"whose class is importable at module level on every rank); nothing was sent")
-        return np.frombuffer(bytearray(text.encode()), dtype=np.uint8), True
-    return np.frombuffer(bytearray(data), dtype=np.uint8), False  # writable: MPI's broadcast asks for it
+        return text.encode(), True
+    return data, False
+
+
+class _Unpickled:
+    """What a receiver holds where an object could not be unpickled: the message, told to every rank."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str):
+        self.message = message
+
+
+def _unpickled(data: bytes, collective: str, whose: str, rank: int):
+    """``pickle.loads(data)``, or an :class:`_Unpickled` saying why it failed on this rank."""
+    try:
+        return pickle.loads(data)
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure (AttributeError for a class missing here, ImportError, ...) is reported on every rank
+        return _Unpickled(f"{collective}: {whose} cannot be unpickled on rank {rank} ({type(exc).__name__}: {exc}); "
+                          f"send plain data, or an object whose class is importable at module level on every "
+                          f"rank")
+
+
+def _agree_unpickled(host, *values) -> None:
+    """Every rank learns whether every receiver could unpickle what it got; if some could not, every rank
+    (the sender included) raises the same TypeError naming them."""
+    if host.size == 1:
+        return
+    note = next((v.message for v in values if isinstance(v, _Unpickled)), None)
+    notes = [n for n in host.objects_allgather(note) if n is not None]
+    if notes:
+        raise TypeError("; ".join(notes))
 
 
 def _resolve(comm) -> Communicator:

@@ -17,8 +17,12 @@ from __future__ import annotations
 
 import time
 
-from ._errors import CollectiveError, reraise
+from ._errors import CollectiveError, CollectiveTimeoutError, reraise
+from ._poll import poll
 from ._threads import enter, leave, refuse
+
+
+ABANDONED: list = []  # (request, steps) of handles whose wait timed out: kept to the end of the process
 
 
 class Handle:
@@ -41,9 +45,9 @@ class Handle:
         True
     """
 
-    __slots__ = ("_error", "_finished", "_owner", "_pending", "_result", "_steps", "what")
+    __slots__ = ("_error", "_fail", "_finished", "_owner", "_pending", "_result", "_steps", "what")
 
-    def __init__(self, what: str, steps, owner: dict | None = None):
+    def __init__(self, what: str, steps, owner: dict | None = None, fail=None):
         self.what = what  # the collective, for messages
         self._steps = steps
         self._pending = None
@@ -51,6 +55,7 @@ class Handle:
         self._result = None
         self._error: BaseException | None = None
         self._owner = owner  # the communicator's outstanding handles (id -> handle), left on completion
+        self._fail = fail  # fails the communicator (a wait that timed out: it can never be used again)
         if owner is not None:
             owner[id(self)] = self
         self._advance()  # starts the transfer
@@ -59,7 +64,7 @@ class Handle:
     def completed(cls, what: str, result=None, error: BaseException | None = None) -> Handle:
         """A handle whose collective has already run (or failed: ``wait()`` raises ``error``)."""
         h = cls.__new__(cls)
-        h.what, h._steps, h._pending, h._owner = what, None, None, None
+        h.what, h._steps, h._pending, h._owner, h._fail = what, None, None, None, None
         h._finished, h._result, h._error = True, result, error
         return h
 
@@ -106,17 +111,25 @@ class Handle:
             self._advance()
         return True
 
-    def wait(self):
+    def wait(self, timeout: float | None = None):
         """Block until the collective has completed; return what the blocking call would have returned
         (the same array for an in-place call), or raise its error (:class:`MismatchError`,
         :class:`CollectiveTimeoutError` after ``COLLECTIVES_TIMEOUT`` seconds of waiting here,
         :class:`CollectiveError` for an MPI error). May be called again: it returns (or raises) the same.
         Like a collective, refused (:class:`CollectiveError`) while another thread of the process is inside
-        one (``_threads``): waiting calls MPI."""
+        one (``_threads``): waiting calls MPI.
+
+        Args:
+            timeout: seconds to wait at most (None: as long as the transport's own deadline allows). Past
+                it, :class:`CollectiveTimeoutError`: the transfer cannot be cancelled, so the communicator
+                is failed for good (every later call on it raises at once), and nothing of this call's is
+                written afterwards by the library."""
         if not self._finished:
             if not enter(False):
                 refuse(f"{self.what} handle's wait()")
             try:
+                if timeout is not None and not poll(self._progress, timeout):
+                    self._expire(timeout)
                 while not self._finished:
                     try:
                         self._pending.wait()
@@ -130,16 +143,21 @@ class Handle:
             reraise(self._error, self.what)
         return self._result
 
+    def _expire(self, timeout: float) -> None:
+        """``wait(timeout)`` gave up: fail the communicator, hold and raise the timeout."""
+        reason = f"{self.what} did not complete within {timeout:g} s"
+        if self._fail is not None:
+            self._fail(reason)
+        # MPI cannot cancel a started collective and may still write into its buffers (when the late
+        # ranks arrive and anything progresses MPI): the request and the steps holding the buffers live on
+        ABANDONED.append((self._pending, self._steps))
+        self._finish(None, CollectiveTimeoutError(
+            f"{reason}: another rank has not issued the matching call, or died. The communicator cannot be "
+            f"used further (every later call on it raises); end the job"))
+
     def _settle(self, seconds: float) -> bool:
         """Poll :meth:`done` for up to ``seconds``; whether it completed (for ``close()``)."""
-        deadline = time.monotonic() + seconds
-        pause = 1e-5
-        while not self._progress():
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(pause)
-            pause = min(2 * pause, 1e-3)
-        return True
+        return poll(self._progress, seconds)
 
 
 def settle_all(handles: list, seconds: float, where: str) -> None:

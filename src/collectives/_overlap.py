@@ -6,8 +6,9 @@
 - **layout**: the optimizer's parameters, in *reverse* ``param_groups`` order (the order backward
   produces their gradients), are laid out in flat buffers, one per (parameter group, dtype, device), each
   at most ``bucket_bytes``; a parameter of ``_buckets.solo_bytes(bucket_bytes)`` bytes or more (256 KiB,
-  as for ``allreduce_tree``'s solo leaves) gets a bucket of its own (without sharded state). Every rank
-  builds the same layout from the same optimizer, so no agreement is needed;
+  as for ``allreduce_tree``'s solo leaves) gets a bucket of its own (without sharded state). The ranks
+  agree on the layout when it is made (one 17-byte allgather, ``_agree``): different models are a
+  MismatchError on every rank, never an exchange of unrelated gradients;
 - **hooks**: a post-accumulate-grad hook per parameter with ``requires_grad`` marks it ready (a frozen
   parameter is not waited for; it gets its hook when unfrozen, from the next round); when every such
   parameter of a bucket is ready, and every bucket before it has left, the bucket leaves: its gradients
@@ -55,6 +56,7 @@ import weakref
 
 import numpy as np
 
+from . import _agree, _arrays
 from ._buckets import solo_bytes
 from ._errors import MismatchError
 from ._handles import Handle
@@ -218,6 +220,14 @@ class Buckets:
                 b.key[2].type == "cpu" and comm._reduces_on_the_callers_cpus(b.numel * b.slots[0].param.element_size())))
             if not b.solo:  # a solo parameter's buffer is made only if ever needed (see _leave)
                 self._flat(b)
+        # The ranks agree on the layout once, here (collective: every rank makes its optimizer together), as
+        # allreduce_tree agrees on every tree: ranks whose models differ raise MismatchError on every rank
+        # instead of reducing each other's unrelated gradients.
+        where = {id(b): i for i, b in enumerate(buckets)}
+        entries = tuple((s.name, f"{_desc(s.param)} {s.param.device.type} in bucket {where[id(s.bucket)]}")
+                        for s in self.slots)
+        header = (("op", op), ("bucket_bytes", int(bucket_bytes)), ("shard_state", bool(shard)))
+        _agree.agree(comm._transport_for(_arrays.HOST), "DistributedOptimizer", header, entries, checked=False)
         self.flag = np.zeros(3, np.int64)
         self.flag_handle = None
         self.next = 0

@@ -73,12 +73,6 @@ SCHEME = "collectives"
 
 _R = dist.ReduceOp.RedOpType
 _OPS = {_R.SUM: "sum", _R.PRODUCT: "prod", _R.MIN: "min", _R.MAX: "max", _R.AVG: "mean"}
-_BUSY_S = 1e-3  # wait(): test back to back for this long (as MPI_Wait spins: a schedule of several steps
-# progresses one step per test), then yield the core between tests (sched_yield: on a machine with more
-# ranks than cores the peer needs it; where the core is free it returns at once). Never sleep: a rank asleep
-# holds back the peers' progress too, and with both sides sleeping in turn an 8 B allreduce took
-# milliseconds on a loaded machine.
-_yield = getattr(os, "sched_yield", lambda: time.sleep(0))  # not on every platform
 
 
 def _op(reduce_op) -> tuple[str, object]:
@@ -170,16 +164,18 @@ class Work(dist.Work):
         if not self._done:
             bounds = [b for b in (_seconds(timeout), self._timeout_s, _config.timeout()) if b is not None]
             limit = min(bounds) if bounds else None
-            start = time.monotonic()
-            while not all(h.done() for h in self._handles):
-                waited = time.monotonic() - start
-                if limit is not None and waited >= limit:
-                    raise CollectiveTimeoutError(
-                        f"{self._what} did not complete within {limit:g} s (the smallest of wait(timeout=), the "
-                        f"group's timeout= and COLLECTIVES_TIMEOUT): another rank has not issued the matching "
-                        f"call, or died. The group cannot be used further; end the job")
-                if waited > _BUSY_S:
-                    _yield()
+            end = None if limit is None else time.monotonic() + limit
+            try:  # each handle's wait is bounded by what is left; one that times out fails the group
+                for h in self._handles:
+                    h.wait(None if end is None else max(0.0, end - time.monotonic()))
+            except CollectiveTimeoutError as exc:
+                raise CollectiveTimeoutError(
+                    f"{self._what} did not complete within {limit:g} s (the smallest of wait(timeout=), the "
+                    f"group's timeout= and COLLECTIVES_TIMEOUT): another rank has not issued the matching "
+                    f"call, or died. The group cannot be used further (every later operation on it raises); "
+                    f"end the job") from exc
+            except Exception:  # noqa: BLE001 - the operation's own error: held by _complete, raised below
+                pass
             self._complete()
         if self._error is not None:
             raise self._error
@@ -309,7 +305,7 @@ class ProcessGroupCollectives(dist.ProcessGroup):
                 t.mul_(factor)
         if len(tensors) == 1:
             return self._work("allreduce", [self._comm.allreduce(tensors[0], op, async_op=True)], result=tensors)
-        return self._work("allreduce", [self._comm.allreduce_tree(tensors, op, async_op=True)], result=tensors)
+        return self._coalesced("allreduce", tensors, op)
 
     def allreduce_coalesced(self, tensors, opts=None):
         op, factor = _op(_opts_op(opts))
@@ -317,8 +313,26 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         if factor is not None:
             for t in tensors:
                 t.mul_(factor)
-        return self._work("allreduce_coalesced", [self._comm.allreduce_tree(tensors, op, async_op=True)],
-                          result=tensors)
+        return self._coalesced("allreduce_coalesced", tensors, op)
+
+    def _coalesced(self, what: str, tensors: list, op: str) -> Work:
+        """Several tensors reduced as one flat tensor per (dtype, device), each an asynchronous allreduce
+        (a fingerprint beside it; bounded by the group's timeout like every other Work), then copied back."""
+        groups: dict = {}
+        for t in tensors:
+            groups.setdefault((t.dtype, t.device), []).append(t)
+        flats = [(ts, torch.cat([t.reshape(-1) for t in ts])) for ts in groups.values()]
+        handles = [self._comm.allreduce(flat, op, async_op=True) for _, flat in flats]
+
+        def finish(results):
+            for (ts, _), out in zip(flats, results, strict=True):
+                at = 0
+                for t in ts:
+                    n = t.numel()
+                    t.copy_(out[at:at + n].reshape(t.shape))
+                    at += n
+
+        return self._work(what, handles, finish, tensors)
 
     def reduce(self, tensors, opts=None):
         t = _one(tensors, "reduce")

@@ -30,7 +30,7 @@ class RecordingTransport:
         self.sent = []
         self.rounds = []
 
-    def allgather(self, send, recv):  # round one: fingerprints
+    def agree_allgather(self, send, recv):  # round one: fingerprints
         self.rounds.append("fingerprints")
         for r, other in enumerate(self.others):
             row = recv[r if r < self.rank else r + 1]
@@ -240,8 +240,8 @@ def deadline_transport(timeout):
 
 def test_deadline_waits_for_a_request_that_completes():
     t = deadline_transport(5.0)
-    t._run(("allreduce", None, None), lambda: Request(done_after=200))
-    t._run(("barrier", None, None), lambda: Request(done_after=0))
+    t._wait(("allreduce", None, None), Request(done_after=200))
+    t._wait(("barrier", None, None), Request(done_after=0))
 
 
 def test_deadline_expires_with_a_typed_error_and_the_transport_stays_failed(capsys):
@@ -249,7 +249,7 @@ def test_deadline_expires_with_a_typed_error_and_the_transport_stays_failed(caps
     buf = np.zeros(7, dtype=np.float32)
     start = time.monotonic()
     with pytest.raises(CollectiveTimeoutError) as info:
-        t._run(("allreduce", buf, "op=sum"), lambda: Request(None))
+        t._wait(("allreduce", buf, "op=sum"), Request(None))
     took = time.monotonic() - start
     assert 0.2 <= took < 1.5
     msg = str(info.value)
@@ -258,7 +258,7 @@ def test_deadline_expires_with_a_typed_error_and_the_transport_stays_failed(caps
     assert "COLLECTIVES_CHECK=1" in msg
     assert "collectives: allreduce of 7 x float32 (op=sum) timed out on rank 1 of 2" in capsys.readouterr().err
     with pytest.raises(CollectiveError, match="unusable: allreduce of 7 x float32 .* timed out"):
-        t._run(("barrier", None, None), lambda: Request(done_after=0))
+        t.barrier()  # refused at once: the transport stays failed
     t.close()  # does not free a communicator with a pending request
     assert t.comm is None
 
@@ -270,7 +270,7 @@ def test_deadline_polling_sleeps_after_a_while_instead_of_spinning():
     t.SPIN_S = 0.1
     cpu, wall = time.process_time(), time.monotonic()
     with pytest.raises(CollectiveTimeoutError):
-        t._run(("barrier", None, None), lambda: Request(None))
+        t._wait(("barrier", None, None), Request(None))
     assert time.monotonic() - wall >= 1.5
     assert time.process_time() - cpu < 0.1 + 0.4
 

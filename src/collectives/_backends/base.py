@@ -32,6 +32,8 @@ import abc
 
 import numpy as np
 
+from .._errors import CollectiveError
+
 _F16 = np.dtype(np.float16)
 
 
@@ -59,7 +61,35 @@ class HostTransport(abc.ABC):
     local_size: int = 1
     can_broadcast_many = False
     timeout: float | None = None  # seconds a wait may last (COLLECTIVES_TIMEOUT), where the transport has one
+    failed: str | None = None  # why the transport cannot be used any more (see fail), or None
     _float16 = True
+
+    # ---- the failed state: once failed, failed for good ----
+    def fail(self, reason: str) -> None:
+        """Mark the transport unusable (a timeout, a mismatch found beside a call, a job failure): every
+        later operation raises :class:`CollectiveError` at once (:meth:`usable`), and the callbacks given to
+        :meth:`on_failure` run once (a Communicator empties its hot-path tables). The first reason stays."""
+        if self.failed is not None:
+            return
+        self.failed = reason
+        for callback in self.__dict__.pop("_failure_callbacks", ()):
+            callback()
+
+    def on_failure(self, callback) -> None:
+        """Call ``callback()`` when the transport fails (at once if it has)."""
+        if self.failed is not None:
+            callback()
+        else:
+            self.__dict__.setdefault("_failure_callbacks", []).append(callback)
+
+    def usable(self) -> None:
+        """Raise :class:`CollectiveError` if the transport has failed (:meth:`fail`)."""
+        if self.failed is not None:
+            raise CollectiveError(f"this communicator is unusable: {self.failed}; the job cannot continue "
+                                  f"(other ranks may still be waiting in that collective)")
+
+    def abandon(self, request) -> None:  # noqa: B027 - optional: only transports with pending requests keep them
+        """Keep ``request``, left pending by a failure, alive to the end of the process (its buffers too)."""
 
     def reduces(self, dtype: np.dtype, op: str) -> bool:
         """True if this transport reduces ``dtype`` with ``op`` correctly itself (else the reduction rules
@@ -133,7 +163,20 @@ class HostTransport(abc.ABC):
 
     @abc.abstractmethod
     def broadcast_object(self, obj, root: int):
-        """Root's picklable ``obj`` on every rank."""
+        """Root's picklable ``obj`` on every rank (the library's own metadata)."""
+
+    def agree_allgather(self, send: np.ndarray, recv: np.ndarray) -> None:
+        """The agreement protocol's fixed-size allgather of uint8 ``send`` into ``recv`` (``(size, n)``),
+        apart from the data collectives where the transport can keep it apart (MPI: its own communicator)."""
+        self.allgather(send, recv)
+
+    def objects_allgather(self, obj) -> list:
+        """:func:`collectives.allgather_object`'s exchange (apart from the library's metadata where it can)."""
+        return self.allgather_object(obj)
+
+    def objects_broadcast(self, obj, root: int):
+        """:func:`collectives.broadcast_object`'s exchange (apart from the library's metadata where it can)."""
+        return self.broadcast_object(obj, root)
 
     @abc.abstractmethod
     def barrier(self) -> None:

@@ -22,12 +22,22 @@ import numpy as np
 
 from .. import _config
 from .._dtypes import divide
-from .._errors import BackendUnavailableError, CollectiveError, CollectiveTimeoutError
+from .._errors import BackendUnavailableError, CollectiveTimeoutError, MismatchError
+from .._poll import poll
 from . import shm  # large allreduces through a node-shared window (made at first use), issue 7
 from .base import DONE, HostTransport, Request
 
 
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
+
+# The lanes: one MPI communicator per kind of collective (see MPITransport.__init__), and one for the
+# fingerprints the non-blocking paths reduce beside each call (see _fingerprint).
+LANES = ("allreduce", "reduce", "broadcast", "allgather", "reduce_scatter", "alltoall", "barrier", "objects",
+         "fingerprint")
+# The fields of a call's fingerprint: which collective, how many elements of which dtype, op, root.
+FIELDS = ("collective", "count", "dtype", "op", "root")
+_KINDS = ("allreduce", "reduce", "broadcast", "allgather", "reduce_scatter", "alltoall", "barrier")
+_OP_IDS = {"sum": 0, "prod": 1, "min": 2, "max": 3}
 
 
 def import_mpi():
@@ -225,6 +235,13 @@ class MPITransport(HostTransport):
         self._shm_threshold, self._pipeline, self._faulty = _agreed_settings(self.comm, self.local_size, faulty)
         if self._faulty and self.rank == 0:
             _warn_faulty(MPI, sorted(self._faulty, key=PROBED_OPS.index))
+        # One MPI communicator per kind of collective (a "lane"), so that MPI can never match one collective
+        # with another (an allreduce on one rank with a barrier or an allgather on another: MPI leaves that
+        # undefined, and MPICH matches non-blocking collectives by their order alone); self.comm carries the
+        # agreement protocol and the library's own metadata. Made here, eagerly: a lane made at first use
+        # would be made by different ranks in different collectives' first calls.
+        self._lanes = {name: self.comm.Dup() for name in LANES}
+        self._abandoned: list = []  # requests left pending by a failure (never freed: MPI may still write)
         self._pipe_ring = None  # broadcast_many's pack buffers (root only, made at first use)
         self._pipe_plans: dict = {}  # (lengths, message size) -> messages
         self._pipe_typesets: dict = {}  # (addresses, plan key) -> (datatypes, spares), least recently used first
@@ -246,9 +263,9 @@ class MPITransport(HostTransport):
         """A direct call for contiguous writable NumPy arrays of ``dtype`` (the Communicator's hot path),
         or None when this pair needs the general path (widening, chunking). ``op`` "broadcast" means
         broadcast; the returned callable then takes ``(x, root)``."""
-        comm, in_place, max_count = self.comm, self._in_place, self._max_count
+        comm, in_place, max_count = self._lanes["allreduce"], self._in_place, self._max_count
         if op == "broadcast":
-            bcast, byte = comm.Bcast, self.MPI.BYTE
+            bcast, byte = self._lanes["broadcast"].Bcast, self.MPI.BYTE
             if max_count < DEFAULT_MAX_COUNT:  # the user asked for pieces: honour it on every call
 
                 def run_bcast(x, root):
@@ -312,7 +329,7 @@ class MPITransport(HostTransport):
         past the count one MPI call takes (``_blocks``)."""
         max_count = self._max_count
         if operation == "alltoall":
-            alltoall, byte = self.comm.Alltoall, self.MPI.BYTE
+            alltoall, byte = self._lanes["alltoall"].Alltoall, self.MPI.BYTE
 
             def run_alltoall(send, recv):
                 if send.nbytes > max_count * size:
@@ -323,7 +340,7 @@ class MPITransport(HostTransport):
         datatype = self._types.get(dtype)
         if datatype is None or op not in self._ops or not self.reduces(dtype, op):
             return None
-        scatter, mop = self.comm.Reduce_scatter_block, self._ops[op]
+        scatter, mop = self._lanes["reduce_scatter"].Reduce_scatter_block, self._ops[op]
 
         def run_scatter(send, recv):
             if recv.size > max_count:
@@ -363,15 +380,16 @@ class MPITransport(HostTransport):
         datatype = self._types[buf.dtype]
         mop = self._ops[op]
         for piece in self._chunks(buf):
-            self.comm.Allreduce(self._in_place, [piece, datatype], mop)
+            self._allreduce_piece(piece, datatype, mop, op)
 
     def _shm_allreduce(self, buf, op, wait=None) -> bool:
         """Reduce ``buf`` through node-shared memory (``op`` may also be "mean"); False if it cannot.
         ``wait``: how to complete each node barrier (shm.Reducer.allreduce; the deadline transport's)."""
         if self._shm is None:  # collective, and safe here: every rank is in this allreduce
+            lane = self._lanes["allreduce"]  # made on the allreduce lane: only an allreduce can meet it
             if wait is not None:  # every rank has arrived (within the deadline) before the blocking setup
-                wait(self.comm.Ibarrier())
-            self._shm = shm.Reducer(self.comm, slot_bytes=_config.shm_slot_bytes(), types=self._types,
+                wait(lane.Ibarrier())
+            self._shm = shm.Reducer(lane, slot_bytes=_config.shm_slot_bytes(), types=self._types,
                                     node_color=self._node_color, ops=self._ops, reduces=self.reduces)
         if not self._shm.supports(buf.dtype, op, bounded=wait is not None):
             return False
@@ -381,71 +399,126 @@ class MPITransport(HostTransport):
     def reduce(self, buf, op, root):
         datatype = self._types[buf.dtype]
         mop = self._ops[op]
-        root_rank = self.rank == root
         for piece in self._chunks(buf):
-            if root_rank:
-                self.comm.Reduce(self._in_place, [piece, datatype], mop, root)
-            else:
-                self.comm.Reduce([piece, datatype], None, mop, root)
+            self._reduce_piece(piece, datatype, mop, op, root)
 
     def broadcast(self, buf, root):
         raw = buf.reshape(-1).view(np.uint8)
         for piece in self._chunks(raw):
-            self.comm.Bcast([piece, self.MPI.BYTE], root)
+            self._broadcast_piece(piece, root)
 
-    # ---- non-blocking starts (async_op=True) ----
+    # ---- each MPI call, once blocking (here) and once non-blocking (the _i<operation> starts below) ----
+    def _allreduce_piece(self, piece, datatype, mop, op) -> None:
+        self._lanes["allreduce"].Allreduce(self._in_place, [piece, datatype], mop)
+
+    def _reduce_piece(self, piece, datatype, mop, op, root) -> None:
+        if self.rank == root:
+            self._lanes["reduce"].Reduce(self._in_place, [piece, datatype], mop, root)
+        else:
+            self._lanes["reduce"].Reduce([piece, datatype], None, mop, root)
+
+    def _broadcast_piece(self, piece, root) -> None:
+        self._lanes["broadcast"].Bcast([piece, self.MPI.BYTE], root)
+
+    # ---- non-blocking starts (async_op=True; every operation of the deadline transport) ----
     def start(self, operation, *args):
         """Begin ``operation`` as MPI's non-blocking collective (``Iallreduce``, ``Ireduce``, ``Ibcast``,
-        ``Iallgather``, ``Ireduce_scatter_block``, ``Ialltoall``) and return its request. Never the
-        shared-memory allreduce (synchronous by design: it would finish here, with nothing to overlap;
-        see docs/semantics.md). Counts past the limit of one MPI call run blocking now (a completed
-        request): the piecewise loops need each piece's result before the next."""
-        begin = getattr(self, "_i" + operation)(*args)
-        if begin is None:
+        ``Iallgather``, ``Ireduce_scatter_block``, ``Ialltoall``, ``Ibarrier``) with its fingerprint beside
+        it (:meth:`_begin`), and return its request. Never the shared-memory allreduce (synchronous by
+        design: it would finish here, with nothing to overlap; see docs/semantics.md). Counts past the limit
+        of one MPI call run blocking now (a completed request): the piecewise loops need each piece's result
+        before the next."""
+        self.usable()
+        if not self._fits(operation, *args):
             getattr(self, operation)(*args)
             return DONE
-        return _MPIRequest(self, begin, (operation, args[0] if args else None, None))
+        return self._begin(operation, *args)
+
+    def _fits(self, operation, *args) -> bool:
+        """Whether ``operation`` on these buffers is one MPI call (within ``COLLECTIVES_MAX_COUNT``), and
+        one whose non-blocking form gives the blocking form's bits."""
+        if not args:
+            return True
+        buf = args[0]
+        if operation == "reduce":
+            op = args[1]
+            if op == "prod" and buf.dtype.kind == "c":
+                return False  # complex products: MPICH's Ireduce multiplies in another order than Reduce, and
+                # the sign of a zero part depends on that order (tests/mpi/test_paths.py); blocking instead
+            return buf.size <= self._max_count
+        if operation == "allreduce":
+            return buf.size <= self._max_count
+        if operation == "reduce_scatter":
+            return args[1].size <= self._max_count
+        if operation == "alltoall":
+            return buf.nbytes // self.size <= self._max_count
+        return buf.nbytes <= self._max_count  # broadcast, allgather
+
+    def _begin(self, operation, *args) -> _MPIRequest:
+        """Start one MPI call of ``operation`` and, before it, the reduction of its fingerprint
+        (:meth:`_fingerprint`) on the fingerprint lane: when the call's request completes, every rank
+        has learnt whether every rank made the same call, and raises :class:`MismatchError` if not."""
+        check = self._fingerprint(operation, *args) if self.size > 1 else None
+        return _MPIRequest(self, getattr(self, "_i" + operation)(*args), _describe(operation, args), check)
+
+    def _fingerprint(self, operation, *args):
+        """Start the fingerprint of a call: ``(request, buffer)``. The fields (:data:`FIELDS`: the
+        collective, the element count, dtype, op and root) travel with their negations in one
+        ``MPI_Iallreduce`` with ``MPI_MAX`` of 10 int64: every rank gets each field's largest and smallest
+        value, so every rank knows alike whether the ranks agree, without a second step. It runs on a lane
+        of its own, in the order of the calls: the fingerprints of ranks that called different collectives
+        meet each other, so a different collective is a MismatchError too, not a hang."""
+        v = np.zeros(2 * len(FIELDS), dtype=np.int64)
+        v[:len(FIELDS)] = _fields(operation, args)
+        v[len(FIELDS):] = -v[:len(FIELDS)]
+        return self._lanes["fingerprint"].Iallreduce(self._in_place, [v, self.MPI.INT64_T], self.MPI.MAX), v
+
+    def _verify(self, v: np.ndarray, what) -> None:
+        """Raise :class:`MismatchError` (and fail this transport) unless the reduced fingerprint ``v``
+        shows every rank with the same fields."""
+        n = len(FIELDS)
+        high, low = v[:n], -v[n:]
+        if (high == low).all():
+            return
+        message = _fingerprint_message(what, high, low, self.rank, self.size)
+        self.fail(message)
+        raise MismatchError(message)
 
     def _iallreduce(self, buf, op):
-        if buf.size > self._max_count:
-            return None
-        return self.comm.Iallreduce(self._in_place, [buf, self._types[buf.dtype]], self._ops[op])
+        return self._lanes["allreduce"].Iallreduce(self._in_place, [buf, self._types[buf.dtype]], self._ops[op])
 
     def _ireduce(self, buf, op, root):
-        if buf.size > self._max_count or (op == "prod" and buf.dtype.kind == "c"):
-            return None  # complex products: MPICH's Ireduce multiplies in another order than Reduce, and
-            # the sign of a zero part depends on that order (tests/mpi/test_paths.py); blocking instead
         spec = [buf, self._types[buf.dtype]]
         if self.rank == root:
-            return self.comm.Ireduce(self._in_place, spec, self._ops[op], root)
-        return self.comm.Ireduce(spec, None, self._ops[op], root)
+            return self._lanes["reduce"].Ireduce(self._in_place, spec, self._ops[op], root)
+        return self._lanes["reduce"].Ireduce(spec, None, self._ops[op], root)
 
     def _ibroadcast(self, buf, root):
-        if buf.nbytes > self._max_count:
-            return None
-        return self.comm.Ibcast([buf.reshape(-1).view(np.uint8), self.MPI.BYTE], root)
+        return self._lanes["broadcast"].Ibcast([buf.reshape(-1).view(np.uint8), self.MPI.BYTE], root)
 
     def _iallgather(self, send, recv):
-        if send.nbytes > self._max_count:
-            return None
-        return self.comm.Iallgather([send.reshape(-1).view(np.uint8), self.MPI.BYTE],
-                                    [recv.reshape(-1).view(np.uint8), self.MPI.BYTE])
+        return self._lanes["allgather"].Iallgather([send.reshape(-1).view(np.uint8), self.MPI.BYTE],
+                                                   [recv.reshape(-1).view(np.uint8), self.MPI.BYTE])
 
     def _ireduce_scatter(self, send, recv, op):
-        if recv.size > self._max_count:
-            return None
         datatype = self._types[send.dtype]
-        return self.comm.Ireduce_scatter_block([send, datatype], [recv, datatype], self._ops[op])
+        return self._lanes["reduce_scatter"].Ireduce_scatter_block([send, datatype], [recv, datatype],
+                                                                   self._ops[op])
 
     def _ialltoall(self, send, recv):
-        if send.nbytes // self.size > self._max_count:
-            return None
-        return self.comm.Ialltoall([send.reshape(-1).view(np.uint8), self.MPI.BYTE],
-                                   [recv.reshape(-1).view(np.uint8), self.MPI.BYTE])
+        return self._lanes["alltoall"].Ialltoall([send.reshape(-1).view(np.uint8), self.MPI.BYTE],
+                                                 [recv.reshape(-1).view(np.uint8), self.MPI.BYTE])
+
+    def _ibarrier(self):
+        return self._lanes["barrier"].Ibarrier()
 
     def _wait(self, what, req) -> None:
         """Wait for ``req`` (no deadline on this transport)."""
         req.Wait()
+
+    def abandon(self, req) -> None:
+        """Keep a request that a failure left pending (and with it its buffers) to the end of the process."""
+        self.__dict__.setdefault("_abandoned", []).append(req)
 
     # ---- many buffers, one broadcast (synchronize) ----
     PIPE_CHUNK = 1 << 20  # bytes per message of broadcast_many
@@ -576,8 +649,7 @@ class MPITransport(HostTransport):
     def allgather(self, send, recv):
         nbytes = send.nbytes
         if nbytes <= self._max_count:
-            self.comm.Allgather([send.reshape(-1).view(np.uint8), self.MPI.BYTE],
-                                [recv.reshape(-1).view(np.uint8), self.MPI.BYTE])
+            self._allgather_piece(send, recv)
             return
         # Past the count limit: every rank broadcasts its part, chunk by chunk, into its row.
         for r in range(self.size):
@@ -617,13 +689,18 @@ class MPITransport(HostTransport):
             if back is not None:
                 back[0][...] = back[1]
 
+    def _allgather_piece(self, send, recv) -> None:
+        """The one MPI call of :meth:`allgather` (the deadline transport polls a non-blocking one)."""
+        self._lanes["allgather"].Allgather([send.reshape(-1).view(np.uint8), self.MPI.BYTE],
+                                           [recv.reshape(-1).view(np.uint8), self.MPI.BYTE])
+
     def _reduce_scatter_piece(self, s, r, datatype, mop, op) -> None:
         """One MPI call of :meth:`reduce_scatter` (the deadline transport polls a non-blocking one)."""
-        self.comm.Reduce_scatter_block([s, datatype], [r, datatype], mop)
+        self._lanes["reduce_scatter"].Reduce_scatter_block([s, datatype], [r, datatype], mop)
 
     def _alltoall_piece(self, s, r) -> None:
         """One MPI call of :meth:`alltoall` (the deadline transport polls a non-blocking one)."""
-        self.comm.Alltoall([s, self.MPI.BYTE], [r, self.MPI.BYTE])
+        self._lanes["alltoall"].Alltoall([s, self.MPI.BYTE], [r, self.MPI.BYTE])
 
     def allgather_object(self, obj):
         return self.comm.allgather(obj)
@@ -631,8 +708,17 @@ class MPITransport(HostTransport):
     def broadcast_object(self, obj, root):
         return self.comm.bcast(obj, root)
 
+    def agree_allgather(self, send, recv) -> None:
+        self.comm.Allgather([send, self.MPI.BYTE], [recv, self.MPI.BYTE])
+
+    def objects_allgather(self, obj) -> list:
+        return self._lanes["objects"].allgather(obj)
+
+    def objects_broadcast(self, obj, root):
+        return self._lanes["objects"].bcast(obj, root)
+
     def barrier(self):
-        self.comm.Barrier()
+        self._lanes["barrier"].Barrier()
 
     def split(self, color, key):
         """``MPI_Comm_split`` of this transport's communicator, then a transport of the same kind (a
@@ -649,6 +735,9 @@ class MPITransport(HostTransport):
         return child
 
     def close(self):
+        if self.failed is not None:  # a request may still be pending on it: freeing could block; leave it
+            self.comm, self._lanes, self._shm = None, {}, None  # (to the end of the process)
+            return
         reducer, self._shm = getattr(self, "_shm", None), None
         if reducer is not None:
             reducer.close()  # the window before the communicator it was made on
@@ -658,9 +747,13 @@ class MPITransport(HostTransport):
             for types, _ in typesets.values():
                 for t in types:
                     t.Free()
+        lanes, self._lanes = getattr(self, "_lanes", {}), {}
         comm, self.comm = getattr(self, "comm", None), None
-        if comm is not None and not self.MPI.Is_finalized():
-            comm.Free()
+        if not self.MPI.Is_finalized():
+            for lane in lanes.values():
+                lane.Free()
+            if comm is not None:
+                comm.Free()
 
 
 def _overlapping(addresses: tuple, lengths: tuple) -> list[int]:
@@ -693,22 +786,108 @@ def _overlapping(addresses: tuple, lengths: tuple) -> list[int]:
 
 
 class _MPIRequest(Request):
-    """An MPI request of a transport: :meth:`test` is ``MPI_Test`` (which also lets MPI progress it);
-    :meth:`wait` is the transport's wait (``MPI_Wait``, or polling under the deadline)."""
+    """An MPI request of a transport, with the fingerprint reduced beside it (``check``: ``(request,
+    buffer)``, or None): :meth:`test` is ``MPI_Test`` (which also lets MPI progress it); :meth:`wait` is the
+    transport's wait (``MPI_Wait``, or polling under the deadline). The fingerprint is looked at first: a
+    call that the ranks made differently raises :class:`MismatchError` (and fails the transport) before
+    its data is waited for, and its request is kept, never completed (its buffers stay alive)."""
 
-    def __init__(self, transport, req, what):
-        self._transport, self._req, self._what = transport, req, what
+    def __init__(self, transport, req, what, check=None):
+        self._transport, self._req, self._what, self._check = transport, req, what, check
         self._done = False
+
+    def _checked(self) -> None:
+        v = self._check[1]
+        self._check = None
+        try:
+            self._transport._verify(v, self._what)
+        except MismatchError:
+            self._transport.abandon(self._req)
+            self._req = None
+            raise
 
     def test(self) -> bool:
         if not self._done:
+            if self._check is not None:
+                if not self._check[0].Test():
+                    return False
+                self._checked()
             self._done = self._req.Test()
         return self._done
 
     def wait(self) -> None:
         if not self._done:
-            self._transport._wait(self._what, self._req)
+            try:
+                if self._check is not None:
+                    self._transport._wait(self._what, self._check[0])
+                    self._checked()
+                self._transport._wait(self._what, self._req)
+            except BaseException:  # a timeout: MPI may still write into the buffers: keep them alive
+                self._transport.abandon(self)
+                raise
             self._done = True
+
+
+def _fields(operation: str, args: tuple) -> list[int]:
+    """The fingerprint fields (:data:`FIELDS`) of one MPI call of ``operation`` with ``args``."""
+    kind = _KINDS.index(operation)
+    if not args:
+        return [kind, 0, 0, -1, -1]
+    buf = args[0]
+    dtype = buf.dtype
+    op = root = -1
+    rest = args[1:]
+    if operation in ("allreduce", "reduce", "reduce_scatter"):
+        op_arg = rest[-1] if operation == "reduce_scatter" else rest[0]
+        op = _OP_IDS.get(op_arg, 9)
+    if operation == "reduce":
+        root = rest[1]
+    elif operation == "broadcast":
+        root = rest[0]
+    return [kind, buf.size, ord(dtype.kind) * 64 + dtype.itemsize, op, root]
+
+
+def _dtype_name(code: int) -> str:
+    kind, itemsize = chr(code // 64), code % 64
+    try:
+        return np.dtype(f"{kind}{itemsize}").name
+    except TypeError:
+        return f"{kind}{itemsize}"
+
+
+def _field_value(name: str, value: int) -> str:
+    if name == "collective":
+        return _KINDS[value] if 0 <= value < len(_KINDS) else str(value)
+    if name == "dtype":
+        return _dtype_name(value)
+    if name == "op":
+        return {v: k for k, v in _OP_IDS.items()}.get(value, "none")
+    return str(value)
+
+
+def _describe(operation: str, args: tuple):
+    """What a request is, for messages: ``(name, buffer or None, detail or None)``."""
+    return (operation, args[0] if args else None, None)
+
+
+def _fingerprint_message(what, high, low, rank: int, size: int) -> str:
+    """The message of the MismatchError every rank raises for a fingerprint whose fields differ."""
+    name = what[0]
+    mine = what[1]
+    if high[0] != low[0]:
+        called = f"{_field_value('collective', int(low[0]))} and {_field_value('collective', int(high[0]))}"
+        head = f"ranks called different collectives at the same point: {called} (this rank, {rank} of {size}: {name})"
+    else:
+        parts = []
+        for i, field in enumerate(FIELDS[1:], start=1):
+            if high[i] != low[i]:
+                parts.append(f"{field} from {_field_value(field, int(low[i]))} to {_field_value(field, int(high[i]))}")
+        this = f" of {mine.size} x {mine.dtype}" if mine is not None else ""
+        head = (f"ranks disagree about {name}: " + "; ".join(parts) +
+                f" across the ranks (this rank, {rank} of {size}: {name}{this})")
+    return (f"{head}. Every rank must make the same calls in the same order, with the same arguments. Detected "
+            f"beside the call, after it was started: the communicator cannot be used further (run with "
+            f"COLLECTIVES_CHECK=1 to have such calls refused before anything moves, the communicator usable)")
 
 
 class DeadlineMPITransport(MPITransport):
@@ -735,7 +914,6 @@ class DeadlineMPITransport(MPITransport):
     SPIN_S = 0.25
     MAX_PAUSE_S = 1e-3
     YIELD_EVERY = 64  # polls between sched_yield() calls while spinning
-    _failed: str | None = None
 
     can_broadcast_many = False  # broadcast_many's blocking pipeline has no deadline: buckets instead
 
@@ -758,44 +936,13 @@ class DeadlineMPITransport(MPITransport):
         return None  # the same
 
     # ---- waiting ----
-    def _run(self, what, start, *args) -> None:
-        """Start a non-blocking collective with ``start(*args)`` and wait for it under the deadline."""
-        self._usable()
-        self._wait(what, start(*args))
-
-    def _usable(self) -> None:
-        if self._failed is not None:
-            raise CollectiveError(f"this communicator is unusable: {self._failed}; the job cannot continue "
-                                  f"(other ranks may still be waiting in that collective)")
-
-    def start(self, operation, *args):
-        self._usable()
-        return super().start(operation, *args)
-
     def _wait(self, what, req) -> None:
-        """Poll ``req`` until it completes or ``timeout`` seconds from now have passed (then raise)."""
+        """Wait for ``req`` until it completes or ``timeout`` seconds from now have passed (then fail the
+        transport and raise :class:`CollectiveTimeoutError`), polling as :func:`collectives._poll.poll` does."""
         t0 = time.monotonic()
-        if req.Test():
-            return
-        deadline = t0 + self.timeout
-        monotonic, test = time.monotonic, req.Test
-        spin_until = min(t0 + self.SPIN_S, deadline)
-        polls = 0
-        while not test():
-            polls += 1
-            if polls % self.YIELD_EVERY == 0:
-                if monotonic() >= spin_until:
-                    break
-                _yield()
-        else:
-            return
-        pause = 20e-6
-        while not test():
-            now = monotonic()
-            if now >= deadline:
-                self._expire(what, now - t0)
-            time.sleep(pause)
-            pause = min(pause * 2, self.MAX_PAUSE_S)
+        if not poll(req.Test, self.timeout, spin_s=self.SPIN_S, max_pause_s=self.MAX_PAUSE_S):
+            self.abandon(req)  # pending for good: it and its buffers live to the end of the process
+            self._expire(what, time.monotonic() - t0)
 
     def _expire(self, what, waited: float):
         """Declare the collective described by ``what`` hung: record, print, raise."""
@@ -806,102 +953,123 @@ class DeadlineMPITransport(MPITransport):
         if detail:
             desc += f" ({detail})"
         where = f"rank {self.rank} of {self.size}"
-        self._failed = f"{desc} timed out on {where}"
+        self.fail(f"{desc} timed out on {where}")
         msg = (f"{desc} did not complete on {where} within COLLECTIVES_TIMEOUT={self.timeout:g} s "
                f"(waited {waited:.1f} s): some rank never entered it (it failed, exited, is stuck, or "
                f"called a different collective). The job cannot continue; unless caught, this exception "
                f"aborts every rank. If the collective is legitimately slow, raise COLLECTIVES_TIMEOUT; "
                f"to find a divergent rank, run with COLLECTIVES_CHECK=1")
         try:
-            sys.stderr.write(f"collectives: {self._failed} after {waited:.1f} s "
+            sys.stderr.write(f"collectives: {self.failed} after {waited:.1f} s "
                              f"(COLLECTIVES_TIMEOUT={self.timeout:g})\n")
             sys.stderr.flush()
         except Exception:  # noqa: BLE001 - a closed stderr must not hide the timeout itself
             pass
         raise CollectiveTimeoutError(msg)
 
-    # ---- data ----
+    def _now(self, operation, *args) -> None:
+        """One MPI call of ``operation``, non-blocking with its fingerprint, waited under the deadline."""
+        self.usable()
+        self._begin(operation, *args).wait()
+
+    # ---- data: the blocking operations' MPI calls, each the non-blocking one waited under the deadline ----
     def _bounded_shm(self, buf, op) -> bool:
         """On one node, from the shared-memory threshold: ``buf`` reduced through the shared window, each of
         its barriers an ``MPI_Ibarrier`` waited for under the deadline (the window is made after a bounded
-        rendezvous of every rank). False where that path does not apply."""
+        rendezvous of every rank). False where that path does not apply. The fingerprint of the call is
+        reduced first (a node barrier cannot tell an allreduce of 4 elements from one of 8)."""
         if not self.reduces_on_the_callers_cpus(buf.nbytes):
             return False
-        self._usable()
+        self.usable()
         what = ("allreduce", buf, f"op={op}, node-shared memory")
+        if self._shm is not None and not self._shm.supports(buf.dtype, op, bounded=True):
+            return False
+        if self.size > 1:
+            req, v = self._fingerprint("allreduce", buf, "sum" if op == "mean" else op)
+            self._wait(what, req)
+            self._verify(v, what)
         return self._shm_allreduce(buf, op, lambda req: self._wait(what, req))
 
     def allreduce(self, buf, op):
         if self._bounded_shm(buf, op):
             return
-        datatype = self._types[buf.dtype]
-        mop = self._ops[op]
-        for piece in self._chunks(buf):
-            self._run(("allreduce", piece, f"op={op}"), self.comm.Iallreduce, self._in_place,
-                      [piece, datatype], mop)
+        super().allreduce(buf, op)
+
+    def _allreduce_piece(self, piece, datatype, mop, op) -> None:
+        self._now("allreduce", piece, op)
 
     def reduce(self, buf, op, root):
         if op == "prod" and buf.dtype.kind == "c":  # Ireduce's order of complex products gives other signs
-            # of zero parts than Reduce's (see MPITransport._ireduce); Iallreduce's agrees with Reduce's
+            # of zero parts than Reduce's (see MPITransport._fits); Iallreduce's agrees with Reduce's
             return self.allreduce(buf if self.rank == root else buf.copy(), op)
-        datatype = self._types[buf.dtype]
-        mop = self._ops[op]
-        what = ("reduce", buf, f"op={op}, root={root}")
-        for piece in self._chunks(buf):
-            if self.rank == root:
-                self._run(what, self.comm.Ireduce, self._in_place, [piece, datatype], mop, root)
-            else:
-                self._run(what, self.comm.Ireduce, [piece, datatype], None, mop, root)
+        super().reduce(buf, op, root)
 
-    def broadcast(self, buf, root):
-        raw = buf.reshape(-1).view(np.uint8)
-        for piece in self._chunks(raw):
-            self._run(("broadcast", piece, f"root={root}"), self.comm.Ibcast, [piece, self.MPI.BYTE], root)
+    def _reduce_piece(self, piece, datatype, mop, op, root) -> None:
+        self._now("reduce", piece, op, root)
 
-    def allgather(self, send, recv):
-        if send.nbytes > self._max_count:
-            return super().allgather(send, recv)  # row by row through self.broadcast
-        self._run(("allgather", send, None), self.comm.Iallgather,
-                  [send.reshape(-1).view(np.uint8), self.MPI.BYTE],
-                  [recv.reshape(-1).view(np.uint8), self.MPI.BYTE])
+    def _broadcast_piece(self, piece, root) -> None:
+        self._now("broadcast", piece, root)
+
+    def _allgather_piece(self, send, recv) -> None:
+        self._now("allgather", send, recv)
 
     def _reduce_scatter_piece(self, s, r, datatype, mop, op) -> None:
-        self._run(("reduce_scatter", s, f"op={op}"), self.comm.Ireduce_scatter_block, [s, datatype],
-                  [r, datatype], mop)
+        self._now("reduce_scatter", s, r, op)
 
     def _alltoall_piece(self, s, r) -> None:
-        self._run(("alltoall", s, None), self.comm.Ialltoall, [s, self.MPI.BYTE], [r, self.MPI.BYTE])
+        self._now("alltoall", s, r)
 
-    def allgather_object(self, obj):
-        data = np.frombuffer(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
-        what = ("the agreement step (allgather of call descriptions)", None, None)
+    def barrier(self):
+        self._now("barrier")
+
+    # ---- objects and agreement: bounded too (no fingerprint: pickled sizes differ by design) ----
+    def _allgather_bytes(self, comm, data: np.ndarray, what) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every rank's uint8 ``data`` over ``comm``: ``(table, sizes, offsets)``, each wait bounded."""
+        self.usable()
         sizes = np.empty(self.size, dtype=np.int64)
-        self._run(what, self.comm.Iallgather, [np.array([data.size], dtype=np.int64), self.MPI.INT64_T],
-                  [sizes, self.MPI.INT64_T])
+        self._wait(what, comm.Iallgather([np.array([data.size], dtype=np.int64), self.MPI.INT64_T],
+                                         [sizes, self.MPI.INT64_T]))
         table = np.empty(int(sizes.sum()), dtype=np.uint8)
         offsets = np.zeros(self.size, dtype=np.int64)
         np.cumsum(sizes[:-1], out=offsets[1:])
-        self._run(what, self.comm.Iallgatherv, [data, self.MPI.BYTE],
-                  [table, (sizes, offsets), self.MPI.BYTE])
+        self._wait(what, comm.Iallgatherv([data, self.MPI.BYTE], [table, (sizes, offsets), self.MPI.BYTE]))
+        return table, sizes, offsets
+
+    def _allgather_object_on(self, comm, obj, what) -> list:
+        data = np.frombuffer(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+        table, sizes, offsets = self._allgather_bytes(comm, data, what)
         return [pickle.loads(table[o:o + n].tobytes()) for o, n in zip(offsets, sizes)]
 
-    def broadcast_object(self, obj, root):
-        what = ("broadcast of a Python object", None, f"root={root}")
+    def _broadcast_object_on(self, comm, obj, root, what):
+        self.usable()
         n = np.zeros(1, dtype=np.int64)
         if self.rank == root:
             data = np.frombuffer(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
             n[0] = data.size
-        self._run(what, self.comm.Ibcast, [n, self.MPI.INT64_T], root)
+        self._wait(what, comm.Ibcast([n, self.MPI.INT64_T], root))
         if self.rank != root:
             data = np.empty(int(n[0]), dtype=np.uint8)
-        self._run(what, self.comm.Ibcast, [data, self.MPI.BYTE], root)
+        self._wait(what, comm.Ibcast([data, self.MPI.BYTE], root))
         return obj if self.rank == root else pickle.loads(data.tobytes())
 
-    def barrier(self):
-        self._run(("barrier", None, None), self.comm.Ibarrier)
+    def allgather_object(self, obj):
+        return self._allgather_object_on(self.comm, obj, ("the agreement step (allgather of call descriptions)",
+                                                          None, None))
 
-    def close(self):
-        if self._failed is not None:  # a request is still pending on it: freeing could block; leave it
-            self.comm = None
-            return
-        super().close()
+    def broadcast_object(self, obj, root):
+        return self._broadcast_object_on(self.comm, obj, root, ("broadcast of the library's metadata", None,
+                                                                f"root={root}"))
+
+    def agree_allgather(self, send, recv) -> None:
+        self.usable()
+        self._wait(("the agreement step (allgather of fingerprints)", None, None),
+                   self.comm.Iallgather([send, self.MPI.BYTE], [recv, self.MPI.BYTE]))
+
+    def objects_allgather(self, obj) -> list:
+        return self._allgather_object_on(self._lanes["objects"], obj, ("allgather_object", None, None))
+
+    def objects_broadcast(self, obj, root):
+        return self._broadcast_object_on(self._lanes["objects"], obj, root, ("broadcast_object", None,
+                                                                             f"root={root}"))
+
+
