@@ -21,6 +21,7 @@ import pickle
 import sys
 import threading
 from collections import OrderedDict
+from typing import NamedTuple
 
 import numpy as np
 
@@ -175,10 +176,14 @@ class Communicator:
         return root
 
     # ---- the array collectives ----
+    # Each collective is written once, as its steps (``_broadcast``, ``_allreduce``, ...: a generator that
+    # validates, yields each transfer as a _Step and finishes with the result); the blocking call runs them
+    # to completion (_now), async_op=True runs them in a Handle (_async, _requests). The public methods add
+    # the hot path of the blocking call (the cached call of the steps' last run with the same dtype).
     def broadcast(self, x, root: int = 0, *, async_op: bool = False):
         """Root's ``x`` on every rank. See :func:`collectives.broadcast`."""
         if async_op:
-            return self._async("broadcast", self._broadcast_steps, x, root)
+            return self._async("broadcast", self._broadcast, x, root)
         if not _enter(False):  # another thread is inside a collective: refused (_threads)
             _refuse_thread("broadcast")
         try:
@@ -194,21 +199,28 @@ class Communicator:
                     run(x.detach().numpy() if x.requires_grad else x.numpy(), root)
                     _arrays.bump_versions((x,))  # written behind autograd's back: as under no_grad
                     return x
-            a, transport, view, info, _, root = self._prepare("broadcast", x, root=root)
-            if transport.array_level:
-                return a.written(x, transport.broadcast(x, a, root))
-            run = transport.fast_call("broadcast", view.dtype, self._size) or transport.broadcast
-            self._fast_path("broadcast", x, a, view, info, run)
-            return self._in_place(x, a, view, info, lambda buf: run(buf, root))
+            return _now(self._broadcast(x, root, False))
         except Exception as exc:  # noqa: BLE001 - re-raised; costs nothing unless raised: MPI's own errors become CollectiveError
             reraise(exc, "broadcast")
         finally:
             _leave()
 
+    def _broadcast(self, x, root, asynchronous: bool):
+        a, transport, view, info, _, root = self._prepare("broadcast", x, root=root, asynchronous=asynchronous)
+        if transport.array_level:
+            return a.written(x, (yield _Step(transport, "broadcast", (x, a, root), device=True)))
+        buf, place = self._placing(x, a, view, info)
+        run = None if asynchronous else (transport.fast_call("broadcast", view.dtype, self._size)
+                                         or transport.broadcast)
+        used = yield _Step(transport, "broadcast", (buf, root), run)
+        if used is not None:
+            self._fast_path("broadcast", x, a, view, info, used)
+        return place()
+
     def allreduce(self, x, op: str = "sum", *, async_op: bool = False):
         """Reduce ``x`` over all ranks, result on every rank. See :func:`collectives.allreduce`."""
         if async_op:
-            return self._async("allreduce", self._allreduce_steps, x, op)
+            return self._async("allreduce", self._allreduce, x, op)
         if not _enter(False):  # another thread is inside a collective: refused (_threads)
             _refuse_thread("allreduce")
         try:
@@ -228,60 +240,61 @@ class Communicator:
                     run(x.detach().numpy() if x.requires_grad else x.numpy())
                     _arrays.bump_versions((x,))  # written behind autograd's back: as under no_grad
                     return x
-            a, transport, view, info, op, _ = self._prepare("allreduce", x, op=op)
-            if transport.array_level:
-                return a.written(x, transport.allreduce(x, a, op))
-            run = self._runner(transport, info, op)
-            self._fast_path(op, x, a, view, info, run)
-            return self._in_place(x, a, view, info, run)
+            return _now(self._allreduce(x, op, False))
         except Exception as exc:  # noqa: BLE001 - re-raised (MPI errors as CollectiveError)
             reraise(exc, "allreduce")
         finally:
             _leave()
 
+    def _allreduce(self, x, op, asynchronous: bool):
+        a, transport, view, info, op, _ = self._prepare("allreduce", x, op=op, asynchronous=asynchronous)
+        if transport.array_level:
+            return a.written(x, (yield _Step(transport, "allreduce", (x, a, op), device=True)))
+        buf, place = self._placing(x, a, view, info)
+        used = yield self._reduction(transport, "allreduce", buf, info, op, asynchronous)
+        if used is not None:
+            self._fast_path(op, x, a, view, info, used)
+        return place()
+
     @collective("reduce")
     def reduce(self, x, op: str = "sum", root: int = 0, *, async_op: bool = False):
         """Reduce ``x`` over all ranks, result on ``root``. See :func:`collectives.reduce`."""
         if async_op:
-            return self._async("reduce", self._reduce_steps, x, op, root)
-        return self._reduce_now(x, op, root)
+            return self._async("reduce", self._reduce, x, op, root)
+        return _now(self._reduce(x, op, root, False))
 
-    @collective("reduce")
-    def _reduce_now(self, x, op, root):
-        a, transport, view, info, op, root = self._prepare("reduce", x, op=op, root=root)
+    def _reduce(self, x, op, root, asynchronous: bool):
+        a, transport, view, info, op, root = self._prepare("reduce", x, op=op, root=root, asynchronous=asynchronous)
         if transport.array_level:
-            return a.written(x, transport.reduce(x, a, op, root)) if self.rank == root else x
-
-        def run(buf, receives=True):
-            _reduction.reduce_buffer(buf, info, op, self._size, lambda b, o: transport.reduce(b, o, root),
-                                     transport.reduces, receives=receives)
-
+            out = yield _Step(transport, "reduce", (x, a, op, root), device=True)
+            return a.written(x, out) if self.rank == root else x
         if self.rank != root:  # non-root ranks contribute x and get it back unchanged
-            run(view if view.flags.c_contiguous else np.array(view, order="C"), receives=False)
+            yield self._reduction(transport, "reduce", _contiguous(view), info, op, asynchronous, (root,),
+                                  receives=False)
             return x
-        return self._in_place(x, a, view, info, run)
+        buf, place = self._placing(x, a, view, info)
+        yield self._reduction(transport, "reduce", buf, info, op, asynchronous, (root,))
+        return place()
 
     @collective("allgather")
     def allgather(self, x, *, async_op: bool = False):
         """Every rank's ``x``, stacked along a new leading axis. See :func:`collectives.allgather`."""
         if async_op:
-            return self._async("allgather", self._allgather_steps, x)
-        return self._allgather_now(x)
+            return self._async("allgather", self._allgather, x)
+        return _now(self._allgather(x, False))
 
-    @collective("allgather")
-    def _allgather_now(self, x):
-        a, transport, view, info, _, _ = self._prepare("allgather", x)
+    def _allgather(self, x, asynchronous: bool):
+        a, transport, view, info, _, _ = self._prepare("allgather", x, asynchronous=asynchronous)
         if transport.array_level:
-            return transport.allgather(x, a)
-        send = view if view.flags.c_contiguous else np.array(view, order="C")
+            return (yield _Step(transport, "allgather", (x, a), device=True))
         out = np.empty((self.size,) + view.shape, dtype=view.dtype)
-        transport.allgather(send, out.reshape(self.size, -1))
+        yield _Step(transport, "allgather", (_contiguous(view), out.reshape(self.size, -1)))
         return a.wrap(out, info, x)
 
     def reduce_scatter(self, x, op: str = "sum", *, async_op: bool = False):
         """This rank's block of the reduction of ``x``. See :func:`collectives.reduce_scatter`."""
         if async_op:
-            return self._async("reduce_scatter", self._reduce_scatter_steps, x, op)
+            return self._async("reduce_scatter", self._reduce_scatter, x, op)
         if not _enter(False):  # another thread is inside a collective: refused (_threads)
             _refuse_thread("reduce_scatter")
         try:
@@ -294,21 +307,28 @@ class Communicator:
                     out = _empty((x.shape[0] // self._size,) + x.shape[1:], x.dtype)
                     run(x, out)
                     return out
-            return self._reduce_scatter_now(x, op)
+            return _now(self._reduce_scatter(x, op, False))
         except Exception as exc:  # noqa: BLE001 - re-raised (MPI errors as CollectiveError)
             reraise(exc, "reduce_scatter")
         finally:
             _leave()
 
-    def _reduce_scatter_now(self, x, op):
-        a, transport, view, info, op, _ = self._prepare("reduce_scatter", x, op=op, blocks=True)
+    def _reduce_scatter(self, x, op, asynchronous: bool):
+        a, transport, view, info, op, _ = self._prepare("reduce_scatter", x, op=op, blocks=True,
+                                                        asynchronous=asynchronous)
         if transport.array_level:
-            return transport.reduce_scatter(x, a, op)
-        send = view if view.flags.c_contiguous else np.array(view, order="C")
-        out = np.empty((view.shape[0] // self._size,) + view.shape[1:], dtype=view.dtype)
-        run = self._scatter_runner(transport, info, op)
-        run(send, out)
-        self._fast_path(("reduce_scatter", op, view.dtype), x, a, view, info, run, self._fast_blocks)
+            return (yield _Step(transport, "reduce_scatter", (x, a, op), device=True))
+        size = self._size
+        out = np.empty((view.shape[0] // size,) + view.shape[1:], dtype=view.dtype)
+        if not _reduction.scatters(info, op):  # longdouble min/max: the block of an allreduce, same bits
+            buf = np.array(view, order="C")
+            yield self._reduction(transport, "allreduce", buf, info, op, asynchronous)
+            out.reshape(-1)[...] = buf.reshape(size, -1)[self.rank]
+            return a.wrap(out, info, x)
+        used = yield self._reduction(transport, "reduce_scatter", _contiguous(view), info, op, asynchronous,
+                                     out=out)
+        if used is not None:
+            self._fast_path(("reduce_scatter", op, view.dtype), x, a, view, info, used, self._fast_blocks)
         return a.wrap(out, info, x)
 
     def _scatter_runner(self, transport, info, op: str):
@@ -326,11 +346,6 @@ class Communicator:
         """Reduce-scatter the contiguous host buffer ``send`` into ``out`` (this rank's block) under the
         host rules; ``send`` is left as it was."""
         size = self._size
-        if not _reduction.scatters(info, op):  # longdouble min/max: the block of an allreduce, same bits
-            buf = send.copy()
-            self._runner(transport, info, op)(buf)
-            out.reshape(-1)[...] = buf.reshape(size, -1)[self.rank]
-            return
 
         def collective(wire, o):
             block = _block_for(wire, out, size)
@@ -342,7 +357,7 @@ class Communicator:
     def alltoall(self, x, *, async_op: bool = False):
         """Block j of ``x`` to rank j, block i of the result from rank i. See :func:`collectives.alltoall`."""
         if async_op:
-            return self._async("alltoall", self._alltoall_steps, x)
+            return self._async("alltoall", self._alltoall, x)
         if not _enter(False):  # another thread is inside a collective: refused (_threads)
             _refuse_thread("alltoall")
         try:
@@ -352,21 +367,23 @@ class Communicator:
                     out = _empty(x.shape, x.dtype)
                     run(x, out)
                     return out
-            return self._alltoall_now(x)
+            return _now(self._alltoall(x, False))
         except Exception as exc:  # noqa: BLE001 - re-raised (MPI errors as CollectiveError)
             reraise(exc, "alltoall")
         finally:
             _leave()
 
-    def _alltoall_now(self, x):
-        a, transport, view, info, _, _ = self._prepare("alltoall", x, blocks=True)
+    def _alltoall(self, x, asynchronous: bool):
+        a, transport, view, info, _, _ = self._prepare("alltoall", x, blocks=True, asynchronous=asynchronous)
         if transport.array_level:
-            return transport.alltoall(x, a)
-        send = view if view.flags.c_contiguous else np.array(view, order="C")
+            return (yield _Step(transport, "alltoall", (x, a), device=True))
+        size = self._size
         out = np.empty(view.shape, dtype=view.dtype)
-        run = transport.fast_blocks("alltoall", None, view.dtype, self._size) or self._alltoall_blocks(transport)
-        run(send, out)
-        self._fast_path(("alltoall", view.dtype), x, a, view, info, run, self._fast_blocks)
+        run = None if asynchronous else (transport.fast_blocks("alltoall", None, view.dtype, size)
+                                         or self._alltoall_blocks(transport))
+        used = yield _Step(transport, "alltoall", (_contiguous(view).reshape(size, -1), out.reshape(size, -1)), run)
+        if used is not None:
+            self._fast_path(("alltoall", view.dtype), x, a, view, info, used, self._fast_blocks)
         return a.wrap(out, info, x)
 
     def _alltoall_blocks(self, transport):
@@ -374,16 +391,41 @@ class Communicator:
         size = self._size
         return lambda send, out: transport.alltoall(send.reshape(size, -1), out.reshape(size, -1))
 
+    def _reduction(self, transport, operation: str, buf, info, op: str, asynchronous: bool, extra: tuple = (), *,
+                   receives: bool = True, out=None) -> _Step:
+        """The step of a reduction of ``buf`` under the host rules (``_reduction``). Blocking: the call the
+        general path chose (``_runner``, ``_scatter_runner``: a transport's direct call where the values
+        travel as they are, else ``reduce_buffer``), which the hot path caches. Asynchronous: the same
+        rules in steps (:meth:`_reducing`)."""
+        rules = (info, op, extra, receives, out)
+        args = (buf,) if out is None else (buf, out)
+        if asynchronous:
+            return _Step(transport, operation, args, rules=rules)
+        if operation == "allreduce":
+            run = self._runner(transport, info, op)
+        elif operation == "reduce_scatter":
+            run = self._scatter_runner(transport, info, op)
+        else:
+            call = getattr(transport, operation)
+
+            def run(b):
+                _reduction.reduce_buffer(b, info, op, self._size, lambda wire, o: call(wire, o, *extra),
+                                         transport.reduces, receives=receives)
+        return _Step(transport, operation, args, run)
+
     # ---- asynchronous collectives (async_op=True) ----
-    def _async(self, what: str, make, *args) -> Handle:
-        """A :class:`Handle` for ``make(*args)``: validation (and checked mode's agreement) runs here and
-        a TypeError/ValueError is raised here; ``make`` returns the collective's steps (a generator, see
-        ``_handles``), or a finished Handle. Errors of the collective itself are raised by ``wait()``."""
+    def _async(self, what: str, define, *args) -> Handle:
+        """A :class:`Handle` running the steps ``define(*args, True)`` (see _requests): validation (and
+        checked mode's agreement) runs here and a TypeError/ValueError is raised here, as is the error of a
+        failed or closed communicator. Errors of the collective itself are raised by ``wait()``."""
         self._host.usable()  # a failed (or closed) communicator refuses at the call, as the blocking calls do
         if not _enter(False):  # another thread is inside a collective: refused (_threads)
             _refuse_thread(what)
         try:
-            steps = make(*args)
+            steps = define(*args, True)
+            first = next(steps)  # validates, up to the first transfer
+        except StopIteration as stop:
+            return Handle.completed(what, stop.value)
         except BackendUnavailableError:  # no transport for the array, a closed communicator: nothing started
             raise
         except Exception as exc:
@@ -393,17 +435,57 @@ class Communicator:
             return Handle.completed(what, error=err)
         finally:
             _leave()
+        return Handle(what, self._requests(steps, first), self._outstanding, self._host.fail)
+
+    def _async_tree(self, tree, op, bucket_bytes) -> Handle:
+        """:meth:`allreduce_tree` with ``async_op=True``: its buckets' transfers (``_tree``) in a Handle."""
+        self._host.usable()
+        if not _enter(False):
+            _refuse_thread("allreduce_tree")
+        try:
+            steps = _tree.allreduce_tree(self, tree, op, bucket_bytes, True)
+        except BackendUnavailableError:
+            raise
+        except Exception as exc:
+            err = exc if isinstance(exc, CollectiveError) else transport_failure(exc, "allreduce_tree")
+            if err is None:
+                raise
+            return Handle.completed("allreduce_tree", error=err)
+        finally:
+            _leave()
         if isinstance(steps, Handle):
             return steps
-        return Handle(what, steps, self._outstanding, self._host.fail)
+        return Handle("allreduce_tree", steps, self._outstanding, self._host.fail)
+
+    def _requests(self, steps, step: _Step):
+        """The asynchronous driver of a collective's steps: each transfer started with the transport's
+        ``start`` (a device transport's on its own stream, after the caller's current stream; a reduction
+        in its wire steps, :meth:`_reducing`), its request yielded to the Handle, which moves this on once
+        the request is complete (``_handles``)."""
+        while True:
+            got = None
+            if step.device:
+                got, request = step.transport.start(step.operation, *step.args)
+                yield request
+            elif step.rules is not None:
+                info, op, extra, receives, out = step.rules
+                yield from self._reducing(step.transport, step.operation, step.args[0], info, op, extra,
+                                          _nothing, receives=receives, out=out)
+            else:
+                yield step.transport.start(step.operation, *step.args)
+            try:
+                step = steps.send(got)
+            except StopIteration as stop:
+                return stop.value
 
     @staticmethod
     def _placing(x, a, view, info):
         """``(buf, place)``: a contiguous writable buffer holding x's elements (x's own memory where it
-        can be), and ``place()``, which puts the result where :meth:`_in_place` would and returns it."""
+        can be), and ``place()``, which puts the result where it belongs (x, written back into x, or a new
+        array) and returns it. The caller's array is untouched until ``place()`` when it is a copy."""
         can_write = a.writable(x, view)
         if can_write and view.flags.writeable and view.flags.c_contiguous:
-            return view, lambda: a.written(x, x)  # torch: autograd's version counter, as blocking
+            return view, lambda: a.written(x, x)  # torch: autograd's version counter, as for a write under no_grad
         buf = np.array(view, order="C")
 
         def place():
@@ -442,93 +524,6 @@ class Communicator:
                 result = None
                 yield transport.start(operation, wire, wire_op, *extra)
         return finish()
-
-    @staticmethod
-    def _device_async(transport, operation: str, x, a, *args):
-        """CUDA arrays: the device transport starts ``operation`` on its own stream, after the caller's
-        current stream (``DeviceTransport.start``; validation errors are raised here); the steps wait
-        for its CUDA event: ``done()`` queries it, ``wait()`` makes the caller's current stream wait."""
-        result, request = transport.start(operation, x, a, *args)
-
-        def steps():
-            yield request
-            return result
-
-        return steps()
-
-    def _allreduce_steps(self, x, op):
-        a, transport, view, info, op, _ = self._prepare("allreduce", x, op=op, asynchronous=True)
-        if transport.array_level:
-            return self._device_async(transport, "allreduce", x, a, op)
-        buf, place = self._placing(x, a, view, info)
-        return self._reducing(transport, "allreduce", buf, info, op, (), place)
-
-    def _broadcast_steps(self, x, root):
-        a, transport, view, info, _, root = self._prepare("broadcast", x, root=root, asynchronous=True)
-        if transport.array_level:
-            return self._device_async(transport, "broadcast", x, a, root)
-        buf, place = self._placing(x, a, view, info)
-
-        def steps():
-            yield transport.start("broadcast", buf, root)
-            return place()
-
-        return steps()
-
-    def _reduce_steps(self, x, op, root):
-        a, transport, view, info, op, root = self._prepare("reduce", x, op=op, root=root, asynchronous=True)
-        if transport.array_level:
-            return self._device_async(transport, "reduce", x, a, op, root)
-        if self.rank != root:  # contributes x; gets it back unchanged
-            buf = view if view.flags.c_contiguous else np.array(view, order="C")
-            return self._reducing(transport, "reduce", buf, info, op, (root,), lambda: x, receives=False)
-        buf, place = self._placing(x, a, view, info)
-        return self._reducing(transport, "reduce", buf, info, op, (root,), place)
-
-    def _allgather_steps(self, x):
-        a, transport, view, info, _, _ = self._prepare("allgather", x, asynchronous=True)
-        if transport.array_level:
-            return self._device_async(transport, "allgather", x, a)
-        send = view if view.flags.c_contiguous else np.array(view, order="C")
-        out = np.empty((self.size,) + view.shape, dtype=view.dtype)
-
-        def steps():
-            yield transport.start("allgather", send, out.reshape(self.size, -1))
-            return a.wrap(out, info, x)
-
-        return steps()
-
-    def _reduce_scatter_steps(self, x, op):
-        a, transport, view, info, op, _ = self._prepare("reduce_scatter", x, op=op, blocks=True,
-                                                        asynchronous=True)
-        if transport.array_level:
-            return self._device_async(transport, "reduce_scatter", x, a, op)
-        size = self._size
-        out = np.empty((view.shape[0] // size,) + view.shape[1:], dtype=view.dtype)
-        if not _reduction.scatters(info, op):  # longdouble min/max: the block of an allreduce (as blocking)
-            buf = np.array(view, order="C")
-
-            def block():
-                out.reshape(-1)[...] = buf.reshape(size, -1)[self.rank]
-                return a.wrap(out, info, x)
-
-            return self._reducing(transport, "allreduce", buf, info, op, (), block)
-        send = view if view.flags.c_contiguous else np.array(view, order="C")
-        return self._reducing(transport, "reduce_scatter", send, info, op, (), lambda: a.wrap(out, info, x),
-                              out=out)
-
-    def _alltoall_steps(self, x):
-        a, transport, view, info, _, _ = self._prepare("alltoall", x, blocks=True, asynchronous=True)
-        if transport.array_level:
-            return self._device_async(transport, "alltoall", x, a)
-        send = view if view.flags.c_contiguous else np.array(view, order="C")
-        out = np.empty(view.shape, dtype=view.dtype)
-
-        def steps():
-            yield transport.start("alltoall", send.reshape(self._size, -1), out.reshape(self._size, -1))
-            return a.wrap(out, info, x)
-
-        return steps()
 
     # ---- sub-communicators ----
     def split(self, color, key=0) -> Communicator | None:
@@ -745,20 +740,6 @@ class Communicator:
         _agree.agree(transport, collective, header)
 
     # ---- helpers ----
-    @staticmethod
-    def _in_place(x, a, view, info, run):
-        """Run ``run(buf)`` on a contiguous buffer holding x's elements; put the result where it belongs."""
-        can_write = a.writable(x, view)
-        if can_write and view.flags.writeable and view.flags.c_contiguous:
-            run(view)
-            return a.written(x, x)  # torch: autograd's version counter, as for a write under no_grad
-        buf = np.array(view, order="C")  # a copy: the caller's array is untouched until the end
-        run(buf)
-        if can_write:
-            a.write_back(x, view, buf)
-            return a.written(x, x)
-        return a.wrap(buf, info, x)
-
     def close(self) -> None:
         """Release this communicator's resources (its MPI duplicate, its shared-memory window, device
         communicators, the communicators :meth:`split` made). Collective: every rank calls it
@@ -802,7 +783,7 @@ class Communicator:
         non-blocking collective at the call; ``wait()`` returns the tree. CUDA leaves and Python ints are
         reduced at the call."""
         if async_op:
-            return self._async("allreduce_tree", _tree.allreduce_tree, self, tree, op, bucket_bytes, True)
+            return self._async_tree(tree, op, bucket_bytes)
         return _tree.allreduce_tree(self, tree, op, bucket_bytes)
 
 
@@ -934,6 +915,48 @@ def finalize() -> None:
             failures.append(exc)
     if failures:
         raise failures[0]
+
+
+class _Step(NamedTuple):
+    """One transfer of a collective's steps: ``operation`` of ``transport`` on ``args`` (host buffers; for
+    a device transport, ``device``: ``(x, adapter, *arguments)``). ``run``: the blocking call to make
+    instead of ``transport.<operation>(*args)`` (the one the hot path caches); ``rules``: a reduction under
+    the host rules, ``(info, op, extra, receives, out)``, which the asynchronous driver runs in steps."""
+
+    transport: object
+    operation: str
+    args: tuple
+    run: object = None
+    rules: tuple | None = None
+    device: bool = False
+
+
+def _now(steps):
+    """The blocking driver of a collective's steps: each transfer run to completion (``run``, or the
+    transport's operation), the call used (or a device transport's result) sent back; the result."""
+    try:
+        step = next(steps)
+        while True:
+            if step.device:
+                got = getattr(step.transport, step.operation)(*step.args)
+            elif step.run is not None:
+                step.run(*step.args)
+                got = step.run
+            else:
+                getattr(step.transport, step.operation)(*step.args)
+                got = None
+            step = steps.send(got)
+    except StopIteration as stop:
+        return stop.value
+
+
+def _nothing() -> None:
+    return None
+
+
+def _contiguous(view: np.ndarray) -> np.ndarray:
+    """``view`` itself when C-contiguous, else a contiguous copy (for buffers that are only read)."""
+    return view if view.flags.c_contiguous else np.array(view, order="C")
 
 
 def _block_for(wire: np.ndarray, out: np.ndarray, size: int) -> np.ndarray:
