@@ -452,6 +452,8 @@ class FakeHost:
         self.objects.append(("allgather", send.copy()))
         recv[...] = send
 
+    agree_allgather = allgather  # the agreement protocol's exchange (HostTransport.agree_allgather)
+
 
 class FakeComm:
     def __init__(self, size=3, rank=0, check=False):

@@ -185,6 +185,7 @@ def _reduces_locally(MPI, datatype) -> bool:
 
 class MPITransport(HostTransport):
     name = "mpi"
+    fingerprints = True  # reduce a fingerprint beside every non-blocking call (_begin); off only in benchmarks
     timeout: float | None = None  # seconds; set only on a DeadlineMPITransport
 
     def __new__(cls, comm=None):
@@ -242,6 +243,8 @@ class MPITransport(HostTransport):
         # would be made by different ranks in different collectives' first calls.
         self._lanes = {name: self.comm.Dup() for name in LANES}
         self._abandoned: list = []  # requests left pending by a failure (never freed: MPI may still write)
+        self._fingerprints: dict = {}  # call key -> (fields and negations, their bytes), see _fingerprint
+        self._max_op = MPI.MAX
         self._pipe_ring = None  # broadcast_many's pack buffers (root only, made at first use)
         self._pipe_plans: dict = {}  # (lengths, message size) -> messages
         self._pipe_typesets: dict = {}  # (addresses, plan key) -> (datatypes, spares), least recently used first
@@ -458,7 +461,7 @@ class MPITransport(HostTransport):
         """Start one MPI call of ``operation`` and, before it, the reduction of its fingerprint
         (:meth:`_fingerprint`) on the fingerprint lane: when the call's request completes, every rank
         has learnt whether every rank made the same call, and raises :class:`MismatchError` if not."""
-        check = self._fingerprint(operation, *args) if self.size > 1 else None
+        check = self._fingerprint(operation, *args) if self.size > 1 and self.fingerprints else None
         return _MPIRequest(self, getattr(self, "_i" + operation)(*args), _describe(operation, args), check)
 
     def _fingerprint(self, operation, *args):
@@ -468,19 +471,33 @@ class MPITransport(HostTransport):
         value, so every rank knows alike whether the ranks agree, without a second step. It runs on a lane
         of its own, in the order of the calls: the fingerprints of ranks that called different collectives
         meet each other, so a different collective is a MismatchError too, not a hang."""
-        v = np.zeros(2 * len(FIELDS), dtype=np.int64)
-        v[:len(FIELDS)] = _fields(operation, args)
-        v[len(FIELDS):] = -v[:len(FIELDS)]
-        return self._lanes["fingerprint"].Iallreduce(self._in_place, [v, self.MPI.INT64_T], self.MPI.MAX), v
+        if args:
+            buf, extra = args[0], args[1:]
+            if extra and extra[0].__class__ is np.ndarray:  # a receive buffer: the send buffer says it all
+                extra = extra[1:]
+            key = (operation, buf.size, buf.dtype) + extra
+        else:
+            key = (operation,)
+        hit = self._fingerprints.get(key)
+        if hit is None:
+            v = np.zeros(2 * len(FIELDS), dtype=np.int64)
+            v[:len(FIELDS)] = _fields(operation, args)
+            v[len(FIELDS):] = -v[:len(FIELDS)]
+            hit = (v, v.tobytes())
+            if len(self._fingerprints) < 4096:  # a few per (collective, shape, dtype, op, root) in use
+                self._fingerprints[key] = hit
+        v = hit[0].copy()
+        return self._lanes["fingerprint"].Iallreduce(self._in_place, v, self._max_op), (v, hit[1])
 
-    def _verify(self, v: np.ndarray, what) -> None:
-        """Raise :class:`MismatchError` (and fail this transport) unless the reduced fingerprint ``v``
-        shows every rank with the same fields."""
-        n = len(FIELDS)
-        high, low = v[:n], -v[n:]
-        if (high == low).all():
+    def _verify(self, check, what) -> None:
+        """Raise :class:`MismatchError` (and fail this transport) unless the reduced fingerprint shows
+        every rank with the same fields: this rank's fields are then the largest and the smallest of all
+        (``check``: the reduced buffer and this rank's own, as bytes)."""
+        v, mine = check
+        if v.tobytes() == mine:
             return
-        message = _fingerprint_message(what, high, low, self.rank, self.size)
+        n = len(FIELDS)
+        message = _fingerprint_message(what, v[:n], -v[n:], self.rank, self.size)
         self.fail(message)
         raise MismatchError(message)
 
@@ -797,10 +814,10 @@ class _MPIRequest(Request):
         self._done = False
 
     def _checked(self) -> None:
-        v = self._check[1]
+        check = self._check[1]
         self._check = None
         try:
-            self._transport._verify(v, self._what)
+            self._transport._verify(check, self._what)
         except MismatchError:
             self._transport.abandon(self._req)
             self._req = None
@@ -985,9 +1002,9 @@ class DeadlineMPITransport(MPITransport):
         if self._shm is not None and not self._shm.supports(buf.dtype, op, bounded=True):
             return False
         if self.size > 1:
-            req, v = self._fingerprint("allreduce", buf, "sum" if op == "mean" else op)
+            req, check = self._fingerprint("allreduce", buf, "sum" if op == "mean" else op)
             self._wait(what, req)
-            self._verify(v, what)
+            self._verify(check, what)
         return self._shm_allreduce(buf, op, lambda req: self._wait(what, req))
 
     def allreduce(self, buf, op):
