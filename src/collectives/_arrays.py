@@ -221,7 +221,7 @@ def adapter(x) -> Adapter:
                         "data only); pass np.ma.getdata(x), and the mask as an array of its own if the other "
                         "ranks need it (np.ma.getmaskarray(x))")
     if isinstance(x, np.ndarray):
-        found = _NUMPY
+        found: Adapter = _NUMPY
     elif "torch" in sys.modules and isinstance(x, sys.modules["torch"].Tensor):
         found = _TORCH
     elif hasattr(x, "__dlpack_device__") and hasattr(x, "__dlpack__") and not isinstance(x, np.generic):

@@ -34,6 +34,7 @@ import platform
 import re
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
@@ -105,6 +106,7 @@ class Arrays:
 
     def __init__(self, name: str, dtype: str, local_rank: int):
         self.name = name
+        self.dtype: Any  # the library's own: a NumPy dtype (numpy, cupy) or a torch.dtype (torch, torch-cuda)
         if name in ("numpy", "cupy"):
             try:
                 np.dtype(dtype)

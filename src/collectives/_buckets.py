@@ -67,7 +67,7 @@ class Item:
 
     __slots__ = ("adapter", "device", "info", "leaf", "result", "view")
 
-    def __init__(self, leaf, adapter, view: np.ndarray, info: _dtypes.DType, device: tuple[int, int]):
+    def __init__(self, leaf, adapter, view: np.ndarray | None, info: _dtypes.DType, device: tuple[int, int]):
         self.leaf = leaf
         self.adapter = adapter
         self.view = view
@@ -77,10 +77,10 @@ class Item:
 
     @property
     def nbytes(self) -> int:
-        return self.view.nbytes
+        return self.view.nbytes  # type: ignore[union-attr]  # asked of host items only (they have a view)
 
     def writable_in_place(self) -> bool:
-        return bool(self.view.flags.writeable) and self.adapter.writable(self.leaf, self.view)
+        return bool(self.view.flags.writeable) and self.adapter.writable(self.leaf, self.view)  # type: ignore[union-attr]  # host items only
 
     def take(self, fill) -> None:
         """Write a result into the leaf, or into a new array when the leaf cannot be written.
@@ -92,7 +92,7 @@ class Item:
         if self.writable_in_place():
             fill(self.view)
             return
-        out = np.empty(self.view.shape, dtype=self.view.dtype)
+        out = np.empty(self.view.shape, dtype=self.view.dtype)  # type: ignore[union-attr]  # host items only
         fill(out)
         if self.adapter.writable(self.leaf, self.view):
             self.adapter.write_back(self.leaf, self.view, out)
@@ -323,7 +323,7 @@ def allreduce_plan(comm, items: list[Item], op: str, bucket_bytes: int) -> Plan:
     for k, bucket in buckets:
         entries, off = [], 0
         for item in bucket:
-            n = item.view.size
+            n = item.view.size  # type: ignore[union-attr]  # bucketed items are hosted: they have a view
             entries.append((position[id(item)], off, n))
             off += n
         laid.append((k, off, entries))

@@ -21,7 +21,7 @@ import pickle
 import sys
 import threading
 from collections import OrderedDict
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -633,7 +633,7 @@ class Communicator:
         ``asynchronous`` (``async_op=True``) is part of what the ranks agree on: MPI does not match a
         non-blocking collective with a blocking one.
         """
-        args = {"async_op": True} if asynchronous else {}
+        args: dict[str, object] = {"async_op": True} if asynchronous else {}
         view = info = None
         try:
             a = _arrays.adapter(x)
@@ -923,7 +923,7 @@ class _Step(NamedTuple):
     instead of ``transport.<operation>(*args)`` (the one the hot path caches); ``rules``: a reduction under
     the host rules, ``(info, op, extra, receives, out)``, which the asynchronous driver runs in steps."""
 
-    transport: object
+    transport: Any  # a HostTransport or a DeviceTransport
     operation: str
     args: tuple
     run: object = None

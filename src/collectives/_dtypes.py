@@ -7,7 +7,9 @@ its host buffer (``uint16`` for ``bfloat16`` where NumPy has no such type) and i
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -91,8 +93,9 @@ def f32_to_bf16(values: np.ndarray, out: np.ndarray) -> None:
 # a microsecond, as much as a whole small allreduce, so it is entered only when the caller's error state
 # is not the one last seen quiet (NumPy keeps it in a context variable: reading it costs ~40 ns).
 
-try:  # NumPy >= 2
-    from numpy._core._ufunc_config import _extobj_contextvar as _errstate_var
+_errstate_var: ContextVar[Any] | None
+try:  # NumPy >= 2 (the object numpy._core._ufunc_config uses; its stub is in umath)
+    from numpy._core.umath import _extobj_contextvar as _errstate_var
 except ImportError:  # pragma: no cover - NumPy 1.x: always enter errstate
     _errstate_var = None
 _quiet_state: list = [None]  # the last error state object found to ignore underflow
@@ -123,3 +126,85 @@ def _real_pairs(z: np.ndarray) -> np.ndarray:
     """A complex array as a real one of twice the last dimension (a view)."""
     real = np.dtype(f"f{z.dtype.itemsize // 2}") if z.dtype.itemsize <= 16 else np.dtype(np.longdouble)
     return z.view(real) if z.ndim else z.reshape(1).view(real)
+
+
+# ---- how a reduction travels: the one rule of the host path (_reduction) and the device transports ----
+# (here, in layer 0, so that the CUDA transports, which may not import _reduction, follow it too)
+
+_MINMAX = ("min", "max")
+_F32 = np.dtype(np.float32)
+_U8 = np.dtype(np.uint8)
+_WIDE_INT = {"i": np.dtype(np.int64), "u": np.dtype(np.uint64)}
+
+
+def ordered_int(dtype: np.dtype) -> np.dtype | None:
+    """The signed integer dtype of the same width that float min/max of ``dtype`` travel as (the
+    order-preserving map: negative values get their magnitude bits flipped, so -0.0 < +0.0; NaN becomes
+    :func:`ordered_nan`), or None: not a float, or a float without such an integer (longdouble)."""
+    if dtype.kind == "f" and dtype.itemsize in (2, 4, 8):
+        return np.dtype(f"i{dtype.itemsize}")
+    return None
+
+
+def ordered_nan(ints: np.dtype, op: str) -> int:
+    """The integer a NaN maps to under :func:`ordered_int`'s map: the extreme ``op`` picks (the largest
+    for max, the smallest for min), so a NaN anywhere is a NaN in the result."""
+    info = np.iinfo(ints)
+    return int(info.max if op == "max" else info.min)
+
+
+def value_dtype(info: DType, op: str, native) -> np.dtype:
+    """The dtype ``info``'s values are reduced in with ``op``, on a transport that reduces ``(dtype, op)``
+    correctly itself where ``native(dtype, op)`` (``HostTransport.reduces``, or a device transport's own).
+
+    bool travels as bytes (uint8, else uint64); bfloat16 always in float32; float min/max as the ordered
+    integers of their width (:func:`ordered_int`) where the transport reduces those, else in float32
+    (exact); float16 in float32 where the transport cannot reduce it; 8- to 32-bit integers in 64-bit
+    integers where the transport's own op is not trusted (the same result modulo 2**n)."""
+    if info.kind == "b":
+        return _U8 if native(_U8, op) else _WIDE_INT["u"]
+    if info.name == "bfloat16":
+        return _F32
+    storage = info.storage
+    if info.kind == "f" and op in _MINMAX:  # the ordered integers carry it, whatever the transport does with floats
+        ints = ordered_int(storage)
+        if ints is None or native(ints, op):
+            return storage
+        return _F32  # float16 whose 16-bit integers the transport cannot order: exact in float32
+    reduced = "sum" if op == "mean" else op
+    if native(storage, reduced):
+        return storage
+    if info.kind == "f":
+        return _F32  # float16 on a transport without a float16 type
+    if info.kind in _WIDE_INT and native(_WIDE_INT[info.kind], reduced):
+        return _WIDE_INT[info.kind]
+    raise TypeError(f"op={op!r} on {info.name}: the transport reduces neither {info.name} nor a wider type "
+                    f"correctly; use another dtype")
+
+
+class Wire(NamedTuple):
+    """How one reduction travels (:func:`wire`)."""
+
+    dtype: np.dtype  # the value dtype (:func:`value_dtype`): the caller's values are converted to it, exactly
+    op: str  # the op the transport runs ("mean" is a "sum")
+    ordered: np.dtype | None  # float min/max: the integers the values travel as (None: as they are; longdouble
+    #                            min/max, host only, carry byte flags instead: _reduction)
+    divide: bool  # mean: the result is divided once by the number of ranks, in ``dtype`` (a true division,
+    #               as :func:`divide` does, never a product with 1/n), before it is rounded back once
+
+
+def wire(info: DType, op: str, native) -> Wire:
+    """The whole plan of a reduction of ``info`` with ``op`` on a transport whose own correct reductions
+    ``native`` says: widen to ``dtype``, map float min/max to ``ordered``, run ``op``, map back, divide
+    (mean), round back into the caller's dtype (floats: to nearest even; integers: modulo 2**n).
+
+    Example:
+        >>> native = lambda dtype, op: dtype != np.float16 and dtype.itemsize >= 4   # no 16-bit types
+        >>> wire(from_numpy(np.dtype(np.float16)), "mean", native)
+        Wire(dtype=dtype('float32'), op='sum', ordered=None, divide=True)
+        >>> wire(bfloat16(), "max", native)
+        Wire(dtype=dtype('float32'), op='max', ordered=dtype('int32'), divide=False)
+    """
+    value = value_dtype(info, op, native)
+    ordered = ordered_int(value) if op in _MINMAX and value.kind == "f" else None
+    return Wire(value, "sum" if op == "mean" else op, ordered, op == "mean")

@@ -124,7 +124,7 @@ def transport_failure(exc: BaseException, what: str) -> CollectiveError | None:
         f"error the job cannot continue reliably: end it")
 
 
-def reraise(exc: Exception, what: str):
+def reraise(exc: BaseException, what: str):
     """Raise ``exc``, or the :class:`CollectiveError` for it when MPI reported it (the MPI error chained).
     For ``except Exception as exc: reraise(exc, "broadcast")``; costs nothing until something is raised."""
     err = transport_failure(exc, what)

@@ -16,6 +16,7 @@ No thread is involved: MPI progresses a non-blocking collective inside MPI calls
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from ._errors import CollectiveError, CollectiveTimeoutError, reraise
 from ._poll import poll
@@ -50,7 +51,7 @@ class Handle:
     def __init__(self, what: str, steps, owner: dict | None = None, fail=None):
         self.what = what  # the collective, for messages
         self._steps = steps
-        self._pending = None
+        self._pending: Any = None  # the step's request in flight (a transport's Request), or None
         self._finished = False
         self._result = None
         self._error: BaseException | None = None

@@ -495,6 +495,7 @@ class TorchDistributedOptimizer:
         """
         if not self.shard_state:
             return self.inner.state_dict()
+        assert self._engine is not None  # shard_state=True: there is always an engine, holding the shards
         sd = self.inner.state_dict()
         sd["state"] = self._engine.shards.full_state()
         return sd
@@ -505,6 +506,7 @@ class TorchDistributedOptimizer:
         if not self.shard_state:
             self.inner.load_state_dict(state_dict)
             return
+        assert self._engine is not None  # shard_state=True: there is always an engine, holding the shards
         self._engine.shards.load_full(state_dict)
 
     def state_bytes(self) -> int:
@@ -528,6 +530,7 @@ class TorchDistributedOptimizer:
 
         total = nbytes(self.inner)
         if self.shard_state:
+            assert self._engine is not None  # shard_state=True: there is always an engine, holding the shards
             total += nbytes(self._engine.shards.opt)
         return total
 
@@ -632,5 +635,5 @@ def _transformation(inner, op: str, k: int, bucket_bytes, comm) -> DistributedTr
         updates, inner_state = inner.update(mean, state.inner_state, params, **extra)
         return updates, DistributedState(inner_state, map_leaves(_zeros_like, acc), 0)
 
-    update._collectives_distributed = True
+    update._collectives_distributed = True  # type: ignore[attr-defined]  # a marker on the function: mypy has no function attributes
     return DistributedTransformation(init, update)

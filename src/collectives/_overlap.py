@@ -224,10 +224,10 @@ class Buckets:
         # allreduce_tree agrees on every tree: ranks whose models differ raise MismatchError on every rank
         # instead of reducing each other's unrelated gradients.
         where = {id(b): i for i, b in enumerate(buckets)}
-        entries = tuple((s.name, f"{_desc(s.param)} {s.param.device.type} in bucket {where[id(s.bucket)]}")
-                        for s in self.slots)
+        layout = tuple((s.name, f"{_desc(s.param)} {s.param.device.type} in bucket {where[id(s.bucket)]}")
+                       for s in self.slots)
         header = (("op", op), ("bucket_bytes", int(bucket_bytes)), ("shard_state", bool(shard)))
-        _agree.agree(comm._transport_for(_arrays.HOST), "DistributedOptimizer", header, entries, checked=False)
+        _agree.agree(comm._transport_for(_arrays.HOST), "DistributedOptimizer", header, layout, checked=False)
         self.flag = np.zeros(3, np.int64)
         self.flag_handle = None
         self.next = 0
@@ -432,8 +432,9 @@ class Buckets:
             b.handle = None
             if self.shards is not None:
                 b.block = out
-        self.flag_handle.wait()
-        self.flag_handle = None
+        flag, self.flag_handle = self.flag_handle, None
+        assert flag is not None  # started with the buckets (above)
+        flag.wait()
         skipped: set = set()
         if int(self.flag[0]) or int(self.flag[1]) != -int(self.flag[2]):
             skipped = self._settle_missing()
@@ -525,7 +526,7 @@ class Shards:
         comm = engine.comm
         self.size, self.rank = comm.size, comm.rank
         self.tensors = []  # shard tensors, one per (group, dtype, device)
-        self.groups = []  # the inner group index of each shard tensor
+        self.groups: list = []  # the inner group index of each shard tensor
         keyed: dict = {}
         for b in engine.buckets:
             c = b.padded // self.size

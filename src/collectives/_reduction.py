@@ -33,7 +33,7 @@ import numpy as np
 from . import _dtypes
 
 MINMAX = ("min", "max")
-_ORDERED_INT = {2: np.dtype(np.int16), 4: np.dtype(np.int32), 8: np.dtype(np.int64)}
+_ORDERED_INT: dict[int, np.dtype] = {2: np.dtype(np.int16), 4: np.dtype(np.int32), 8: np.dtype(np.int64)}
 _F32 = np.dtype(np.float32)
 _U8 = np.dtype(np.uint8)
 _WIDE_INT = {"i": np.dtype(np.int64), "u": np.dtype(np.uint64)}
@@ -46,24 +46,9 @@ def wire_op(op: str) -> str:
 
 def value_dtype(info: _dtypes.DType, op: str, native) -> np.dtype:
     """The dtype ``info``'s values are reduced in with ``op``; ``native(dtype, op)`` says what the
-    transport reduces itself (``HostTransport.reduces``). Float min/max then go through :func:`to_ordered`."""
-    if info.kind == "b":
-        return _U8 if native(_U8, op) else _WIDE_INT["u"]
-    if info.name == "bfloat16":
-        return _F32
-    storage = info.storage
-    if info.kind == "f" and op in MINMAX:  # the ordered integers carry it, whatever MPI does with floats
-        if not ordered(storage) or native(_ORDERED_INT[storage.itemsize], op):
-            return storage
-        return _F32  # float16 whose 16-bit integers the transport cannot order: exact in float32
-    if native(storage, wire_op(op)):
-        return storage
-    if info.kind == "f":
-        return _F32  # float16 on a transport without a float16 type
-    if info.kind in _WIDE_INT and native(_WIDE_INT[info.kind], wire_op(op)):
-        return _WIDE_INT[info.kind]
-    raise TypeError(f"op={op!r} on {info.name}: the transport reduces neither {info.name} nor a wider type "
-                    f"correctly; use another dtype")
+    transport reduces itself (``HostTransport.reduces``). Float min/max then go through :func:`to_ordered`.
+    The rule is :func:`collectives._dtypes.value_dtype`, which the CUDA transports follow too."""
+    return _dtypes.value_dtype(info, op, native)
 
 
 def ordered(dtype: np.dtype) -> bool:

@@ -163,6 +163,7 @@ def shard(data, *, drop_remainder: bool = False, comm=None):
         _agree(c, n, bool(drop_remainder), error)
     if error is not None:
         raise error
+    assert n is not None  # _length returned: it raised no error
     segments = shard_segments(n, c.rank, c.size, drop_remainder=drop_remainder)
     if is_array(data):
         parts = [data[s:e, ...] for s, e in segments]  # the trailing ... is what the array API requires

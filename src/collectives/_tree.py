@@ -35,6 +35,7 @@ import math
 import dataclasses
 import pickle
 import sys
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -218,7 +219,7 @@ def _flatten(x, leaves: list, kinds: list, sig: list):
 
 def _children(values, leaves: list, kinds: list, sig: list) -> list:
     """The child nodes of a container's values (None for a leaf), leaves appended on the way."""
-    out = []
+    out: list[_Node | None] = []
     for v in values:
         kind = _KIND.get(type(v))
         if kind is ARRAY or kind is OBJECT:  # the common leaves, without a call
@@ -554,7 +555,7 @@ class _Leaves:
 class _TensorSlot(NamedTuple):
     """Stands for a tensor in a pickled optimizer state_dict skeleton."""
 
-    index: int
+    position: int  # in the list of tensors (a field named index would hide tuple.index)
     shape: tuple
     dtype: str
     device: str
@@ -589,7 +590,7 @@ def _slots(skel, out: list) -> list:
 
 def _fill(skel, tensors: list):
     if isinstance(skel, _TensorSlot):
-        return tensors[skel.index]
+        return tensors[skel.position]
     if type(skel) is dict:
         return {k: _fill(v, tensors) for k, v in skel.items()}
     if type(skel) is list:
@@ -742,7 +743,7 @@ def allreduce_tree(c, tree, op, bucket_bytes, asynchronous: bool = False):
     :class:`~collectives.Handle` instead (a generator: every host transfer started here, the tree
     returned once they are complete; see ``_buckets.start_allreduce``)."""
     what = "allreduce_tree"
-    header = (("op", op), ("bucket_bytes", bucket_bytes))
+    header: tuple[tuple[str, Any], ...] = (("op", op), ("bucket_bytes", bucket_bytes))
     entries, error, flat = None, None, None
     prepared = _Leaves()
     scalars: list[tuple[int, type]] = []  # (position in prepared.items, the scalar's type)
@@ -789,6 +790,7 @@ def allreduce_tree(c, tree, op, bucket_bytes, asynchronous: bool = False):
     except Exception as exc:  # noqa: BLE001 - held, raised on every rank by agree()
         error = exc
     agree(c, what, header, entries, error, digest)
+    assert flat is not None  # agree() raised the error of a tree that did not flatten
     items = prepared.items
     plan = None if cached is None else cached[2]
     steps = None
@@ -797,6 +799,7 @@ def allreduce_tree(c, tree, op, bucket_bytes, asynchronous: bool = False):
     else:
         plan = _buckets.allreduce(c, items, op, header[1][1], plan)
     if key is not None and cached is None:
+        assert entries is not None  # agree() raised the error of a tree that was not described
         _remember(c, key, what, header, entries, plan)
     leaves = flat.leaves
     exact = _exact(c, [leaves[i] for i in pyints], op) if pyints and c.size > 1 else None  # blocking, now
@@ -840,7 +843,7 @@ def _tree_result(flat, items, prepared, scalars, pyints, exact, aliases, tree):
     return unflatten(flat, results)
 
 
-_EXACT = {"sum": sum, "prod": math.prod, "min": min, "max": max}
+_EXACT: dict[str, Callable[[Iterable[int]], int]] = {"sum": sum, "prod": math.prod, "min": min, "max": max}
 
 
 def _exact(c, values: list[int], op: str) -> list[int]:

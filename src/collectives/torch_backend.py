@@ -56,6 +56,7 @@ import tempfile
 import time
 import uuid
 from datetime import timedelta
+from typing import Any
 from urllib.parse import urlparse
 
 import torch
@@ -71,7 +72,7 @@ __all__ = ["BACKEND", "ProcessGroupCollectives", "Work", "register"]
 BACKEND = "collectives"
 SCHEME = "collectives"
 
-_R = dist.ReduceOp.RedOpType
+_R: Any = dist.ReduceOp.RedOpType  # Any: torch's stubs do not list its members (SUM, ..., PREMUL_SUM)
 _OPS = {_R.SUM: "sum", _R.PRODUCT: "prod", _R.MIN: "min", _R.MAX: "max", _R.AVG: "mean"}
 
 
@@ -130,7 +131,7 @@ class Work(dist.Work):
         self._finish = finish  # callable(list of handle results) -> None: copies into output tensors
         self._result = result  # what the future holds: the output tensors
         self._timeout_s = timeout_s
-        self._future = torch.futures.Future()
+        self._future: torch.futures.Future = torch.futures.Future()
         self._error: BaseException | None = None
         self._done = False
         if all(h.done() for h in self._handles):
@@ -254,7 +255,7 @@ class ProcessGroupCollectives(dist.ProcessGroup):
     """
 
     def __init__(self, comm, timeout: timedelta | None = None, keep=None):
-        super().__init__(comm.rank, comm.size)
+        super().__init__(comm.rank, comm.size)  # type: ignore[call-arg]  # the (rank, size) overload; the stub lists only (store, rank, size)
         self._comm = comm
         self._timeout_s = _seconds(timeout)
         self._keep = keep  # the mpi4py communicator ours was made from (its lifetime bounds ours)
@@ -494,7 +495,8 @@ class ProcessGroupCollectives(dist.ProcessGroup):
     def recv(self, tensors, src, tag=0):
         self.send(tensors, src, tag)
 
-    recv_anysource = recv
+    def recv_anysource(self, tensors, tag=0):
+        self.send(tensors, -1, tag)
 
 
 # ---------------------------------------------------------------------------------------------------------

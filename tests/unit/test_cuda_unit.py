@@ -442,7 +442,9 @@ class FakeHost:
 
     def broadcast_object(self, obj, root):
         self.objects.append(("broadcast_object", obj))
-        return obj
+        return obj if self.rank == root else self.from_root
+
+    from_root = bytes(range(128))  # what the root broadcasts to the others: FakeNCCL's unique id
 
     def allgather_object(self, obj):
         self.objects.append(("allgather_object", obj))
@@ -531,20 +533,33 @@ def test_nccl_allreduce_non_contiguous_view_writes_only_its_elements():
 @needs_torch
 @pytest.mark.parametrize("dtype, op, want_dtype, want_op, mult", [
     ("complex64", "sum", _libnccl.ncclFloat32, _libnccl.ncclSum, 2),
-    ("complex128", "mean", _libnccl.ncclFloat64, _libnccl.ncclAvg, 2),
+    ("complex128", "mean", _libnccl.ncclFloat64, _libnccl.ncclSum, 2),  # mean: a sum, divided once after
     ("bool", "max", _libnccl.ncclUint8, _libnccl.ncclMax, 1),
     ("bool", "min", _libnccl.ncclUint8, _libnccl.ncclMin, 1),
-    ("bfloat16", "mean", _libnccl.ncclBfloat16, _libnccl.ncclAvg, 1),
-    ("float16", "prod", _libnccl.ncclFloat16, _libnccl.ncclProd, 1),
+    # the host rules (_dtypes.wire): float16/bfloat16 widened to float32 on the device, never ncclAvg
+    ("bfloat16", "mean", _libnccl.ncclFloat32, _libnccl.ncclSum, 1),
+    ("bfloat16", "sum", _libnccl.ncclFloat32, _libnccl.ncclSum, 1),
+    ("float16", "mean", _libnccl.ncclFloat32, _libnccl.ncclSum, 1),
+    ("float16", "sum", _libnccl.ncclFloat32, _libnccl.ncclSum, 1),
+    ("float16", "prod", _libnccl.ncclFloat32, _libnccl.ncclProd, 1),
+    ("float32", "mean", _libnccl.ncclFloat32, _libnccl.ncclSum, 1),
+    ("float64", "prod", _libnccl.ncclFloat64, _libnccl.ncclProd, 1),
+    # float min/max: the ordered integers, reduced with NCCL's integer MIN/MAX on the device
+    ("float16", "max", _libnccl.ncclInt32, _libnccl.ncclMax, 1),  # NCCL has no int16: widened first
+    ("bfloat16", "min", _libnccl.ncclInt32, _libnccl.ncclMin, 1),
+    ("float32", "min", _libnccl.ncclInt32, _libnccl.ncclMin, 1),
+    ("float64", "max", _libnccl.ncclInt64, _libnccl.ncclMax, 1),
     ("int64", "min", _libnccl.ncclInt64, _libnccl.ncclMin, 1),
     ("uint8", "sum", _libnccl.ncclUint8, _libnccl.ncclSum, 1),
 ])
 def test_nccl_dtype_op_mapping(dtype, op, want_dtype, want_op, mult):
     t, lib = nccl_transport()
+    made = len(t._host.objects)  # the unique id's broadcast, at construction
     x = torch.ones(5, dtype=getattr(torch, dtype))
     t.allreduce(x, None, op)
     (call,) = collective_calls(lib)
     assert call[3:6] == (5 * mult, want_dtype, want_op)
+    assert len(t._host.objects) == made, "nothing went through the host (no staging)"
 
 
 @needs_torch
@@ -556,6 +571,156 @@ def test_nccl_values_through_the_fake():
     b = torch.tensor([1.5, -2.25], dtype=torch.bfloat16)
     t.allreduce(b, None, "sum")
     assert b.float().tolist() == [4.5, -6.75]
+
+
+# ---- the host rules on the device: the same bits as the host path (issue 21) ----
+
+FLOATS = ("float16", "bfloat16", "float32", "float64")
+_INT_OF_SIZE = {2: "int16", 4: "int32", 8: "int64"}
+
+
+def _bits(t):
+    """``(integer bits, NaN mask)`` of a float tensor, flat, as NumPy."""
+    t = t.detach().contiguous().reshape(-1)
+    return t.view(getattr(torch, _INT_OF_SIZE[t.element_size()])).numpy(), torch.isnan(t).numpy()
+
+
+def same_bits_torch(got, want) -> bool:
+    """Equal bit for bit, any NaN equal to any NaN (its payload is free), -0.0 unlike +0.0."""
+    if got.dtype != want.dtype or got.shape != want.shape:
+        return False
+    (g, gn), (w, wn) = _bits(got), _bits(want)
+    return bool((gn == wn).all() and (g[~gn] == w[~wn]).all())
+
+
+def float_inputs(dtype: str, seed: int = 0, count: int = 97):
+    """Seeded values of ``dtype`` that make every rule visible: inexact quotients and products, overflow
+    of the narrow types, subnormals, zeros of both signs, infinities and NaNs (a negative one too)."""
+    rng = np.random.default_rng([FLOATS.index(dtype), seed])
+    v = rng.normal(0, 8, count) * rng.choice([1e-6, 1.0, 3e4], count)
+    v[:12] = (0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, 1e-7, -1e-7, 6e4, -6e4, 1.0 / 3, 2.0 / 3)
+    t = torch.from_numpy(v).to(getattr(torch, dtype))
+    return t[torch.from_numpy(rng.permutation(count))]
+
+
+def host_bits(x, op: str, n: int):
+    """The host path (``_reduction.reduce_buffer``) on x's values, over ``n`` ranks holding x, with a
+    network that reduces exactly as FakeNCCL does, and NCCL's own reductions (``nccl.reduces``): the
+    reference for the device path."""
+    from collectives import _reduction
+    from collectives._backends import nccl
+
+    info = FakeTorch().dtype(x)
+    storage = x.detach().contiguous().reshape(-1)
+    if x.dtype == torch.bfloat16:
+        buf = storage.view(torch.int16).numpy().view(np.uint16).copy()
+    else:
+        buf = storage.numpy().copy()
+
+    def network(wire, wop):  # n identical ranks
+        y = {"sum": wire * n, "prod": wire ** n}.get(wop, wire)
+        wire[...] = y
+
+    _reduction.reduce_buffer(buf, info, op, n, network, nccl.reduces)
+    if x.dtype == torch.bfloat16:
+        return torch.from_numpy(buf.view(np.int16)).view(torch.bfloat16).reshape(x.shape)
+    return torch.from_numpy(buf).reshape(x.shape)
+
+
+@needs_torch
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_device_ordered_integers_are_the_host_map(dtype):
+    """The device's order-preserving map (torch's own bitwise operations) gives ``_reduction.to_ordered``'s
+    integers for every float16 and bfloat16 bit pattern and for random float32/float64 patterns, with NaN at
+    the extreme of each op, and maps them back to the same bits (NaN to a NaN)."""
+    from collectives import _reduction
+
+    api = FakeTorch()
+    width = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    ints = np.dtype(_INT_OF_SIZE[width])
+    if width == 2:
+        patterns = np.arange(-2**15, 2**15, dtype=np.int16)
+    else:
+        rng = np.random.default_rng(width)
+        patterns = rng.integers(np.iinfo(ints).min, np.iinfo(ints).max, 50_000, dtype=ints, endpoint=True)
+        special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, 1e-40, -1e-40], dtype=f"f{width}")
+        patterns = np.concatenate([patterns, special.view(ints)])
+    for op in ("min", "max"):
+        t = torch.from_numpy(patterns.copy()).view(getattr(torch, dtype))
+        got = api.to_ordered_(t, ints, _dtypes.ordered_nan(ints, op))
+        if dtype == "bfloat16":  # NumPy has no bfloat16: the map is on the bits, NaN where the exponent is full
+            host = patterns.copy()
+            nan = ((host.view(np.uint16) & 0x7F80) == 0x7F80) & ((host.view(np.uint16) & 0x7F) != 0)
+            host = np.where(host < 0, host ^ np.int16(0x7FFF), host)
+            host[nan] = _dtypes.ordered_nan(ints, op)
+        else:
+            host = _reduction.to_ordered(patterns.copy().view(f"f{width}"), op)
+        assert np.array_equal(got.numpy(), host), (dtype, op)
+        back = api.from_ordered_(got, np.dtype(np.float32) if dtype == "bfloat16" else np.dtype(f"f{width}"))
+        if dtype == "bfloat16":
+            back = got.view(torch.bfloat16)
+        want = torch.from_numpy(patterns.copy()).view(getattr(torch, dtype))
+        assert same_bits_torch(back, want), (dtype, op)
+    assert got.data_ptr() == t.data_ptr(), "in place"
+
+
+@needs_torch
+@pytest.mark.parametrize("op", ["sum", "prod", "mean", "min", "max"])
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_nccl_device_rules_give_the_host_bits(dtype, op):
+    """Every NCCL reduction of floats, with the host rules encoded on the device (widening, ordered
+    integers, one division), against the host path over the same (fake) network, bit for bit: allreduce
+    (contiguous and a strided view), reduce (root; a non-root rank's x untouched, NaN payloads included),
+    reduce_scatter and allreduce_many; nothing goes through host memory."""
+    n = 3
+    x = float_inputs(dtype)
+    want = host_bits(x, op, n)
+    t, lib = nccl_transport(FakeNCCL(n, rank=0))
+    other, _ = nccl_transport(FakeNCCL(n, rank=1), rank=1)
+    made = len(t._host.objects), len(other._host.objects)  # the unique id's broadcast, at construction
+    got = x.clone()
+    t.allreduce(got, None, op)
+    assert same_bits_torch(got, want), f"allreduce {dtype} {op}"
+    base = torch.zeros(x.numel(), 2, dtype=x.dtype)
+    base[:, 0] = x
+    t.allreduce(base[:, 0], None, op)
+    assert same_bits_torch(base[:, 0].contiguous(), want) and (base[:, 1] == 0).all(), "strided view"
+    root = x.clone()
+    t.reduce(root, None, op, 0)
+    assert same_bits_torch(root, want), f"reduce {dtype} {op}"
+    kept = x.clone()
+    other.reduce(kept, None, op, 0)
+    assert np.array_equal(_bits(kept)[0], _bits(x)[0]), "a non-root rank's x is left bit for bit as it was"
+    blocks = x[:96].reshape(n, 32)
+    mine = t.reduce_scatter(blocks, None, op)
+    assert same_bits_torch(mine, want[:96].reshape(n, 32)[:1]), f"reduce_scatter {dtype} {op}"
+    many = [x.clone(), x.clone()[::2], torch.ones(3, dtype=x.dtype)]
+    t.allreduce_many(many, None, op)
+    assert same_bits_torch(many[0], want) and same_bits_torch(many[1], want[::2])
+    assert (len(t._host.objects), len(other._host.objects)) == made, "nothing went through the host"
+    for call in collective_calls(lib):
+        if op in ("min", "max"):
+            assert call[4] in (_libnccl.ncclInt32, _libnccl.ncclInt64), call  # ordered integers
+        elif dtype in ("float16", "bfloat16"):
+            assert call[4] == _libnccl.ncclFloat32, call  # widened on the device
+        assert call[5] != _libnccl.ncclAvg, call  # the op (ncclAvg and ncclInt64 share the number 4)
+
+
+@needs_torch
+@pytest.mark.parametrize("n", [2, 3, 5, 7])
+def test_device_mean_divides_as_the_host_does(n):
+    """mean's division on the device is ``_dtypes.divide``'s: ``buf / n`` in the value dtype (a true
+    division, not a product with 1/n), complex part by part."""
+    api = FakeTorch()
+    rng = np.random.default_rng(n)
+    for dtype in (np.float16, np.float32, np.float64, np.complex64):
+        v = (rng.normal(0, 100, 1000) + (1j * rng.normal(0, 100, 1000) if dtype == np.complex64 else 0)).astype(dtype)
+        host = v.copy()
+        _dtypes.divide(host, n)
+        t = torch.from_numpy(v.copy())
+        api.divide_(t, n)
+        assert np.array_equal(t.numpy().view(f"u{np.dtype(dtype).itemsize // (2 if dtype == np.complex64 else 1)}"),
+                              host.view(f"u{np.dtype(dtype).itemsize // (2 if dtype == np.complex64 else 1)}")), dtype
 
 
 def host_message(dtype_name, op):
@@ -650,18 +815,36 @@ def test_nccl_empty_and_zero_d():
 
 
 @needs_torch
-@pytest.mark.parametrize("op, nop", [("sum", _libnccl.ncclSum), ("mean", _libnccl.ncclAvg)])
-def test_nccl_reduce_scatter_gives_this_ranks_block(op, nop):
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_nccl_reduce_scatter_gives_this_ranks_block(op):
     t, lib = nccl_transport(FakeNCCL(3, rank=1))  # the fake library plays rank 1 (the block it returns)
     x = torch.arange(12, dtype=torch.float32).reshape(6, 2)
     before = x.clone()
     out = t.reduce_scatter(x, None, op)
     assert torch.equal(x, before), "x is left unchanged"
-    want = before[2:4] * (3 if op == "sum" else 1)
+    want = before[2:4] * 3
+    if op == "mean":
+        want = want / 3
     assert out.shape == (2, 2) and torch.equal(out, want)
     (call,) = collective_calls(lib)
     assert call[0] == "reduce_scatter" and call[1] == x.data_ptr() and call[2] == out.data_ptr()
-    assert call[3:6] == (4, _libnccl.ncclFloat32, nop)  # recvcount: one rank's block
+    assert call[3:6] == (4, _libnccl.ncclFloat32, _libnccl.ncclSum)  # recvcount: one rank's block
+
+
+@needs_torch
+@pytest.mark.parametrize("op", ["mean", "max"])
+def test_nccl_reduce_scatter_of_encoded_values_leaves_x_and_gives_the_block(op):
+    t, lib = nccl_transport(FakeNCCL(3, rank=2))
+    x = torch.tensor([[1.5, -0.0], [0.0, float("nan")], [-2.25, 3.0]], dtype=torch.float16)
+    before = x.clone()
+    out = t.reduce_scatter(x, None, op)
+    assert torch.equal(x.view(torch.int16), before.view(torch.int16)), "x is left bit for bit as it was"
+    assert out.shape == (1, 2) and out.dtype == torch.float16
+    assert same_bits_torch(out, before[2:] if op == "max" else (before[2:].float() * 3 / 3).half())
+    (call,) = collective_calls(lib)
+    assert call[1] != x.data_ptr() and call[2] != out.data_ptr()  # float32 / int32 temporaries
+    assert call[3:6] == (2, _libnccl.ncclInt32 if op == "max" else _libnccl.ncclFloat32,
+                         _libnccl.ncclMax if op == "max" else _libnccl.ncclSum)
 
 
 @needs_torch

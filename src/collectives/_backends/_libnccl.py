@@ -161,7 +161,8 @@ DTYPE_BY_NAME: dict[str, int] = {
     "bfloat16": ncclBfloat16,
 }
 
-#: Our op names -> ncclRedOp_t ("mean" is NCCL's ncclAvg, NCCL >= 2.10).
+#: Our op names -> ncclRedOp_t ("mean" is NCCL's ncclAvg, NCCL >= 2.10; the NCCL transport does not use it:
+#: ncclAvg multiplies by 1/n, and the host rules divide a sum once, so mean is ncclSum, then divided).
 OP_BY_NAME: dict[str, int] = {
     "sum": ncclSum,
     "prod": ncclProd,
@@ -328,7 +329,8 @@ def make_config(blocking: bool = True) -> ncclConfig_t:
         (True, '0xcafebeef', 0, -2147483648)
     """
     cfg = ncclConfig_t()
-    for name, ctype in ncclConfig_t._fields_:
+    for field in ncclConfig_t._fields_:
+        name, ctype = field[0], field[1]
         if ctype is ctypes.c_int:
             setattr(cfg, name, NCCL_CONFIG_UNDEF_INT)
         elif ctype is ctypes.c_char_p:

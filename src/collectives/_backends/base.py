@@ -59,7 +59,11 @@ class HostTransport(abc.ABC):
     size: int = 1
     local_rank: int = 0
     local_size: int = 1
-    can_broadcast_many = False
+
+    @property
+    def can_broadcast_many(self) -> bool:
+        """Whether :meth:`broadcast_many` may be used (a transport that has one says when)."""
+        return False
     timeout: float | None = None  # seconds a wait may last (COLLECTIVES_TIMEOUT), where the transport has one
     failed: str | None = None  # why the transport cannot be used any more (see fail), or None
     _float16 = True

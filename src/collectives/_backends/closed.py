@@ -9,6 +9,8 @@ documented way instead of with ``AttributeError: 'NoneType' ...``; no method nee
 
 from __future__ import annotations
 
+from typing import Any
+
 from .._errors import BackendUnavailableError
 
 MESSAGE = ("this communicator was closed (close() or collectives.finalize()); make a new one with "
@@ -32,4 +34,4 @@ class ClosedTransport:
         return False
 
 
-CLOSED = ClosedTransport()
+CLOSED: Any = ClosedTransport()  # typed Any: it stands where any transport stood (every use raises)

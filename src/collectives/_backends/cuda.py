@@ -28,8 +28,8 @@ import os
 import platform
 import sys
 import warnings
-
-import numpy as np
+from collections.abc import Sequence
+from types import FrameType
 
 from .. import _config, _dtypes
 from .._errors import BackendUnavailableError, MismatchError
@@ -85,7 +85,7 @@ def choose_device(local_rank: int, visible: int) -> int:
     return int(local_rank) % int(visible)
 
 
-def multi_rank_allowed(env_enabled: bool, nccl_version) -> bool:
+def multi_rank_allowed(env_enabled: bool | None, nccl_version) -> bool:
     """Several ranks may share a GPU under NCCL only if the user opted in and NCCL supports it."""
     return bool(env_enabled) and nccl_version is not None and tuple(nccl_version) >= MULTI_RANK_NCCL
 
@@ -107,7 +107,7 @@ def shared_devices(identities) -> list[list[int]]:
     return [ranks for ranks in groups.values() if len(ranks) > 1]
 
 
-def device_table(facts: list[dict], shared: list[list[int]] = ()) -> str:
+def device_table(facts: list[dict], shared: Sequence[Sequence[int]] = ()) -> str:
     """A table rank -> host -> device, the shared rows marked, and the device each rank should use."""
     marked = {r for group in shared for r in group}
     header = ("rank", "host", "device", "PCI bus id", "local rank", "should use")
@@ -177,7 +177,8 @@ def warn_staging(why: str) -> None:
     if _warned:
         return
     _warned = True
-    level, frame = 1, sys._getframe(0)
+    level = 1
+    frame: FrameType | None = sys._getframe(0)
     while frame is not None and frame.f_globals.get("__name__", "").startswith("collectives"):
         frame, level = frame.f_back, level + 1
     warnings.warn(
@@ -331,8 +332,11 @@ class CudaAwareMPITransport(DeviceTransport):
     """Hand device pointers to MPI (``COLLECTIVES_CUDA_AWARE_MPI=1``; cannot be detected reliably).
 
     MPI does not know CUDA streams: the producer stream is synchronised before each call, and MPI returns
-    only when the device memory holds the result. bfloat16 (and float16 when MPI cannot reduce it) are
-    widened to float32 on the device; ``mean`` is a sum divided on the device.
+    only when the device memory holds the result. The host rules (``_dtypes.wire``, with this MPI's
+    verified ops) are encoded on the device: bfloat16 (and float16 where MPI cannot reduce it) widened to
+    float32, float min/max as ordered integers, ``mean`` a sum divided once, then rounded back. Each kind
+    of collective runs on the MPI transport's communicator for that kind (its lane), so it can never be
+    matched with another kind of collective.
     """
 
     name = CUDA_AWARE_MPI
@@ -340,28 +344,26 @@ class CudaAwareMPITransport(DeviceTransport):
     def __init__(self, comm, index):
         super().__init__(comm, index)
         host = comm._host
-        self._mpi, self._MPI = host.comm, host.MPI
-        self._types, self._ops, self._float16 = host._types, host._ops, host._float16
+        self._lanes, self._MPI = host._lanes, host.MPI
+        self._types, self._ops = host._types, host._ops
         self._max = _config.max_count()
         buffers = getattr(self._MPI, "buffer", None) or self._MPI.memory  # mpi4py 4 / 3
         self._address = buffers.fromaddress
 
-    def _needs_host(self, info, op: str) -> bool:
-        """Float min/max (the host rules' order), or an integer op this MPI was found to get wrong (its
-        verified ops, ``HostTransport.reduces``): reduced through host memory and the host rules."""
-        untrusted = info.kind in "iu" and not self._host.reduces(info.storage, "sum" if op == "mean" else op)
-        return self._host_rules(info, op) or untrusted
+    def _plan(self, info, op: str) -> _dtypes.Wire | None:
+        """How this reduction travels (the host rules, with this MPI's verified ops), or None: an integer op
+        this MPI was found to get wrong (``HostTransport.reduces``), reduced through host memory instead."""
+        if info.kind in "iu" and not self._host.reduces(info.storage, "sum" if op == "mean" else op):
+            return None
+        return _dtypes.wire(info, op, self._host.reduces)
 
     def _mem(self, ptr: int, nbytes: int):
         return self._address(ptr, nbytes)
 
-    def _wire(self, xp, buf, info):
-        """The buffer MPI reduces, and its NumPy dtype."""
-        if info.kind == "b":
-            return buf, np.dtype(np.uint8)
-        if info.name == "bfloat16" or (info.storage == np.float16 and not self._float16):
-            return xp.widen(buf), np.dtype(np.float32)
-        return buf, info.storage
+    def _datatype(self, plan: _dtypes.Wire):
+        """The MPI datatype and op the encoded values are reduced with, and their item size."""
+        dt = plan.ordered if plan.ordered is not None else plan.dtype
+        return self._types[dt], self._ops[plan.op], dt.itemsize
 
     def broadcast(self, x, a, root):
         xp, info = self._prepare(x)
@@ -369,9 +371,9 @@ class CudaAwareMPITransport(DeviceTransport):
         is_root = self.rank == root
         buf, in_place = xp.contiguous(x, copy=is_root)
         xp.synchronize(x)
-        base = xp.ptr(buf)
+        base, lane = xp.ptr(buf), self._lanes["broadcast"]
         for off, n in _pieces(xp.numel(x) * xp.itemsize(x), self._max):
-            self._mpi.Bcast([self._mem(base + off, n), self._MPI.BYTE], root)
+            lane.Bcast([self._mem(base + off, n), self._MPI.BYTE], root)
         if not in_place and not is_root:
             xp.copy_back(x, buf)
         return x
@@ -379,30 +381,29 @@ class CudaAwareMPITransport(DeviceTransport):
     def _reduce(self, x, op, root):
         xp, info = self._prepare(x)
         _dtypes.check_reduction(info, op)
-        if self._needs_host(info, op):
+        plan = self._plan(info, op)
+        if plan is None:
             return self._staged(x, op, root)
         self._agree("allreduce" if root is None else "reduce", xp, x, info, op=op,
                     **({} if root is None else {"root": root}))
         receives = root is None or self.rank == root
         buf, in_place = xp.contiguous(x)
-        wire, dt = self._wire(xp, buf, info)
+        wire, fresh = self._encode(xp, buf, info, plan, keep=not receives)
         xp.synchronize(x)
-        datatype, mop = self._types[dt], self._ops["sum" if op == "mean" else op]
-        base, size = xp.ptr(wire), dt.itemsize
+        datatype, mop, size = self._datatype(plan)
+        base = xp.ptr(wire)
+        lane = self._lanes["allreduce" if root is None else "reduce"]
         for off, n in _pieces(xp.numel(x), self._max):
             mem = [self._mem(base + off * size, n * size), n, datatype]
             if root is None:
-                self._mpi.Allreduce(self._MPI.IN_PLACE, mem, mop)
+                lane.Allreduce(self._MPI.IN_PLACE, mem, mop)
             elif receives:
-                self._mpi.Reduce(self._MPI.IN_PLACE, mem, mop, root)
+                lane.Reduce(self._MPI.IN_PLACE, mem, mop, root)
             else:
-                self._mpi.Reduce(mem, None, mop, root)
+                lane.Reduce(mem, None, mop, root)
         if not receives:
             return x
-        if op == "mean":
-            xp.divide_(wire, self.size)
-        if wire is not buf:
-            xp.copy_back(buf, wire)  # float32 -> bfloat16/float16, rounding to nearest
+        self._decode(xp, wire, plan, buf, fresh)
         if not in_place:
             xp.copy_back(x, buf)
         return x
@@ -415,41 +416,40 @@ class CudaAwareMPITransport(DeviceTransport):
 
     def allgather(self, x, a):
         xp, send, out, nbytes = self._allgather_buffers(x)
+        lane = self._lanes["allgather"]
         if nbytes and nbytes <= self._max:
             xp.synchronize(x)
-            self._mpi.Allgather([self._mem(xp.ptr(send), nbytes), self._MPI.BYTE],
-                                [self._mem(xp.ptr(out), nbytes * self.size), self._MPI.BYTE])
-        elif nbytes:  # past the count limit: every rank broadcasts its row, piece by piece
+            lane.Allgather([self._mem(xp.ptr(send), nbytes), self._MPI.BYTE],
+                           [self._mem(xp.ptr(out), nbytes * self.size), self._MPI.BYTE])
+        elif nbytes:  # past the count limit: every rank broadcasts its row, piece by piece (on the allgather lane)
             xp.copy_back(out[self.rank], send)
             xp.synchronize(x)
             base = xp.ptr(out)
             for r in range(self.size):
                 for off, n in _pieces(nbytes, self._max):
-                    self._mpi.Bcast([self._mem(base + r * nbytes + off, n), self._MPI.BYTE], r)
+                    lane.Bcast([self._mem(base + r * nbytes + off, n), self._MPI.BYTE], r)
         return out
 
     def reduce_scatter(self, x, a, op):
         xp, info = self._prepare(x)
         _dtypes.check_reduction(info, op)
         n = xp.numel(x) // self.size  # elements of one rank's block
-        if self._needs_host(info, op) or n > self._max:
+        plan = self._plan(info, op)
+        if plan is None or n > self._max:
             return self._staged_scatter(x, op)
         self._agree("reduce_scatter", xp, x, info, op=op)
         shape = xp.shape(x)
         send, _ = xp.contiguous(x)
         out = xp.empty((shape[0] // self.size,) + shape[1:], like=x)
-        wire, dt = self._wire(xp, send, info)
-        recv, _ = self._wire(xp, out, info)  # widened dtypes: a float32 temporary
+        wire, fresh = self._encode(xp, send, info, plan, keep=True)  # x stays as it was
+        recv = xp.empty((n,), like=wire) if fresh else xp.flat(out)  # encoded: a temporary of the wire's dtype
         xp.synchronize(x)
-        datatype, mop = self._types[dt], self._ops["sum" if op == "mean" else op]
+        datatype, mop, size = self._datatype(plan)
         if n:
-            size = dt.itemsize
-            self._mpi.Reduce_scatter_block([self._mem(xp.ptr(wire), n * self.size * size), n, datatype],  # per block
-                                           [self._mem(xp.ptr(recv), n * size), n, datatype], mop)
-        if op == "mean":
-            xp.divide_(recv, self.size)
-        if recv is not out:
-            xp.copy_back(out, recv)  # float32 -> bfloat16/float16, rounding to nearest
+            self._lanes["reduce_scatter"].Reduce_scatter_block(
+                [self._mem(xp.ptr(wire), n * self.size * size), n, datatype],  # n per block
+                [self._mem(xp.ptr(recv), n * size), n, datatype], mop)
+        self._decode(xp, recv, plan, out, fresh)
         return out
 
     def alltoall(self, x, a):
@@ -462,6 +462,6 @@ class CudaAwareMPITransport(DeviceTransport):
         out = xp.empty(xp.shape(x), like=x)
         if nbytes:
             xp.synchronize(x)
-            self._mpi.Alltoall([self._mem(xp.ptr(send), nbytes), self._MPI.BYTE],
-                               [self._mem(xp.ptr(out), nbytes), self._MPI.BYTE])
+            self._lanes["alltoall"].Alltoall([self._mem(xp.ptr(send), nbytes), self._MPI.BYTE],
+                                             [self._mem(xp.ptr(out), nbytes), self._MPI.BYTE])
         return out

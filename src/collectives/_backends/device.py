@@ -131,16 +131,37 @@ class DeviceTransport(abc.ABC):
         """Release what the transport holds (the host transport belongs to the communicator)."""
 
     # ---- shared by the implementations ----
-    @staticmethod
-    def _host_rules(info, op: str) -> bool:
-        """Whether this reduction must follow the host rules (``_reduction``) instead of the device's own:
-        float min/max, whose NaN and signed-zero answers the rules fix and NCCL's and MPI's ops do not."""
-        return op in ("min", "max") and info.kind == "f"
+    def _encode(self, xp, buf, info, plan: _dtypes.Wire, *, keep: bool = False):
+        """The host rules' encoding (``_dtypes.wire``), on the device with the array library's own
+        operations: ``(wire, fresh)``, ``wire`` the flat contiguous buffer the transport reduces (``buf``'s
+        values converted to ``plan.dtype``, float min/max mapped to ordered integers), ``fresh`` whether
+        it is new memory (then :meth:`_decode` copies the result back). ``keep``: ``buf`` must stay as it
+        was (a send buffer, a rank that only contributes), so it is never mapped in place."""
+        flat = xp.flat(buf)
+        if plan.dtype == info.storage or (info.kind == "b" and plan.dtype.itemsize == 1):
+            value, fresh = flat, False  # as it is (bool: its 0/1 bytes)
+        else:
+            value, fresh = xp.cast(flat, plan.dtype), True  # widened: exact
+        if plan.ordered is None:
+            return value, fresh
+        if keep and not fresh:
+            value, fresh = xp.copy(value), True
+        return xp.to_ordered_(value, plan.ordered, _dtypes.ordered_nan(plan.ordered, plan.op)), fresh
+
+    def _decode(self, xp, wire, plan: _dtypes.Wire, target, fresh: bool) -> None:
+        """Finish what :meth:`_encode` began, on the reduced ``wire``: ordered integers back to floats,
+        mean's one division (in ``plan.dtype``), and, when ``fresh``, the result rounded back into
+        ``target`` (a contiguous array of the caller's dtype; floats round to nearest even)."""
+        value = wire if plan.ordered is None else xp.from_ordered_(wire, plan.dtype)
+        if plan.divide:
+            xp.divide_(value, self.size)
+        if fresh:
+            xp.copy_back(target, value.reshape(xp.shape(target)))
 
     def _staged(self, x, op: str, root: int | None = None):
         """Reduce ``x`` through host memory and the host path (every host rule holds), result copied back
-        into ``x`` (on root only for a reduce). The host-staging transport's reductions, and every device
-        transport's float min/max."""
+        into ``x`` (on root only for a reduce). The host-staging transport's reductions, and CUDA-aware
+        MPI's integer ops that this MPI was found to get wrong."""
         xp, _ = self._prepare(x)
         if root is None:
             xp.from_host(x, self._comm.allreduce(xp.to_host(x), op))
@@ -152,7 +173,7 @@ class DeviceTransport(abc.ABC):
 
     def _staged_scatter(self, x, op: str):
         """:meth:`reduce_scatter` through host memory and the host path (every host rule holds): the
-        host-staging transport's, and every device transport's float min/max."""
+        host-staging transport's, and CUDA-aware MPI's where :meth:`_staged` is taken."""
         xp, _ = self._prepare(x)
         return xp.to_device(self._comm.reduce_scatter(xp.to_host(x), op), x)
 
@@ -321,12 +342,38 @@ class _TorchCUDA:
     def to_device(self, host, like):
         return host.to(like.device)
 
-    def widen(self, buf):
-        return buf.to(self.torch.float32)
+    # -- the host rules' encoding, on the device (DeviceTransport._encode and _decode) --
+    def flat(self, buf):
+        return buf.reshape(-1)  # contiguous: a view
+
+    def copy(self, buf):
+        return buf.clone()
+
+    def cast(self, buf, dtype: np.dtype):
+        """A new array of ``buf``'s values in the NumPy ``dtype`` (exact for the widenings of the rules)."""
+        return buf.to(getattr(self.torch, dtype.name))
+
+    def to_ordered_(self, buf, ints: np.dtype, nan: int):
+        """Map the flat floats ``buf`` in place to the signed integers ``ints`` of the same order (as
+        ``_reduction.to_ordered``): negative values get their magnitude bits flipped, NaN becomes ``nan``.
+        Returns the integer view."""
+        torch = self.torch
+        k = buf.view(getattr(torch, ints.name))
+        is_nan = torch.isnan(buf)  # before k (the same memory) changes
+        k.bitwise_xor_(k.bitwise_right_shift(8 * ints.itemsize - 1).bitwise_and_(np.iinfo(ints).max))
+        return k.masked_fill_(is_nan, nan)
+
+    def from_ordered_(self, k, dtype: np.dtype):
+        """Invert :meth:`to_ordered_` in place; returns the float view (a NaN comes back as a NaN)."""
+        k.bitwise_xor_(k.bitwise_right_shift(8 * k.element_size() - 1).bitwise_and_(self.torch.iinfo(k.dtype).max))
+        return k.view(getattr(self.torch, dtype.name))
 
     def divide_(self, buf, n: int) -> None:
-        """mean's division, complex values part by part (as ``_dtypes.divide`` on the host)."""
-        (self.torch.view_as_real(buf) if buf.is_complex() else buf).div_(n)
+        """mean's division as ``_dtypes.divide`` does it on the host: ``buf / n`` in buf's dtype, complex
+        values part by part. The divisor is a tensor on buf's device: torch on CUDA multiplies by the
+        reciprocal of a host scalar instead, which can be one unit in the last place off."""
+        real = self.torch.view_as_real(buf) if buf.is_complex() else buf
+        real.div_(self.torch.full((), n, dtype=real.dtype, device=real.device))
 
 
 class _CupyCUDA:
@@ -442,14 +489,39 @@ class _CupyCUDA:
         with like.device:
             return self.cupy.asarray(host)
 
-    def widen(self, buf):
-        return buf.astype(self.cupy.float32)
+    # -- the host rules' encoding, on the device (see _TorchCUDA) --
+    def flat(self, buf):
+        return buf.reshape(-1)  # contiguous: a view
+
+    def copy(self, buf):
+        with buf.device:
+            return buf.copy()
+
+    def cast(self, buf, dtype: np.dtype):
+        with buf.device:
+            return buf.astype(dtype)
+
+    def to_ordered_(self, buf, ints: np.dtype, nan: int):
+        cupy = self.cupy
+        with buf.device:
+            k = buf.view(ints)
+            is_nan = cupy.isnan(buf)  # before k (the same memory) changes
+            k ^= (k >> ints.type(8 * ints.itemsize - 1)) & ints.type(np.iinfo(ints).max)
+            cupy.copyto(k, ints.type(nan), where=is_nan)
+            return k
+
+    def from_ordered_(self, k, dtype: np.dtype):
+        ints = k.dtype
+        with k.device:
+            k ^= (k >> ints.type(8 * ints.itemsize - 1)) & ints.type(np.iinfo(ints).max)
+            return k.view(dtype)
 
     def divide_(self, buf, n: int) -> None:
-        """mean's division, complex values part by part (as ``_dtypes.divide`` on the host)."""
-        if buf.dtype.kind == "c":
-            buf = buf.view(buf.real.dtype)
-        buf /= n
+        """mean's division as ``_dtypes.divide`` does it on the host: ``buf / n`` in buf's dtype, complex
+        values part by part."""
+        with buf.device:
+            real = buf.view(buf.real.dtype) if buf.dtype.kind == "c" else buf
+            self.cupy.true_divide(real, real.dtype.type(n), out=real)
 
 
 _APIS: dict = {}

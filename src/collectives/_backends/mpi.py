@@ -17,6 +17,7 @@ import pickle
 import sys
 import time
 import warnings
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -146,7 +147,7 @@ def _warn_faulty(MPI, bad: list) -> None:
         RuntimeWarning, stacklevel=4)
 
 
-def _agreed_settings(comm, local_size: int, faulty: list = ()) -> tuple[int, bool, frozenset]:
+def _agreed_settings(comm, local_size: int, faulty: Sequence = ()) -> tuple[int, bool, frozenset]:
     """What every rank must share, agreed in one allreduce when the MPI transport is made (collective):
     ``(shared-memory threshold in bytes, or shm.NEVER when the path is off; whether synchronize may use the
     point-to-point pipeline; the (dtype, op) pairs of PROBED_OPS that some rank's MPI reduces wrongly)``.
@@ -361,7 +362,7 @@ class MPITransport(HostTransport):
         if int(mpi4py.__version__.split(".")[0]) < 4 or not dtype.isnative or dtype.kind not in "biufc":
             return False
         try:
-            datatype = self.MPI.Datatype.fromcode(memoryview(np.empty(1, dtype)).format)
+            datatype = self.MPI.Datatype.fromcode(np.empty(1, dtype).data.format)
             return datatype != self.MPI.DATATYPE_NULL and datatype.Get_size() == dtype.itemsize
         except Exception:  # noqa: BLE001 - a format mpi4py does not know: the closure below then
             return False
@@ -462,7 +463,7 @@ class MPITransport(HostTransport):
         (:meth:`_fingerprint`) on the fingerprint lane: when the call's request completes, every rank
         has learnt whether every rank made the same call, and raises :class:`MismatchError` if not."""
         check = self._fingerprint(operation, *args) if self.size > 1 and self.fingerprints else None
-        return _MPIRequest(self, getattr(self, "_i" + operation)(*args), _describe(operation, args), check)
+        return _MPIRequest(self, getattr(self, "_i" + operation)(*args), (operation, args), check)
 
     def _fingerprint(self, operation, *args):
         """Start the fingerprint of a call: ``(request, buffer)``. The fields (:data:`FIELDS`: the
@@ -809,15 +810,19 @@ class _MPIRequest(Request):
     call that the ranks made differently raises :class:`MismatchError` (and fails the transport) before
     its data is waited for, and its request is kept, never completed (its buffers stay alive)."""
 
-    def __init__(self, transport, req, what, check=None):
-        self._transport, self._req, self._what, self._check = transport, req, what, check
+    def __init__(self, transport, req, call, check=None):
+        self._transport, self._req, self._call, self._check = transport, req, call, check
         self._done = False
+
+    def _what(self):
+        """What this request is, for messages (:func:`_describe`): made only when a message needs it."""
+        return _describe(*self._call)
 
     def _checked(self) -> None:
         check = self._check[1]
         self._check = None
         try:
-            self._transport._verify(check, self._what)
+            self._transport._verify(check, self._what())
         except MismatchError:
             self._transport.abandon(self._req)
             self._req = None
@@ -883,8 +888,17 @@ def _field_value(name: str, value: int) -> str:
 
 
 def _describe(operation: str, args: tuple):
-    """What a request is, for messages: ``(name, buffer or None, detail or None)``."""
-    return (operation, args[0] if args else None, None)
+    """What a request is, for messages: ``(name, buffer or None, detail or None)``; the detail names the
+    op and the root of the call, as its arguments (:meth:`MPITransport._begin`) give them."""
+    if operation in ("allreduce", "reduce_scatter"):
+        detail = f"op={args[-1]}"
+    elif operation == "reduce":
+        detail = f"op={args[1]}, root={args[2]}"
+    elif operation == "broadcast":
+        detail = f"root={args[1]}"
+    else:
+        detail = None
+    return (operation, args[0] if args else None, detail)
 
 
 def _fingerprint_message(what, high, low, rank: int, size: int) -> str:
@@ -932,7 +946,9 @@ class DeadlineMPITransport(MPITransport):
     MAX_PAUSE_S = 1e-3
     YIELD_EVERY = 64  # polls between sched_yield() calls while spinning
 
-    can_broadcast_many = False  # broadcast_many's blocking pipeline has no deadline: buckets instead
+    @property
+    def can_broadcast_many(self) -> bool:
+        return False  # broadcast_many's blocking pipeline has no deadline: buckets instead
 
     def fast_call(self, op, dtype, size):
         """Only ``mean`` of floats (so the shared-memory allreduce can divide while copying out); every other
@@ -962,8 +978,9 @@ class DeadlineMPITransport(MPITransport):
             self._expire(what, time.monotonic() - t0)
 
     def _expire(self, what, waited: float):
-        """Declare the collective described by ``what`` hung: record, print, raise."""
-        name, buf, detail = what
+        """Declare the collective described by ``what`` (``(name, buffer, detail)``, or a function that
+        makes it: :meth:`_MPIRequest._what`) hung: record, print, raise."""
+        name, buf, detail = what() if callable(what) else what
         desc = name
         if buf is not None:
             desc += f" of {buf.size} x {buf.dtype}"

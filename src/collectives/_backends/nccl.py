@@ -37,6 +37,18 @@ from .device import NCCL, DeviceTransport
 CLOSE_TIMEOUT = 30.0  # seconds close() waits for ncclCommFinalize before aborting (never hangs at exit)
 _SPINS = 200  # polls without sleeping before backing off (a call in progress usually ends within µs)
 
+# The dtypes NCCL reduces with the host rules' bits itself (integers modulo 2**n; float32/float64 and complex
+# parts with sum/prod, and the ordered integers of float min/max). Not float16 and bfloat16: NCCL rounds
+# every partial sum to 16 bits, in an order its algorithm picks, so they are widened to float32 on the device
+# (as the host path does where MPI cannot reduce float16); int16/uint16 are no NCCL type (refused).
+_REDUCES = frozenset(["int8", "uint8", "int32", "uint32", "int64", "uint64", "float32", "float64", "complex64",
+                      "complex128"])
+
+
+def reduces(dtype, op: str) -> bool:
+    """What NCCL reduces itself, for :func:`collectives._dtypes.wire` (the host rules' plan)."""
+    return dtype.name in _REDUCES
+
 
 class NCCLTransport(DeviceTransport):
     """CUDA arrays over one NCCL communicator on one device. Made by ``factory.device_transport``.
@@ -172,45 +184,53 @@ class NCCLTransport(DeviceTransport):
         return xp, info
 
     def _reduction(self, info: _dtypes.DType, op: str):
-        """``(nccl dtype, nccl op, count multiplier)``, or TypeError (cached: it is on every call's path)."""
+        """``(plan, nccl dtype, nccl op, count multiplier)``, or TypeError (cached: it is on every call's
+        path). ``plan`` is the host rules' (``_dtypes.wire``): float16/bfloat16 widened to float32, float
+        min/max as ordered integers (NCCL's integer MIN/MAX), mean as a sum divided once (never ncclAvg,
+        which multiplies by 1/n); the NCCL dtype and op are those of the encoded values."""
         key = (info, op)
         hit = self._rules.get(key)
         if hit is None:
             _dtypes.check_reduction(info, op)  # the host path's words first
-            hit = self._rules[key] = _libnccl.supported_dtype_op(info.name, op)  # then NCCL's (int16, ...)
+            _libnccl.supported_dtype_op(info.name, op)  # then NCCL's (int16, complex prod, ...)
+            plan = _dtypes.wire(info, op, reduces)
+            travels = "bool" if info.kind == "b" else (plan.ordered if plan.ordered is not None else plan.dtype).name
+            hit = self._rules[key] = (plan, *_libnccl.supported_dtype_op(travels, plan.op))
         return hit
 
     # ---- the collectives ----
     def allreduce(self, x, a, op):
         xp, info = self._prepare(x)
-        dtype, nop, mult = self._reduction(info, op)
-        if self._host_rules(info, op):
-            return self._staged(x, op)
+        plan, dtype, nop, mult = self._reduction(info, op)
         self._agree("allreduce", xp, x, info, op=op)
         buf, in_place = xp.contiguous(x)
+        wire, fresh = self._encode(xp, buf, info, plan)
         count = xp.numel(x) * mult
         if count:
-            p = xp.ptr(buf)
+            p = xp.ptr(wire)
             self._issue("ncclAllReduce", self._lib.all_reduce, p, p, count, dtype, nop, self._handle,
                         xp.stream(x))
+        self._decode(xp, wire, plan, buf, fresh)
         if not in_place:
             xp.copy_back(x, buf)
         return x
 
     def reduce(self, x, a, op, root):
         xp, info = self._prepare(x)
-        dtype, nop, mult = self._reduction(info, op)
-        if self._host_rules(info, op):
-            return self._staged(x, op, root)
+        plan, dtype, nop, mult = self._reduction(info, op)
         self._agree("reduce", xp, x, info, op=op, root=root)
+        receives = self.rank == root
         buf, in_place = xp.contiguous(x)
+        wire, fresh = self._encode(xp, buf, info, plan, keep=not receives)
         count = xp.numel(x) * mult
         if count:  # recvbuff is only written on root: other ranks' x stays as it was
-            p = xp.ptr(buf)
+            p = xp.ptr(wire)
             self._issue("ncclReduce", self._lib.reduce, p, p, count, dtype, nop, root, self._handle,
                         xp.stream(x))
-        if not in_place and self.rank == root:
-            xp.copy_back(x, buf)
+        if receives:
+            self._decode(xp, wire, plan, buf, fresh)
+            if not in_place:
+                xp.copy_back(x, buf)
         return x
 
     def broadcast(self, x, a, root):
@@ -238,53 +258,56 @@ class NCCLTransport(DeviceTransport):
         """Reduce every array of ``arrays`` in place, in one NCCL group (one launch for all of them).
 
         The arrays must be on this transport's device; any dtype/op pair :meth:`allreduce` accepts, also
-        non-contiguous views. Every rank must pass the same number of arrays, shapes and dtypes, in order.
-        Everything is validated before anything is enqueued.
+        non-contiguous views, with the same rules (widening, float min/max, mean). Every rank must pass the
+        same number of arrays, shapes and dtypes, in order. Everything is validated before anything is
+        enqueued.
         """
-        if op in ("min", "max"):  # floats follow the host rules (_staged), one array at a time
-            return DeviceTransport.allreduce_many(self, arrays, a, op)
         plans = []
         for i, x in enumerate(arrays):
             xp, info = self._prepare(x)
             if xp.index(x) != self.device_index:
                 raise ValueError(f"allreduce_many: array {i} is on cuda:{xp.index(x)}, but this transport "
                                  f"serves cuda:{self.device_index}; group arrays by device")
-            dtype, nop, mult = self._reduction(info, op)
-            plans.append((x, xp, dtype, nop, xp.numel(x) * mult))
+            plan, dtype, nop, mult = self._reduction(info, op)
+            plans.append((x, xp, info, plan, dtype, nop, xp.numel(x) * mult))
         if self._comm.check:
             _agree.agree(self._host, "allreduce_many", (
                 ("op", op), ("device", "cuda"), ("shapes", tuple(tuple(xp.shape(x)) for x, xp, *_ in plans)),
-                ("dtypes", tuple(xp.dtype(x).name for x, xp, *_ in plans))))
-        bufs = [xp.contiguous(x) for x, xp, *_ in plans]
+                ("dtypes", tuple(info.name for _, _, info, *_ in plans))))
         if not any(count for *_, count in plans):
             return arrays
+        bufs = [xp.contiguous(x) for x, xp, *_ in plans]
+        wires = [self._encode(xp, buf, info, plan) for (_, xp, info, plan, *_), (buf, _) in zip(plans, bufs)]
         lib = self._lib
 
         def issue():
-            for (x, xp, dtype, nop, count), (buf, _) in zip(plans, bufs):
+            for (x, xp, _, _, dtype, nop, count), (wire, _) in zip(plans, wires):
                 if count:
-                    p = xp.ptr(buf)
+                    p = xp.ptr(wire)
                     lib.all_reduce(p, p, count, dtype, nop, self._handle, xp.stream(x))
 
         self._group(issue)
-        for (x, xp, *_), (buf, in_place) in zip(plans, bufs):
+        for (x, xp, _, plan, *_), (buf, in_place), (wire, fresh) in zip(plans, bufs, wires):
+            self._decode(xp, wire, plan, buf, fresh)
             if not in_place:
                 xp.copy_back(x, buf)
         return arrays
 
     def reduce_scatter(self, x, a, op):
         xp, info = self._prepare(x)
-        dtype, nop, mult = self._reduction(info, op)
-        if self._host_rules(info, op):
-            return self._staged_scatter(x, op)
+        plan, dtype, nop, mult = self._reduction(info, op)
         self._agree("reduce_scatter", xp, x, info, op=op)
         shape = xp.shape(x)
         send, _ = xp.contiguous(x)
         out = xp.empty((shape[0] // self.size,) + shape[1:], like=x)
-        count = xp.numel(x) // self.size * mult  # of one rank's block
+        wire, fresh = self._encode(xp, send, info, plan, keep=True)  # x stays as it was
+        n = xp.numel(x) // self.size  # elements of one rank's block
+        recv = xp.empty((n,), like=wire) if fresh else xp.flat(out)  # encoded: a temporary of the wire's dtype
+        count = n * mult
         if count:
-            self._issue("ncclReduceScatter", self._lib.reduce_scatter, xp.ptr(send), xp.ptr(out), count, dtype,
+            self._issue("ncclReduceScatter", self._lib.reduce_scatter, xp.ptr(wire), xp.ptr(recv), count, dtype,
                         nop, self._handle, xp.stream(x))
+        self._decode(xp, recv, plan, out, fresh)
         return out
 
     def alltoall(self, x, a):

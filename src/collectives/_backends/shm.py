@@ -41,6 +41,7 @@ import contextlib
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 
 import numpy as np
 
@@ -154,16 +155,18 @@ class Reducer:
         info.Set("alloc_shared_noncontig", "true")  # each rank's slot in its own pages (NUMA first touch)
         try:
             with _without_osc_ucx_noise(MPI):
-                self.win = MPI.Win.Allocate_shared(self.stride * n, 1, info, comm=self.node)
+                self.win: MPI.Win | None = MPI.Win.Allocate_shared(self.stride * n, 1, info, comm=self.node)
         finally:
             info.Free()
         self.win.Lock_all(MPI.MODE_NOCHECK)  # one passive epoch for the window's life: load/store + Sync
         self._slots = []
         for q in range(n):
             mem, _ = self.win.Shared_query(q)
-            self._slots.append(np.frombuffer(mem, dtype=np.uint8))
+            # mpi4py's buffer has the buffer protocol; its stub declares __buffer__ only for Python >= 3.12
+            self._slots.append(np.frombuffer(mem, dtype=np.uint8))  # type: ignore[call-overload]
         self._regions: dict = {}  # dtype -> regions[q][p]: rank q's region p, as that dtype
-        self._win_sync, self._node_barrier = self.win.Sync, self.node.Barrier
+        self._win_sync: Callable[[], None] | None = self.win.Sync  # None once closed
+        self._node_barrier = self.node.Barrier
         self._wait = None  # how this call waits for a node barrier (see allreduce)
 
     def supports(self, dtype: np.dtype, op: str, bounded: bool = False) -> bool:
@@ -188,12 +191,12 @@ class Reducer:
         return views
 
     def _sync(self) -> None:
-        self._win_sync()
+        self._win_sync()  # type: ignore[misc]  # None only after close(), and a closed reducer is not used
         if self._wait is None:
             self._node_barrier()
         else:
             self._wait(self.node.Ibarrier())
-        self._win_sync()
+        self._win_sync()  # type: ignore[misc]  # as above
 
     def allreduce(self, buf: np.ndarray, op: str, wait=None) -> None:
         """Reduce the contiguous ``buf`` in place over every rank of ``comm``; ``op`` as in :meth:`supports`.
