@@ -218,13 +218,13 @@ def broadcast_plan(items: list[Item], bucket_bytes: int) -> Plan:
     return Plan(_device_groups(items), [position[id(item)] for item in solos], laid)
 
 
-def _device_transports(comm, items, groups):
+def _device_transports(engine, items, groups):
     """The transport of every device group, made before any data moves (making one is collective, and may
     fail: then it fails on every rank while nothing has changed yet)."""
-    return [comm._transport_for(items[group[0]].device) for group in groups]
+    return [engine.transport_for(items[group[0]].device) for group in groups]
 
 
-def broadcast(comm, items: list[Item], root: int, bucket_bytes: int, the_plan: Plan | None = None) -> Plan:
+def broadcast(engine, items: list[Item], root: int, bucket_bytes: int, the_plan: Plan | None = None) -> Plan:
     """Root's values into every rank's items (``item.result`` is set where a new array was needed).
 
     Returns the plan used; pass it back as ``the_plan`` for items of the same agreed description.
@@ -233,18 +233,18 @@ def broadcast(comm, items: list[Item], root: int, bucket_bytes: int, the_plan: P
         the_plan = broadcast_plan(items, bucket_bytes)
     if not items:
         return the_plan
-    is_root = comm.rank == root
-    for transport, group in zip(_device_transports(comm, items, the_plan.devices), the_plan.devices):
+    is_root = engine.rank == root
+    for transport, group in zip(_device_transports(engine, items, the_plan.devices), the_plan.devices):
         for pos in group:  # device leaves, one by one on their device's transport (no host copy)
             item = items[pos]
             item.result = transport.broadcast(item.leaf, item.adapter, root)
     if not the_plan.solos and not the_plan.buckets:
         return the_plan
-    host = comm._transport_for(_arrays.HOST)
+    host = engine.transport_for(_arrays.HOST)
     if host.can_broadcast_many:
         _broadcast_many(host, items, is_root, root, bucket_bytes)
         return the_plan
-    bcast = host.fast_call("broadcast", np.dtype(np.uint8), comm.size) or host.broadcast
+    bcast = host.fast_call("broadcast", np.dtype(np.uint8), engine.size) or host.broadcast
     for pos in the_plan.solos:
         item = items[pos]
         view = item.view
@@ -258,7 +258,7 @@ def broadcast(comm, items: list[Item], root: int, bucket_bytes: int, the_plan: P
             bcast(buf.reshape(-1).view(np.uint8), root)
             item.take(lambda target, buf=buf: np.copyto(target, buf))
     for _, total, entries in the_plan.buckets:
-        buf = comm._pool.take(np.dtype(np.uint8), total)
+        buf = engine.pool.take(np.dtype(np.uint8), total)
         if is_root:
             for pos, off, nbytes in entries:
                 view = items[pos].view
@@ -304,9 +304,9 @@ def _broadcast_many(host, items: list[Item], is_root: bool, root: int, bucket_by
 # allreduce
 
 
-def allreduce_plan(comm, items: list[Item], op: str, bucket_bytes: int) -> Plan:
+def allreduce_plan(engine, items: list[Item], op: str, bucket_bytes: int) -> Plan:
     """The plan of :func:`allreduce`: buckets per (device kind, dtype, wire dtype), offsets in elements."""
-    host = comm._transport_for(_arrays.HOST)
+    host = engine.transport_for(_arrays.HOST)
     wires: dict = {}
 
     def wire(item):
@@ -330,32 +330,32 @@ def allreduce_plan(comm, items: list[Item], op: str, bucket_bytes: int) -> Plan:
     return Plan(_device_groups(items), [position[id(item)] for item in solos], laid)
 
 
-def allreduce(comm, items: list[Item], op: str, bucket_bytes: int, the_plan: Plan | None = None) -> Plan:
+def allreduce(engine, items: list[Item], op: str, bucket_bytes: int, the_plan: Plan | None = None) -> Plan:
     """Reduce every item over all ranks with ``op`` (already validated against every item's dtype).
 
     Returns the plan used; pass it back as ``the_plan`` for items of the same agreed description.
     """
     if the_plan is None:
-        the_plan = allreduce_plan(comm, items, op, bucket_bytes)
-    for buf, info, finish in _allreduce_parts(comm, items, op, the_plan, pooled=True):
-        comm._runner(comm._transport_for(_arrays.HOST), info, op)(buf)  # the rules of _reduction
+        the_plan = allreduce_plan(engine, items, op, bucket_bytes)
+    for buf, info, finish in _allreduce_parts(engine, items, op, the_plan, pooled=True):
+        engine.runner(engine.transport_for(_arrays.HOST), info, op)(buf)  # the rules of _reduction
         finish()
     return the_plan
 
 
-def start_allreduce(comm, items: list[Item], op: str, bucket_bytes: int, the_plan: Plan | None = None):
+def start_allreduce(engine, items: list[Item], op: str, bucket_bytes: int, the_plan: Plan | None = None):
     """:func:`allreduce` as non-blocking transfers: ``(plan, steps)``. Every host transfer (one per solo
     leaf and bucket, in the plan's order, the same on every rank) starts here; ``steps`` is a generator
     that yields each transfer's request in turn (``_handles``) and unpacks its bucket once it is
     complete. Buckets get buffers of their own (not the pool: several may be in flight). Device leaves
     are reduced here, blocking."""
     if the_plan is None:
-        the_plan = allreduce_plan(comm, items, op, bucket_bytes)
-    parts = list(_allreduce_parts(comm, items, op, the_plan, pooled=False))  # every bucket packed now
-    host = comm._transport_for(_arrays.HOST) if parts else None
+        the_plan = allreduce_plan(engine, items, op, bucket_bytes)
+    parts = list(_allreduce_parts(engine, items, op, the_plan, pooled=False))  # every bucket packed now
+    host = engine.transport_for(_arrays.HOST) if parts else None
     started = []
     for buf, info, finish in parts:
-        run = comm._reducing(host, "allreduce", buf, info, op, (), finish)
+        run = engine.reducing(host, "allreduce", buf, info, op, (), finish)
         try:
             started.append((run, next(run)))  # starts the transfer
         except StopIteration:  # ran at the call (see Communicator._reducing)
@@ -373,7 +373,7 @@ def start_allreduce(comm, items: list[Item], op: str, bucket_bytes: int, the_pla
     return the_plan, steps()
 
 
-def _allreduce_parts(comm, items, op, the_plan, *, pooled: bool):
+def _allreduce_parts(engine, items, op, the_plan, *, pooled: bool):
     """The parts of :func:`allreduce` (a generator, to be run to its end): device leaves reduced first
     (by their transports), then for the host leaves ``(buf, info, finish)``, one per solo leaf and bucket
     in the plan's order: the contiguous buffer to allreduce under ``info``'s rules (a bucket's, packed and
@@ -382,9 +382,9 @@ def _allreduce_parts(comm, items, op, the_plan, *, pooled: bool):
     taken; else in buffers of their own."""
     if not items:
         return
-    for transport, group in zip(_device_transports(comm, items, the_plan.devices), the_plan.devices):
+    for transport, group in zip(_device_transports(engine, items, the_plan.devices), the_plan.devices):
         _allreduce_device(transport, [items[pos] for pos in group], op)
-    if comm.size == 1:  # the reduction of one rank is the identity: only immutable leaves need new arrays
+    if engine.size == 1:  # the reduction of one rank is the identity: only immutable leaves need new arrays
         for item in items:
             if item.view is not None and not item.writable_in_place():
                 item.take(lambda target, view=item.view: np.copyto(target, view))
@@ -398,7 +398,7 @@ def _allreduce_parts(comm, items, op, the_plan, *, pooled: bool):
             buf = np.array(view, order="C")
             yield buf, item.info, lambda item=item, buf=buf: item.take(lambda target: np.copyto(target, buf))
     for (_, name, wire), total, entries in the_plan.buckets:
-        buf = comm._pool.take(wire, total) if pooled else np.empty(total, dtype=wire)
+        buf = engine.pool.take(wire, total) if pooled else np.empty(total, dtype=wire)
         bf16 = name == "bfloat16"
         for pos, off, n in entries:  # pack (widening on the way)
             view = items[pos].view

@@ -89,6 +89,8 @@ class Communicator:
         self._size = host.size  # a plain attribute for the hot path
         self._subs: list = []  # communicators made by split(), closed with this one
         self._outstanding: dict = {}  # id -> Handle: asynchronous collectives not yet complete
+        self._derived: dict = {}  # key -> a communicator the layers above made from this one (Engine.derived)
+        self._engine = Engine(self)  # what the layers built on this communicator may use of it
         self.check = bool(check)
         host.on_failure(self._forget_fast_paths)  # a failed transport: every later call takes the checks
 
@@ -155,7 +157,7 @@ class Communicator:
         if device[0] in (_arrays.CUDA, _arrays.CUDA_MANAGED):
             hit = self._devices.get(device)
             if hit is None:
-                hit = self._devices[device] = factory.device_transport(self, device)
+                hit = self._devices[device] = factory.device_transport(self._engine, device)
             return hit
         raise BackendUnavailableError(
             f"array on {_arrays.device_name(device)}: no transport for this device; copy it to host memory"
@@ -443,7 +445,7 @@ class Communicator:
         if not _enter(False):
             _refuse_thread("allreduce_tree")
         try:
-            steps = _tree.allreduce_tree(self, tree, op, bucket_bytes, True)
+            steps = _tree.allreduce_tree(self._engine, tree, op, bucket_bytes, True)
         except BackendUnavailableError:
             raise
         except Exception as exc:
@@ -568,6 +570,7 @@ class Communicator:
         if sub is None:
             return None
         child = Communicator(sub, check=self.check)
+        self._subs = [s for s in self._subs if not s.closed]  # a closed one is released (not kept to the end)
         self._subs.append(child)
         return child
 
@@ -757,6 +760,7 @@ class Communicator:
             except CollectiveError as exc:
                 failure = exc
         subs, self._subs = self._subs, []
+        self._derived = {}
         for sub in subs:  # in the order they were made: the same on every rank of each
             sub.close()
         host, self._host = self._host, CLOSED  # every later use raises BackendUnavailableError (_closed)
@@ -774,7 +778,7 @@ class Communicator:
     # ---- the tree collectives ----
     def synchronize(self, tree, root: int = 0, *, bucket_bytes: int | None = None):
         """Root's values for every leaf of ``tree``. See :func:`collectives.synchronize`."""
-        return _tree.synchronize(self, tree, root, bucket_bytes)
+        return _tree.synchronize(self._engine, tree, root, bucket_bytes)
 
     def allreduce_tree(self, tree, op: str = "mean", *, bucket_bytes: int | None = None, async_op: bool = False):
         """Reduce every array leaf of ``tree``, fused. See :func:`collectives.allreduce_tree`.
@@ -784,7 +788,7 @@ class Communicator:
         reduced at the call."""
         if async_op:
             return self._async_tree(tree, op, bucket_bytes)
-        return _tree.allreduce_tree(self, tree, op, bucket_bytes)
+        return _tree.allreduce_tree(self._engine, tree, op, bucket_bytes)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -862,7 +866,7 @@ def init(backend: str = "auto", *, comm=None, check: bool | None = None) -> Comm
         try:
             from ._backends import cuda
 
-            cuda.initialize_eagerly(result)  # COLLECTIVES_NCCL_EAGER: agreed by every rank, else a no-op
+            cuda.initialize_eagerly(result._engine)  # COLLECTIVES_NCCL_EAGER: agreed by every rank, else a no-op
         except BaseException:
             result.close()  # every rank fails alike here (the ranks agreed first), so every rank closes
             raise
@@ -915,6 +919,105 @@ def finalize() -> None:
             failures.append(exc)
     if failures:
         raise failures[0]
+
+
+class Engine:
+    """The call engine of one :class:`Communicator`, as the layers built on it see it: trees and buckets
+    (``_tree``, ``_buckets``), sharding (``_shard``), ``DistributedOptimizer`` and its gradient buckets
+    (``_optim``, ``_overlap``) and the device transports (``_backends``) get this object, with public
+    methods only, and reach no private attribute of the Communicator (``tests/unit/test_layers.py`` checks
+    it). Everything else they need is the Communicator's public API (:attr:`communicator`).
+
+    Example:
+        >>> import collectives as coll
+        >>> from collectives._comm import engine_of
+        >>> e = engine_of(coll.world())
+        >>> e.communicator is coll.world() and e.size == coll.world().size
+        True
+        >>> e.host is e.transport_for((1, 0))     # host memory (DLPack kDLCPU) goes to the host transport
+        True
+    """
+
+    __slots__ = ("communicator",)
+
+    def __init__(self, comm: Communicator):
+        self.communicator = comm
+
+    @property
+    def rank(self) -> int:
+        return self.communicator.rank
+
+    @property
+    def size(self) -> int:
+        return self.communicator.size
+
+    @property
+    def local_rank(self) -> int:
+        return self.communicator.local_rank
+
+    @property
+    def local_size(self) -> int:
+        return self.communicator.local_size
+
+    @property
+    def check(self) -> bool:
+        return self.communicator.check
+
+    def check_root(self, root) -> int:
+        """``root`` as a valid rank of the communicator, or the TypeError/ValueError of the collectives."""
+        return self.communicator._check_root(root)
+
+    @property
+    def host(self):
+        """The host transport (MPI or self): raises if the communicator is closed or failed."""
+        return self.communicator._transport_for(_arrays.HOST)
+
+    def transport_for(self, device: tuple[int, int]):
+        """The transport for arrays on DLPack ``device`` (made on first use: collective for CUDA)."""
+        return self.communicator._transport_for(device)
+
+    def device_transports(self) -> dict:
+        """The device transports made so far: ``{(dlpack type, id): transport}`` (a copy)."""
+        return dict(self.communicator._devices)
+
+    def runner(self, transport, info, op: str):
+        """The call that allreduces a contiguous host buffer of ``info``'s dtype with ``op`` in place under
+        the host rules (the one the general path and the hot path use)."""
+        return self.communicator._runner(transport, info, op)
+
+    def reducing(self, transport, operation: str, buf, info, op: str, extra: tuple, finish, **kwargs):
+        """The asynchronous steps of a reduction of ``buf`` under the host rules (a generator of requests,
+        for a :class:`~collectives.Handle`), returning ``finish()``."""
+        return self.communicator._reducing(transport, operation, buf, info, op, extra, finish, **kwargs)
+
+    def reduces_on_the_callers_cpus(self, nbytes: int) -> bool:
+        """Whether a blocking host allreduce of ``nbytes`` is computed by the ranks' own CPUs (node-shared
+        memory): then it is the faster choice for a gradient bucket than an asynchronous one."""
+        return self.host.reduces_on_the_callers_cpus(nbytes)
+
+    @property
+    def pool(self):
+        """The fused collectives' flat buffers (a ``_buckets.Pool``), released by ``close()``."""
+        return self.communicator._pool
+
+    @property
+    def plans(self):
+        """The tree plan cache (structure -> description, digest, plan), emptied by ``close()``."""
+        return self.communicator._plans
+
+    def derived(self, key, make):
+        """The communicator ``make()`` made from this one for ``key`` (made on first use, again after it
+        was closed): kept, and closed, with this communicator (the gradient collectives' split)."""
+        table = self.communicator._derived
+        hit = table.get(key)
+        if hit is None or hit.closed:
+            hit = table[key] = make()
+        return hit
+
+
+def engine_of(comm: Communicator) -> Engine:
+    """The :class:`Engine` of ``comm`` (for the layers built on the Communicator)."""
+    return comm._engine
 
 
 class _Step(NamedTuple):
@@ -1303,7 +1406,7 @@ def synchronize(tree, root: int = 0, *, comm=None, bucket_bytes: int | None = No
         >>> state["w"].tolist(), state["step"], state["name"]
         ([0.0, 0.0, 0.0], 0, 'rank0')
     """
-    return _tree.synchronize(_resolve(comm), tree, root, bucket_bytes)
+    return _resolve(comm).synchronize(tree, root, bucket_bytes=bucket_bytes)
 
 
 def allreduce_tree(tree, op: str = "mean", *, comm=None, bucket_bytes: int | None = None, async_op: bool = False):

@@ -56,7 +56,8 @@ import weakref
 
 import numpy as np
 
-from . import _agree, _arrays
+from . import _agree
+from ._comm import engine_of
 from ._buckets import solo_bytes
 from ._errors import MismatchError
 from ._handles import Handle
@@ -70,7 +71,6 @@ ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop
                "ASGD")
 
 _MAIN = threading.main_thread()
-_GRAD_COMMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def grad_comm(comm):
@@ -79,10 +79,7 @@ def grad_comm(comm):
     and shared by every optimizer on ``comm`` after that. One rank: ``comm`` itself."""
     if comm.size == 1:
         return comm
-    hit = _GRAD_COMMS.get(comm)
-    if hit is None or hit.closed:
-        hit = _GRAD_COMMS[comm] = comm.split(0, comm.rank)
-    return hit
+    return engine_of(comm).derived("gradients", lambda: comm.split(0, comm.rank))  # closed with comm
 
 
 def _torch():
@@ -217,7 +214,7 @@ class Buckets:
             b.padded = -(-b.numel // size) * size if shard else b.numel
             b.solo = not shard and len(b.slots) == 1
             b.blocking = not shard and (b is buckets[-1] or (
-                b.key[2].type == "cpu" and comm._reduces_on_the_callers_cpus(b.numel * b.slots[0].param.element_size())))
+                b.key[2].type == "cpu" and engine_of(comm).reduces_on_the_callers_cpus(b.numel * b.slots[0].param.element_size())))
             if not b.solo:  # a solo parameter's buffer is made only if ever needed (see _leave)
                 self._flat(b)
         # The ranks agree on the layout once, here (collective: every rank makes its optimizer together), as
@@ -227,7 +224,7 @@ class Buckets:
         layout = tuple((s.name, f"{_desc(s.param)} {s.param.device.type} in bucket {where[id(s.bucket)]}")
                        for s in self.slots)
         header = (("op", op), ("bucket_bytes", int(bucket_bytes)), ("shard_state", bool(shard)))
-        _agree.agree(comm._transport_for(_arrays.HOST), "DistributedOptimizer", header, layout, checked=False)
+        _agree.agree(engine_of(comm).host, "DistributedOptimizer", header, layout, checked=False)
         self.flag = np.zeros(3, np.int64)
         self.flag_handle = None
         self.next = 0

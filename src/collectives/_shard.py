@@ -16,9 +16,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from . import _arrays
-from ._errors import MismatchError
-from ._comm import _resolve
+from . import _agree
+from ._comm import _resolve, engine_of
 from ._tree import is_array
 
 
@@ -160,7 +159,7 @@ def shard(data, *, drop_remainder: bool = False, comm=None):
     except TypeError as exc:  # in checked mode held until the ranks have compared their calls
         error = exc
     if c.check and c.size > 1:
-        _agree(c, n, bool(drop_remainder), error)
+        _agree_on(c, n, bool(drop_remainder), error)
     if error is not None:
         raise error
     assert n is not None  # _length returned: it raised no error
@@ -197,31 +196,9 @@ def _length(data) -> int:
                     f"and __getitem__ (a list, range, torch Dataset, ...)")
 
 
-def _agree(comm, n: int | None, drop_remainder: bool, error: BaseException | None) -> None:
-    """Checked mode: compare (length, drop_remainder) over the ranks, and whether any rank's data was
-    invalid; on any difference every rank raises (a rank with invalid data its own TypeError, the caller
-    raises it; the others MismatchError naming it), so that no rank goes on alone."""
-    mine = (n, drop_remainder, None if error is None else f"{type(error).__name__}: {error}")
-    calls = comm._transport_for(_arrays.HOST).allgather_object(mine)
-    failed = [(r, text) for r, (_, _, text) in enumerate(calls) if text is not None]
-    if failed:
-        if error is not None:
-            return
-        who = "; ".join(f"rank {r} raised {text}" for r, text in failed)
-        raise MismatchError(f"shard (checked mode): {who}; every rank must shard the same data set (nothing "
-                            f"was sharded on any rank)")
-    lengths = [m for m, _, _ in calls]
-    if len(set(lengths)) > 1:
-        other = next(r for r, m in enumerate(lengths) if m != lengths[0])
-        raise MismatchError(
-            f"shard: rank 0 has {lengths[0]} items, rank {other} has {lengths[other]} (lengths on every rank: "
-            f"{lengths}); every rank must shard the same data set"
-        )
-    drops = [d for _, d, _ in calls]
-    if len(set(drops)) > 1:
-        other = next(r for r, d in enumerate(drops) if d != drops[0])
-        raise MismatchError(
-            f"shard: rank 0 has drop_remainder={drops[0]}, rank {other} has drop_remainder={drops[other]}; "
-            f"pass the same drop_remainder on every rank (else the ranks get different numbers of items "
-            f"and run different numbers of steps)"
-        )
+def _agree_on(c, n: int | None, drop_remainder: bool, error: BaseException | None) -> None:
+    """Checked mode: the ranks agree on (length, drop_remainder) with the one agreement protocol
+    (:func:`collectives._agree.agree`): on any difference every rank raises MismatchError; a rank whose data
+    was invalid raises its own TypeError, the others a MismatchError naming it; nothing is sharded."""
+    header = (("length", n), ("drop_remainder", bool(drop_remainder)))
+    _agree.agree(engine_of(c).host, "shard", header, () if error is None else None, error)  # None: undescribed

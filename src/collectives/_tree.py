@@ -375,13 +375,13 @@ def array_desc(name: str, shape: tuple, kind: str) -> str:
     return f"{name} {shape}" if kind == "cpu" else f"{name} {shape} on {kind}"
 
 
-def agree(comm, what: str, header: tuple, entries, error: BaseException | None, digest=None) -> None:
+def agree(engine, what: str, header: tuple, entries, error: BaseException | None, digest=None) -> None:
     """Agree on a tree call's description across ranks (:func:`collectives._agree.agree`)."""
-    if comm.size == 1:
+    if engine.size == 1:
         if error is not None:
             raise error
         return
-    _agree.agree(comm._transport_for(_arrays.HOST), what, header, entries, error, digest=digest, checked=False)
+    _agree.agree(engine.transport_for(_arrays.HOST), what, header, entries, error, digest=digest, checked=False)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -397,17 +397,17 @@ def agree(comm, what: str, header: tuple, entries, error: BaseException | None, 
 PLAN_CACHE = 8  # structures remembered per communicator (least recently used dropped first)
 
 
-def _cached(comm, key):
-    """``(entries, digest, plan)`` for ``key`` in ``comm``'s plan cache, or None."""
-    cache = comm._plans
+def _cached(engine, key):
+    """``(entries, digest, plan)`` for ``key`` in the communicator's plan cache, or None."""
+    cache = engine.plans
     hit = cache.get(key)
     if hit is not None:
         cache.move_to_end(key)
     return hit
 
 
-def _remember(comm, key, what: str, header: tuple, entries: tuple, plan) -> None:
-    cache = comm._plans
+def _remember(engine, key, what: str, header: tuple, entries: tuple, plan) -> None:
+    cache = engine.plans
     cache[key] = (entries, _agree.fingerprint(what, header, entries), plan)
     while len(cache) > PLAN_CACHE:
         cache.popitem(last=False)
@@ -614,8 +614,8 @@ def _optimizer_entries(opt, path) -> list:
 
 
 @collective("synchronize")
-def synchronize(c, tree, root, bucket_bytes):
-    """:func:`collectives.synchronize` on the communicator ``c``."""
+def synchronize(engine, tree, root, bucket_bytes):
+    """:func:`collectives.synchronize` on the communicator of ``engine`` (its ``_comm.Engine``)."""
     what = "synchronize"
     header = (("root", root), ("bucket_bytes", bucket_bytes))
     entries, error, flat = None, None, None
@@ -624,7 +624,7 @@ def synchronize(c, tree, root, bucket_bytes):
     key = cached = digest = None
     has_objects = has_optimizer = False
     try:
-        root = c._check_root(root)
+        root = engine.check_root(root)
         header = (("root", root), ("bucket_bytes", _bucket_bytes(bucket_bytes)))
         flat = flatten(tree)
         sig = prepared.sig
@@ -638,12 +638,12 @@ def synchronize(c, tree, root, bucket_bytes):
                 has_optimizer = True
         if not prepared.failed and not has_optimizer:  # an optimizer's description is its state's: not cached
             key = (what, header, flat.sig, tuple(sig))
-            cached = _cached(c, key)
+            cached = _cached(engine, key)
         if cached is not None:
             entries, digest = cached[0], cached[1]
         else:
             entries, error = _sync_entries(flat, prepared)
-        if c.size > 1 and c.rank == root and error is None and (has_objects or has_optimizer):
+        if engine.size > 1 and engine.rank == root and error is None and (has_objects or has_optimizer):
             # Pickle now, so that an unpicklable value fails here (held) instead of inside the broadcast.
             objects = [leaf for leaf, kind in zip(flat.leaves, flat.kinds) if kind == OBJECT]
             skeletons, tensors = [], []
@@ -653,15 +653,15 @@ def synchronize(c, tree, root, bucket_bytes):
             payload = (pickle.dumps((objects, skeletons), protocol=pickle.HIGHEST_PROTOCOL), tensors)
     except Exception as exc:  # noqa: BLE001 - held, raised on every rank by agree()
         error = exc
-    agree(c, what, header, entries, error, digest)
-    if c.size == 1:
+    agree(engine, what, header, entries, error, digest)
+    if engine.size == 1:
         if key is not None and cached is None:
-            _remember(c, key, what, header, entries, None)  # one rank moves nothing: no plan
+            _remember(engine, key, what, header, entries, None)  # one rank moves nothing: no plan
         _buckets.mark_written(prepared.items)  # as on the root of a larger group (see below)
         return tree
     nbytes = header[1][1]
-    is_root = c.rank == root
-    transport = c._transport_for(_arrays.HOST)
+    is_root = engine.rank == root
+    transport = engine.transport_for(_arrays.HOST)
     results = None
     items = prepared.items
     opt_items: list[_buckets.Item] = []
@@ -691,12 +691,12 @@ def synchronize(c, tree, root, bucket_bytes):
             opt_items = [_item(t) for t in tensors]
         except Exception as exc:  # noqa: BLE001 - e.g. a class root pickled that this rank cannot import
             err = exc
-        agree(c, what, (), [], err)  # all ranks unpickled root's values, or all raise
+        agree(engine, what, (), [], err)  # all ranks unpickled root's values, or all raise
     plan = None if cached is None else cached[2]
-    plan = _buckets.broadcast(c, items + opt_items if opt_items else items, root, nbytes, plan)
+    plan = _buckets.broadcast(engine, items + opt_items if opt_items else items, root, nbytes, plan)
     _buckets.mark_written(items)  # torch leaves: autograd's version counter (as a write under no_grad)
     if key is not None and cached is None:
-        _remember(c, key, what, header, entries, plan)
+        _remember(engine, key, what, header, entries, plan)
     if is_root:
         return tree
     for i, item in zip(prepared.index, items):
@@ -738,8 +738,8 @@ _SCALARS = (bool, int, float, complex, np.generic)
 
 
 @collective("allreduce_tree")
-def allreduce_tree(c, tree, op, bucket_bytes, asynchronous: bool = False):
-    """:func:`collectives.allreduce_tree` on the communicator ``c``; ``asynchronous``: the steps of a
+def allreduce_tree(engine, tree, op, bucket_bytes, asynchronous: bool = False):
+    """:func:`collectives.allreduce_tree` on the communicator of ``engine``; ``asynchronous``: the steps of a
     :class:`~collectives.Handle` instead (a generator: every host transfer started here, the tree
     returned once they are complete; see ``_buckets.start_allreduce``)."""
     what = "allreduce_tree"
@@ -782,27 +782,27 @@ def allreduce_tree(c, tree, op, bucket_bytes, asynchronous: bool = False):
                 sig.append(OBJECT)
         if not prepared.failed:
             key = (what, header, flat.sig, tuple(sig))
-            cached = _cached(c, key)
+            cached = _cached(engine, key)
         if cached is not None:
             entries, digest = cached[0], cached[1]
         else:
             entries, error = _reduce_entries(flat, prepared, op)
     except Exception as exc:  # noqa: BLE001 - held, raised on every rank by agree()
         error = exc
-    agree(c, what, header, entries, error, digest)
+    agree(engine, what, header, entries, error, digest)
     assert flat is not None  # agree() raised the error of a tree that did not flatten
     items = prepared.items
     plan = None if cached is None else cached[2]
     steps = None
     if asynchronous:
-        plan, steps = _buckets.start_allreduce(c, items, op, header[1][1], plan)
+        plan, steps = _buckets.start_allreduce(engine, items, op, header[1][1], plan)
     else:
-        plan = _buckets.allreduce(c, items, op, header[1][1], plan)
+        plan = _buckets.allreduce(engine, items, op, header[1][1], plan)
     if key is not None and cached is None:
         assert entries is not None  # agree() raised the error of a tree that was not described
-        _remember(c, key, what, header, entries, plan)
+        _remember(engine, key, what, header, entries, plan)
     leaves = flat.leaves
-    exact = _exact(c, [leaves[i] for i in pyints], op) if pyints and c.size > 1 else None  # blocking, now
+    exact = _exact(engine, [leaves[i] for i in pyints], op) if pyints and engine.size > 1 else None  # blocking, now
 
     def finish():
         return _tree_result(flat, items, prepared, scalars, pyints, exact, aliases, tree)
@@ -846,10 +846,10 @@ def _tree_result(flat, items, prepared, scalars, pyints, exact, aliases, tree):
 _EXACT: dict[str, Callable[[Iterable[int]], int]] = {"sum": sum, "prod": math.prod, "min": min, "max": max}
 
 
-def _exact(c, values: list[int], op: str) -> list[int]:
+def _exact(engine, values: list[int], op: str) -> list[int]:
     """Every rank's Python ints reduced with ``op`` in Python's arbitrary precision (one object allgather
     for all of a tree's ints; after the agreement, so every rank calls it), the same on every rank."""
-    gathered = c._transport_for(_arrays.HOST).allgather_object(values)
+    gathered = engine.transport_for(_arrays.HOST).allgather_object(values)
     return [_EXACT[op](column) for column in zip(*gathered)]
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import collectives as coll
+from collectives._comm import engine_of  # the device transports' interface to a Communicator
 from collectives import _config
 from collectives._backends import _libnccl, cuda, factory
 from support.arrays import DTYPES, legal, rank_values, reduce_reference
@@ -59,7 +60,7 @@ def transport_of(comm, dev):
 def test_transport_is_reported(comm, dev):
     x = dev.make(np.ones(3), "float32")
     assert coll.allreduce(x, comm=comm) is x
-    name = cuda.device_transports(comm)[f"cuda:{dev.index}"]
+    name = cuda.device_transports(engine_of(comm))[f"cuda:{dev.index}"]
     assert name == expected_transport(comm) == transport_of(comm, dev).name
     np.testing.assert_array_equal(dev.to_numpy(x), np.full(3, comm.size, np.float32))
 
@@ -226,7 +227,7 @@ def test_two_ranks_on_one_gpu_refused_without_opt_in(comm, dev, monkeypatch):
         pytest.skip("every rank has its own GPU")
     monkeypatch.setenv("NCCL_MULTI_RANK_GPU_ENABLE", "0")
     with pytest.raises(coll.BackendUnavailableError, match="would share one GPU") as info:
-        factory.device_transport(comm, (CUDA, dev.index))
+        factory.device_transport(engine_of(comm), (CUDA, dev.index))
     assert "rank  host" in str(info.value) and "<- shared" in str(info.value)
 
 
@@ -278,7 +279,7 @@ def test_nccl_eager_sets_up_the_device_at_init(comm, dev, monkeypatch):
     fresh = coll.init(comm=mine)
     try:
         want = f"cuda:{cuda.local_device(fresh)}"
-        assert cuda.device_transports(fresh) == {want: expected_transport(fresh)}
+        assert cuda.device_transports(engine_of(fresh)) == {want: expected_transport(fresh)}
         x = dev.make(np.ones(4), "float32")
         coll.allreduce(x, comm=fresh)
         np.testing.assert_array_equal(dev.to_numpy(x), np.full(4, comm.size, np.float32))

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import collectives as coll
+from collectives._comm import engine_of  # the device transports' interface to a Communicator
 from support.comms import gather_objects
 from collectives import BackendUnavailableError, MismatchError
 
@@ -387,7 +388,7 @@ def test_nccl_eager_must_be_set_alike_on_every_rank(comm, monkeypatch):
     if comm.size > 1:
         monkeypatch.setattr(_config, "nccl_eager", lambda: comm.rank == 0)
         with pytest.raises(MismatchError, match=r"COLLECTIVES_NCCL_EAGER=1 on rank\(s\) 0 but not"):
-            cuda.initialize_eagerly(comm)
+            cuda.initialize_eagerly(engine_of(comm))
     monkeypatch.setattr(_config, "nccl_eager", lambda: True)
     try:
         gpus = cuda.device_api().device_count()
@@ -395,7 +396,7 @@ def test_nccl_eager_must_be_set_alike_on_every_rank(comm, monkeypatch):
         gpus = 0
     if gpus == 0:
         with pytest.raises(BackendUnavailableError) as info:
-            cuda.initialize_eagerly(comm)
+            cuda.initialize_eagerly(engine_of(comm))
         assert comm._devices == {}
         assert len(set(gather_objects(str(info.value)))) == 1, "ranks raised different errors"
     x = np.full(3, float(comm.rank))

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 import collectives as coll
+from collectives._comm import engine_of  # the device transports' interface to a Communicator
 from support.comms import communicator, settings
 
 COUNT = 67  # elements per array: odd, so buckets, slices and chunks do not line up
@@ -326,7 +327,7 @@ def device_stand_ins(comm):
     fake = StandIn()
     made = []
     for cls in (cuda.HostStagingTransport, cuda.CudaAwareMPITransport):
-        t = cls(comm, 0)
+        t = cls(engine_of(comm), 0)
         t._library_of = lambda x: fake
         made.append(t)
     return made

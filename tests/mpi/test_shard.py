@@ -126,5 +126,5 @@ def test_shard_checked_mode_compares_lengths(comm, monkeypatch):
     monkeypatch.setattr(comm, "check", True)
     assert len(coll.shard(list(range(6)), comm=comm)) == -(-6 // comm.size)
     if comm.size > 1:
-        with pytest.raises(coll.MismatchError, match="ranks? 0[,0-9]* ha(?:s|ve) 6 items, ranks? [0-9,]*1[0-9,]* ha(?:s|ve) 7"):
+        with pytest.raises(coll.MismatchError, match=r"ranks disagree about shard \(checked mode\): length: ranks? 0[,0-9]* ha(?:s|ve) 6, ranks? [0-9,]*1[0-9,]* ha(?:s|ve) 7"):
             coll.shard(list(range(6 if comm.rank == 0 else 7)), comm=comm)

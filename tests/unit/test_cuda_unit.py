@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import collectives as coll
+from collectives._comm import engine_of  # the device transports' interface to a Communicator
 from collectives import _config, _dtypes
 from collectives._backends import _libnccl, cuda, device, factory
 from collectives._backends.self import SelfTransport
@@ -197,8 +198,8 @@ def test_disable_nccl_selects_staging_and_warns_once(fake_gpu, monkeypatch, mpi_
     monkeypatch.setenv("COLLECTIVES_DISABLE_NCCL", "1")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        first = factory.device_transport(mpi_comm, (2, 0))
-        second = factory.device_transport(mpi_comm, (2, 1))
+        first = factory.device_transport(engine_of(mpi_comm), (2, 0))
+        second = factory.device_transport(engine_of(mpi_comm), (2, 1))
     assert first.name == second.name == "host-staging" and first.array_level
     assert len(caught) == 1, [str(w.message) for w in caught]
     w = caught[0]
@@ -214,16 +215,16 @@ def test_cuda_aware_opt_in_and_silence(fake_gpu, monkeypatch, mpi_comm):
     monkeypatch.setenv("COLLECTIVES_CUDA_AWARE_MPI", "1")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert factory.device_transport(mpi_comm, (2, 0)).name == "cuda-aware-mpi"
+        assert factory.device_transport(engine_of(mpi_comm), (2, 0)).name == "cuda-aware-mpi"
         monkeypatch.setenv("COLLECTIVES_CUDA_AWARE_MPI", "0")
-        assert factory.device_transport(mpi_comm, (2, 0)).name == "host-staging"  # and no warning
+        assert factory.device_transport(engine_of(mpi_comm), (2, 0)).name == "host-staging"  # and no warning
 
 
 def test_self_backend_stages_without_warning(fake_gpu, monkeypatch):
     monkeypatch.setenv("COLLECTIVES_DISABLE_NCCL", "1")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        t = factory.device_transport(coll.Communicator(SelfTransport()), (2, 0))
+        t = factory.device_transport(engine_of(coll.Communicator(SelfTransport())), (2, 0))
     assert t.name == "host-staging"
 
 
@@ -435,6 +436,7 @@ class FakeNCCL:
 
 class FakeHost:
     name = "fake"
+    failed = None  # HostTransport.failed: never
 
     def __init__(self, size=3, rank=0):
         self.size, self.rank, self.local_rank, self.local_size = size, rank, rank, size
@@ -458,10 +460,13 @@ class FakeHost:
 
 
 class FakeComm:
+    """Stands for a Communicator's Engine (``collectives._comm.Engine``): what a device transport gets."""
+
     def __init__(self, size=3, rank=0, check=False):
-        self._host = FakeHost(size, rank)
+        self.host = FakeHost(size, rank)
         self.rank, self.size, self.local_rank, self.local_size = rank, size, rank, size
         self.check = check
+        self.communicator = self  # its public collectives (check)
 
 
 def nccl_transport(lib=None, *, size=3, rank=0, timeout=5.0, check=False):
@@ -969,7 +974,7 @@ def test_nccl_checked_mode_agrees_first():
 @needs_torch
 def test_staging_single_process_in_place():
     comm = coll.Communicator(SelfTransport())
-    t = cuda.HostStagingTransport(comm, 0)
+    t = cuda.HostStagingTransport(engine_of(comm), 0)
     fake = FakeTorch()
     t._library_of = lambda x: fake
     base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
@@ -985,12 +990,13 @@ import sys, numpy as np, torch, collectives as coll
 sys.path.insert(0, {here!r})
 from test_cuda_unit import FakeTorch
 from collectives._backends import cuda
+from collectives._comm import engine_of
 
 comm = coll.init()
 rank, size = comm.rank, comm.size
 fake = FakeTorch()
 for Transport in (cuda.HostStagingTransport, cuda.CudaAwareMPITransport):
-    t = Transport(comm, 0)
+    t = Transport(engine_of(comm), 0)
     t._library_of = lambda x: fake
     tri = size * (size + 1) / 2
     base = torch.full((4, 6), float(rank + 1))
@@ -1044,7 +1050,7 @@ def test_make_transport_builds_nccl_with_the_exchanged_settings(fake_gpu, monkey
     monkeypatch.setenv("COLLECTIVES_TIMEOUT", "7")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # NCCL: no staging warning
-        t = factory.device_transport(coll.Communicator(SelfTransport()), (2, 1))
+        t = factory.device_transport(engine_of(coll.Communicator(SelfTransport())), (2, 1))
     assert t.name == "nccl" and t.device_index == 1 and t._timeout == 7.0
     assert lib.calls[0] == ("init", 1, 128, 0) and lib.config.blocking == 0
     t.close()
@@ -1070,11 +1076,11 @@ def test_eager_sets_up_the_local_device_at_init(fake_gpu, monkeypatch):
     lib = FakeNCCL(nranks=1)
     monkeypatch.setattr(_libnccl, "get", lambda path=None: lib)
     comm = coll.Communicator(SelfTransport())
-    cuda.initialize_eagerly(comm)
+    cuda.initialize_eagerly(engine_of(comm))
     assert comm._devices == {}  # not asked for: nothing made
     monkeypatch.setenv("COLLECTIVES_NCCL_EAGER", "1")
-    cuda.initialize_eagerly(comm)
-    assert cuda.device_transports(comm) == {"cuda:0": "nccl"} and lib.calls[0][0] == "init"
+    cuda.initialize_eagerly(engine_of(comm))
+    assert cuda.device_transports(engine_of(comm)) == {"cuda:0": "nccl"} and lib.calls[0][0] == "init"
     comm.close()
 
 
@@ -1084,10 +1090,10 @@ def test_eager_refuses_ranks_that_disagree_or_have_no_cuda_library(fake_gpu, mon
     comm = coll.Communicator(SelfTransport())
     comm._host = VotingHost([(True, True), (False, True)])
     with pytest.raises(coll.MismatchError, match=r"on rank\(s\) 0,1 but not on rank\(s\) 2"):
-        cuda.initialize_eagerly(comm)
+        cuda.initialize_eagerly(engine_of(comm))
     comm._host = VotingHost([(True, False), (True, True)])
     with pytest.raises(coll.BackendUnavailableError, match=r"rank\(s\) 1 imported neither torch nor CuPy"):
-        cuda.initialize_eagerly(comm)
+        cuda.initialize_eagerly(engine_of(comm))
     assert comm._devices == {}
 
 
@@ -1096,7 +1102,7 @@ def test_eager_without_any_cuda_library_is_refused_on_one_process(monkeypatch):
     for name in ("torch", "cupy"):
         monkeypatch.delitem(sys.modules, name, raising=False)
     with pytest.raises(coll.BackendUnavailableError, match="COLLECTIVES_NCCL_EAGER=1"):
-        cuda.initialize_eagerly(coll.Communicator(SelfTransport()))
+        cuda.initialize_eagerly(engine_of(coll.Communicator(SelfTransport())))
 
 
 # ---- the asynchronous device contract (issue 14), with a stand-in that logs streams and events ----

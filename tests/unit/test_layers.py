@@ -133,3 +133,56 @@ def test_the_checker_sees_deferred_and_relative_imports(tmp_path):
     assert "_tree" in imports(SRC / "_comm.py")
     assert "_backends.nccl" in imports(SRC / "_backends" / "factory.py")  # imported inside a function
     assert {"_errors", "_dtypes"} <= imports(SRC / "_reduction.py") | {"_errors"}
+
+
+# ---- attribute reaches: the layers built on the Communicator use its Engine, never its privates ----
+
+def communicator_privates() -> set[str]:
+    """Every private name of ``Communicator``: its ``_methods`` and the ``self._attributes`` it sets."""
+    tree = ast.parse((SRC / "_comm.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Communicator")
+    names = set()
+    for node in ast.walk(cls):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("_") \
+                and not node.name.startswith("__"):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) \
+                and isinstance(node.value, ast.Name) and node.value.id == "self" and node.attr.startswith("_"):
+            names.add(node.attr)
+    return names
+
+
+def reaches(name: str, source: str, privates: set[str]) -> list[str]:
+    """``x._name`` in module ``name``'s ``source``, ``_name`` a private of the Communicator, ``x`` anything
+    but ``self``/``cls`` (a class's own attributes may share a name: a device transport's ``self._host``)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in privates:
+            owner = node.value
+            if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                continue  # the class's own attribute (a transport's _host, a bucket's _pool ...)
+            if isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "super":
+                continue  # its base class's
+            found.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+    return sorted(found)
+
+
+def test_no_layer_reaches_into_the_communicator():
+    """Outside ``_comm``, no module reads a private attribute of a Communicator (it gets the Engine: public
+    methods; ``engine_of(comm)`` hands it over) — the import rule above, for calls at run time."""
+    privates = communicator_privates()
+    assert {"_transport_for", "_runner", "_reducing", "_plans", "_pool", "_devices", "_engine"} <= privates
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        if module_name(path) != "_comm":
+            found += reaches(module_name(path), path.read_text(), privates - {"_engine"})
+    assert not found, "reaches into Communicator privates (use the Engine):\n" + "\n".join(found)
+
+
+def test_the_reach_checker_sees_a_reach():
+    """The checker itself: ``comm._transport_for(...)`` and ``self._comm._devices`` are found; a class's own
+    ``self._pool`` is not."""
+    probe = ("def f(comm):\n    return comm._transport_for(1), comm._plans\n"
+             "class T:\n    def g(self):\n        return self._comm._devices, self._pool\n")
+    got = reaches("probe", probe, communicator_privates())
+    assert got == ["probe:2: comm._plans", "probe:2: comm._transport_for", "probe:5: self._comm._devices"], got

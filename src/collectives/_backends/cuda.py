@@ -160,9 +160,10 @@ def local_device(comm) -> int:
     return choose_device(comm.local_rank, device_api().device_count())
 
 
-def device_transports(comm) -> dict:
-    """Which transport each CUDA device of ``comm`` uses so far, e.g. ``{"cuda:0": "nccl"}``."""
-    return {f"cuda:{dev[1]}": t.name for dev, t in list(comm._devices.items())}
+def device_transports(engine) -> dict:
+    """Which transport each CUDA device of a communicator (its ``Engine``) uses so far, e.g.
+    ``{"cuda:0": "nccl"}``."""
+    return {f"cuda:{dev[1]}": t.name for dev, t in engine.device_transports().items()}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -189,9 +190,9 @@ def warn_staging(why: str) -> None:
         RuntimeWarning, stacklevel=level)
 
 
-def local_facts(comm, index: int) -> tuple[dict, BaseException | None]:
+def local_facts(engine, index: int) -> tuple[dict, BaseException | None]:
     """What this rank knows about CUDA device ``index``, gathered without communicating; never raises."""
-    facts = {"error": None, "host": platform.node(), "index": int(index), "local_rank": comm.local_rank,
+    facts = {"error": None, "host": platform.node(), "index": int(index), "local_rank": engine.local_rank,
              "visible": 0, "pci": None, "library": None, "nccl": False, "nccl_why": "",
              "nccl_version": None, "cuda_aware": None, "multi_rank": False, "timeout": None}
     try:
@@ -241,7 +242,7 @@ def decide(facts: list[dict], *, mpi: bool, device: str = "cuda") -> str:
     return name
 
 
-def initialize_eagerly(comm) -> None:
+def initialize_eagerly(engine) -> None:
     """``COLLECTIVES_NCCL_EAGER=1``: set up this rank's CUDA transport now, at ``init()`` (collective).
 
     Called by :func:`collectives.init` on every rank. The ranks first exchange whether each asks for it and
@@ -254,7 +255,7 @@ def initialize_eagerly(comm) -> None:
     staging, and its failures (no visible device, say) are reported on every rank by that choice.
     """
     mine = (bool(_config.nccl_eager()), "torch" in sys.modules or "cupy" in sys.modules)
-    votes = [mine] if comm.size == 1 else comm._host.allgather_object(mine)
+    votes = [mine] if engine.size == 1 else engine.host.allgather_object(mine)
     asked = [r for r, (eager, _) in enumerate(votes) if eager]
     if not asked:
         return
@@ -270,10 +271,10 @@ def initialize_eagerly(comm) -> None:
             f"init(), so there is no CUDA library to set up a device with: import one first, or unset "
             f"COLLECTIVES_NCCL_EAGER")
     try:
-        index = local_device(comm)
+        index = local_device(engine)
     except BackendUnavailableError:
         index = 0  # device_transport reports the problem on every rank
-    comm._transport_for((2, index))  # 2: DLPack's kDLCUDA
+    engine.transport_for((2, index))  # 2: DLPack's kDLCUDA
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -341,9 +342,9 @@ class CudaAwareMPITransport(DeviceTransport):
 
     name = CUDA_AWARE_MPI
 
-    def __init__(self, comm, index):
-        super().__init__(comm, index)
-        host = comm._host
+    def __init__(self, engine, index):
+        super().__init__(engine, index)
+        host = self._host
         self._lanes, self._MPI = host._lanes, host.MPI
         self._types, self._ops = host._types, host._ops
         self._max = _config.max_count()

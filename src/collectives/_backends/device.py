@@ -39,11 +39,11 @@ class DeviceTransport(abc.ABC):
     array_level = True
     fuses = False
 
-    def __init__(self, comm, index: int):
-        self._comm = comm
-        self._host = comm._host
-        self.rank, self.size = comm.rank, comm.size
-        self.local_rank, self.local_size = comm.local_rank, comm.local_size
+    def __init__(self, engine, index: int):
+        self._comm = engine.communicator  # its public collectives: the staged paths run the host path
+        self._host = engine.host
+        self.rank, self.size = engine.rank, engine.size
+        self.local_rank, self.local_size = engine.local_rank, engine.local_size
         self.device_index = int(index)
         self._library_of = library_of  # tests swap in a stand-in library
         self._streams: dict = {}  # array library name -> this transport's stream for asynchronous calls

@@ -62,13 +62,14 @@ def host_transport(backend: str, comm) -> HostTransport:
 
 
 
-def device_transport(comm, device) -> DeviceTransport:
-    """The device transport for CUDA ``device`` on ``comm`` (collective: every rank calls it, once)."""
+def device_transport(engine, device) -> DeviceTransport:
+    """The device transport for CUDA ``device`` on the communicator of ``engine`` (its
+    :class:`~collectives._comm.Engine`; collective: every rank calls it, once)."""
     index = int(device[1])
-    facts, failure = local_facts(comm, index)
-    everyone = comm._host.allgather_object(facts)
+    facts, failure = local_facts(engine, index)
+    everyone = engine.host.allgather_object(facts)
     try:
-        name = decide(everyone, mpi=comm._host.name == "mpi", device=f"cuda:{index}")
+        name = decide(everyone, mpi=engine.host.name == "mpi", device=f"cuda:{index}")
     except BackendUnavailableError as exc:
         if failure is not None:
             raise exc from failure
@@ -77,10 +78,10 @@ def device_transport(comm, device) -> DeviceTransport:
         from . import _libnccl
         from .nccl import NCCLTransport
 
-        return NCCLTransport(comm, index, _libnccl.get(), cuda.device_api(), timeout=everyone[comm.rank]["timeout"])
-    if staging_warning_due(False, everyone[comm.rank].get("cuda_aware"), mpi=comm._host.name == "mpi"):
+        return NCCLTransport(engine, index, _libnccl.get(), cuda.device_api(), timeout=everyone[engine.rank]["timeout"])
+    if staging_warning_due(False, everyone[engine.rank].get("cuda_aware"), mpi=engine.host.name == "mpi"):
         why = next((f["nccl_why"] for f in everyone if f["nccl_why"]), "not loadable")
         warn_staging(why.splitlines()[0])
     if name == CUDA_AWARE_MPI:
-        return CudaAwareMPITransport(comm, index)
-    return HostStagingTransport(comm, index)
+        return CudaAwareMPITransport(engine, index)
+    return HostStagingTransport(engine, index)
