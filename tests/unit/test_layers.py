@@ -186,3 +186,19 @@ def test_the_reach_checker_sees_a_reach():
              "class T:\n    def g(self):\n        return self._comm._devices, self._pool\n")
     got = reaches("probe", probe, communicator_privates())
     assert got == ["probe:2: comm._plans", "probe:2: comm._transport_for", "probe:5: self._comm._devices"], got
+
+
+def test_the_architecture_page_names_every_module_in_its_layer():
+    """docs/architecture.md's module table names exactly the modules of src/collectives, each in the layer
+    this file gives it: a module added, removed or moved is a change of the page too."""
+    import re
+
+    page = (SRC.parents[1] / "docs" / "architecture.md").read_text()
+    table = page.split("## Modules", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| (\d) \| `([\w.]+)` \|", table, re.M)
+    documented = {name: int(layer) for layer, name in rows}
+    assert len(rows) == len(documented), "a module is listed twice"
+    assert set(documented) == set(graph()), (f"missing from the page: {sorted(set(graph()) - set(documented))}; "
+                                             f"not a module: {sorted(set(documented) - set(graph()))}")
+    wrong = {m: (documented[m], LAYERS[m]) for m in documented if documented[m] != LAYERS[m]}
+    assert not wrong, f"module: (layer on the page, layer here): {wrong}"

@@ -383,6 +383,9 @@ class MPITransport(HostTransport):
             return
         datatype = self._types[buf.dtype]
         mop = self._ops[op]
+        if buf.size <= self._max_count:  # one piece (the usual case: no generator)
+            self._allreduce_piece(buf.reshape(-1), datatype, mop, op)
+            return
         for piece in self._chunks(buf):
             self._allreduce_piece(piece, datatype, mop, op)
 
@@ -951,9 +954,22 @@ class DeadlineMPITransport(MPITransport):
         return False  # broadcast_many's blocking pipeline has no deadline: buckets instead
 
     def fast_call(self, op, dtype, size):
-        """Only ``mean`` of floats (so the shared-memory allreduce can divide while copying out); every other
-        call goes through the polled operations below."""
-        if op != "mean" or dtype.kind not in "fc" or dtype not in self._types or not self.reduces(dtype, "sum"):
+        """Where the plain transport has a direct call, this transport's polled operation itself (below:
+        the fingerprint and the deadline stay on every call; the hot path only skips the validation it did
+        once); ``mean`` of floats sums and divides (so the shared-memory allreduce can divide while
+        copying out)."""
+        if op != "mean":
+            if super().fast_call(op, dtype, size) is None:
+                return None  # widened, ordered integers, ...: the general path
+            if op == "broadcast":
+                return self.broadcast
+            allreduce = self.allreduce
+
+            def run(x):
+                allreduce(x, op)
+
+            return run
+        if dtype.kind not in "fc" or dtype not in self._types or not self.reduces(dtype, "sum"):
             return None
         n = float(size)
 
@@ -972,6 +988,8 @@ class DeadlineMPITransport(MPITransport):
     def _wait(self, what, req) -> None:
         """Wait for ``req`` until it completes or ``timeout`` seconds from now have passed (then fail the
         transport and raise :class:`CollectiveTimeoutError`), polling as :func:`collectives._poll.poll` does."""
+        if req.Test():  # already complete (a small call often is): no clock read
+            return
         t0 = time.monotonic()
         if not poll(req.Test, self.timeout, spin_s=self.SPIN_S, max_pause_s=self.MAX_PAUSE_S):
             self.abandon(req)  # pending for good: it and its buffers live to the end of the process
@@ -1003,7 +1021,8 @@ class DeadlineMPITransport(MPITransport):
 
     def _now(self, operation, *args) -> None:
         """One MPI call of ``operation``, non-blocking with its fingerprint, waited under the deadline."""
-        self.usable()
+        if self.failed is not None:
+            self.usable()
         self._begin(operation, *args).wait()
 
     # ---- data: the blocking operations' MPI calls, each the non-blocking one waited under the deadline ----
@@ -1012,7 +1031,7 @@ class DeadlineMPITransport(MPITransport):
         its barriers an ``MPI_Ibarrier`` waited for under the deadline (the window is made after a bounded
         rendezvous of every rank). False where that path does not apply. The fingerprint of the call is
         reduced first (a node barrier cannot tell an allreduce of 4 elements from one of 8)."""
-        if not self.reduces_on_the_callers_cpus(buf.nbytes):
+        if buf.nbytes < self._shm_threshold or not self.reduces_on_the_callers_cpus(buf.nbytes):
             return False
         self.usable()
         what = ("allreduce", buf, f"op={op}, node-shared memory")
