@@ -56,6 +56,7 @@ from mpi4py import MPI
 
 import collectives as coll
 from collectives import _buckets, _tree
+from collectives._comm import engine_of
 
 RAW = MPI.COMM_WORLD.Dup()
 
@@ -167,7 +168,7 @@ def tree_part(comm, rounds: int, thresholds: bool = False) -> dict:
     out["per-leaf broadcast"] = compare(lambda: [coll.broadcast(x, 0, comm=comm) for x in leaves],
                                         lambda: RAW.Bcast(flat, 0), rounds)
     out["structure check"] = compare(check_only, raw_allreduce, rounds, k=5)
-    out["agreement alone"] = compare(lambda: _tree.agree(comm, "bench", header, entries, None), raw_allreduce,
+    out["agreement alone"] = compare(lambda: _tree.agree(engine_of(comm), "bench", header, entries, None), raw_allreduce,
                                      rounds, k=5)
     if thresholds:
         for name, attr, fn, raw in (("synchronize", "BROADCAST_SOLO_BYTES", sync, lambda: RAW.Bcast(flat, 0)),
