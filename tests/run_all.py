@@ -94,6 +94,9 @@ def main() -> int:
     ap.add_argument("--skip-unit", action="store_true")
     args = ap.parse_args()
     LOGS.mkdir(exist_ok=True)
+    # the flight recorder's dumps (every MismatchError and timeout the suites provoke writes one) go with
+    # the logs, not into the working directory; one directory for every rank of a job
+    os.environ.setdefault("COLLECTIVES_TRACE_DIR", str(LOGS / "trace"))
     if max(int(s) for s in args.sizes.split(",") if s) > (os.cpu_count() or 1):
         # More ranks than cores: MPICH's busy polling then costs milliseconds per collective (5.3 ms vs
         # 25 us for an 8 B allreduce at 3 ranks on 2 cores); let it sleep when nothing progresses.

@@ -35,6 +35,7 @@ from ._errors import (
 from ._handles import Handle
 from ._optim import DistributedOptimizer
 from ._shard import shard
+from ._trace import dump_trace
 from ._version import __version__
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "barrier",
     "broadcast",
     "broadcast_object",
+    "dump_trace",
     "finalize",
     "init",
     "reduce",

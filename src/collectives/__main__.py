@@ -7,6 +7,9 @@ MPI implementation (MPICH, Open MPI, ...) with its version, the launcher that st
 
 ``mpiexec -n 2 python -m collectives bench`` times the collectives (nccl-tests style; see
 ``python -m collectives bench --help``).
+
+``python -m collectives trace DIR`` reads the flight recorder's dumps (``COLLECTIVES_TRACE_DIR``) and says
+where the ranks diverged (``--timeline FILE`` writes a Chrome trace; see ``collectives._tracetool``).
 """
 
 from __future__ import annotations
@@ -104,11 +107,16 @@ def main(argv=None) -> int:
     p_info = sub.add_parser("info", help="show versions, MPI, NCCL and array libraries")
     p_info.add_argument("--json", action="store_true", help="print JSON")
     sub.add_parser("bench", add_help=False, help="time the collectives (bench --help for its options)")
+    sub.add_parser("trace", add_help=False, help="read the flight recorder's dumps: where the ranks diverged")
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:  # its own options, parsed by _bench
         from . import _bench
 
         return _bench.main(argv[1:])
+    if argv[:1] == ["trace"]:
+        from . import _tracetool
+
+        return _tracetool.main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "info":
         info = gather_info()

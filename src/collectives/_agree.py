@@ -31,6 +31,7 @@ import hashlib
 
 import numpy as np
 
+from . import _trace
 from ._errors import CollectiveTimeoutError, MismatchError
 
 DIGEST = 16  # bytes of a fingerprint; one more byte says "this rank refused the call"
@@ -76,13 +77,17 @@ def agree(transport, what: str, header: tuple = (), entries=(), error: BaseExcep
     descriptions = [d for _, d, _ in gathered]
     tag = " (checked mode)" if checked else ""
     if all(d is not None for d in descriptions) and any(d != descriptions[0] for d in descriptions[1:]):
-        raise MismatchError(mismatch_message(descriptions, tag))
+        message = mismatch_message(descriptions, tag)
+        _trace.dump(f"MismatchError: {message}")  # every rank raises (and dumps) alike
+        raise MismatchError(message)
     if error is not None:
         if hasattr(error, "add_note"):  # Python >= 3.11
             error.add_note(f"collectives{tag}: rank {transport.rank} refused this {what} call; the other "
                            f"ranks were told and raise MismatchError; nothing was sent or changed on any rank")
         raise error
-    raise MismatchError(refusal_message(gathered, tag))
+    message = refusal_message(gathered, tag)
+    _trace.dump(f"MismatchError: {message}")
+    raise MismatchError(message)
 
 
 def _groups(values: list) -> str:

@@ -20,12 +20,13 @@ import functools
 import pickle
 import sys
 import threading
+from time import time as _time
 from collections import OrderedDict
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _agree, _arrays, _buckets, _config, _dtypes, _reduction, _registry, _tree
+from . import _agree, _arrays, _buckets, _config, _dtypes, _reduction, _registry, _trace, _tree
 from ._backends import closed as _closed
 from ._backends import factory
 from ._backends.base import HostTransport
@@ -43,6 +44,27 @@ _empty = np.empty
 _torch_tensor = None  # torch.Tensor, once a torch tensor's call has been cached (torch is never imported here)
 _NONE: dict = {}  # read-only by convention: what the hot path looks in for an op with no cached calls
 _UNSET = object()  # "argument not part of this collective" (None is a value users may pass by mistake)
+
+
+def _traced(collective: str, path: str = "blocking", root_at: int | None = None):
+    """A Communicator method whose calls the flight recorder keeps (``_trace``): its record is started
+    before the call and finished with it (``root_at``: the position of its ``root`` argument)."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def call(self, *args, **kwargs):
+            root = kwargs.get("root", args[root_at] if root_at is not None and len(args) > root_at else None)
+            rec = self._begin_record(collective, None, None, root if root_at is not None else None, path)
+            try:
+                result = fn(self, *args, **kwargs)
+            except BaseException as exc:
+                if rec is not None:
+                    rec.finish(exc)
+                raise
+            if rec is not None:
+                rec.finish()
+            return result
+        return call
+    return wrap
 
 
 def _torch_plain(t) -> bool:
@@ -91,6 +113,19 @@ class Communicator:
         self._outstanding: dict = {}  # id -> Handle: asynchronous collectives not yet complete
         self._derived: dict = {}  # key -> a communicator the layers above made from this one (Engine.derived)
         self._engine = Engine(self)  # what the layers built on this communicator may use of it
+        # The flight recorder (_trace): the last calls, a ring indexed by the sequence number. A hot-path
+        # call stores (its cached call, x.shape[, root]) only; the others a _trace.Record.
+        capacity = _config.trace_buffer()
+        self._ring: list | None = [None] * (1 << max(capacity - 1, 0).bit_length()) if capacity else None
+        self._mask = len(self._ring) - 1 if self._ring is not None else 0
+        self._seq = 0  # calls made on this communicator (the last one's sequence number)
+        self._kept = capacity  # how many of the ring's entries a dump shows
+        self._hot_names: dict = {}  # a hot-path cached call -> (collective, op, dtype name)
+        self._current = None  # the record of the call being validated (for its driver)
+        self._last_activity = 0.0  # when the sequence number last moved (the stall inspector's choice)
+        self._name: str | None = None  # "world", "world.2" (a split), "comm1" (init(comm=...)): for dumps
+        self._splits = 0  # split() calls made on this communicator (names its children alike on every rank)
+        _trace.register(self._engine)
         self.check = bool(check)
         host.on_failure(self._forget_fast_paths)  # a failed transport: every later call takes the checks
 
@@ -193,16 +228,25 @@ class Communicator:
             if cls is _ndarray:  # the hot path (see _fast_path): a cached call, no validation
                 run = self._fast_broadcast.get(x.dtype)
                 if run is not None and x.flags.carray and root.__class__ is int and 0 <= root < self._size:
+                    ring = self._ring
+                    if ring is not None:  # the flight recorder (_trace): two stores
+                        n = self._seq = self._seq + 1
+                        ring[n & self._mask] = run, x.shape, root
                     run(x, root)
                     return x
             elif cls is _torch_tensor:
                 run = self._fast_broadcast.get(x.dtype)
                 if run is not None and root.__class__ is int and 0 <= root < self._size and _torch_plain(x):
+                    ring = self._ring
+                    if ring is not None:
+                        n = self._seq = self._seq + 1
+                        ring[n & self._mask] = run, tuple(x.shape), root
                     run(x.detach().numpy() if x.requires_grad else x.numpy(), root)
                     _arrays.bump_versions((x,))  # written behind autograd's back: as under no_grad
                     return x
-            return _now(self._broadcast(x, root, False))
+            return self._blocking(self._broadcast(x, root, False))
         except Exception as exc:  # noqa: BLE001 - re-raised; costs nothing unless raised: MPI's own errors become CollectiveError
+            self._note_failure(exc)
             reraise(exc, "broadcast")
         finally:
             _leave()
@@ -234,16 +278,25 @@ class Communicator:
             if cls is _ndarray:  # the hot path (see _fast_path)
                 run = table.get(x.dtype)
                 if run is not None and x.flags.carray:  # C-contiguous, aligned and writable
+                    ring = self._ring
+                    if ring is not None:  # the flight recorder (_trace): two stores
+                        n = self._seq = self._seq + 1
+                        ring[n & self._mask] = run, x.shape
                     run(x)
                     return x
             elif cls is _torch_tensor:
                 run = table.get(x.dtype)
                 if run is not None and _torch_plain(x):
+                    ring = self._ring
+                    if ring is not None:
+                        n = self._seq = self._seq + 1
+                        ring[n & self._mask] = run, tuple(x.shape)
                     run(x.detach().numpy() if x.requires_grad else x.numpy())
                     _arrays.bump_versions((x,))  # written behind autograd's back: as under no_grad
                     return x
-            return _now(self._allreduce(x, op, False))
+            return self._blocking(self._allreduce(x, op, False))
         except Exception as exc:  # noqa: BLE001 - re-raised (MPI errors as CollectiveError)
+            self._note_failure(exc)
             reraise(exc, "allreduce")
         finally:
             _leave()
@@ -263,7 +316,7 @@ class Communicator:
         """Reduce ``x`` over all ranks, result on ``root``. See :func:`collectives.reduce`."""
         if async_op:
             return self._async("reduce", self._reduce, x, op, root)
-        return _now(self._reduce(x, op, root, False))
+        return self._blocking(self._reduce(x, op, root, False))
 
     def _reduce(self, x, op, root, asynchronous: bool):
         a, transport, view, info, op, root = self._prepare("reduce", x, op=op, root=root, asynchronous=asynchronous)
@@ -283,7 +336,7 @@ class Communicator:
         """Every rank's ``x``, stacked along a new leading axis. See :func:`collectives.allgather`."""
         if async_op:
             return self._async("allgather", self._allgather, x)
-        return _now(self._allgather(x, False))
+        return self._blocking(self._allgather(x, False))
 
     def _allgather(self, x, asynchronous: bool):
         a, transport, view, info, _, _ = self._prepare("allgather", x, asynchronous=asynchronous)
@@ -307,10 +360,15 @@ class Communicator:
                     run = None
                 if run is not None and x.flags.c_contiguous and x.ndim and not x.shape[0] % self._size:
                     out = _empty((x.shape[0] // self._size,) + x.shape[1:], x.dtype)
+                    ring = self._ring
+                    if ring is not None:
+                        n = self._seq = self._seq + 1
+                        ring[n & self._mask] = run, x.shape
                     run(x, out)
                     return out
-            return _now(self._reduce_scatter(x, op, False))
+            return self._blocking(self._reduce_scatter(x, op, False))
         except Exception as exc:  # noqa: BLE001 - re-raised (MPI errors as CollectiveError)
+            self._note_failure(exc)
             reraise(exc, "reduce_scatter")
         finally:
             _leave()
@@ -367,10 +425,15 @@ class Communicator:
                 run = self._fast_blocks.get(("alltoall", x.dtype))
                 if run is not None and x.flags.c_contiguous and x.ndim and not x.shape[0] % self._size:
                     out = _empty(x.shape, x.dtype)
+                    ring = self._ring
+                    if ring is not None:
+                        n = self._seq = self._seq + 1
+                        ring[n & self._mask] = run, x.shape
                     run(x, out)
                     return out
-            return _now(self._alltoall(x, False))
+            return self._blocking(self._alltoall(x, False))
         except Exception as exc:  # noqa: BLE001 - re-raised (MPI errors as CollectiveError)
+            self._note_failure(exc)
             reraise(exc, "alltoall")
         finally:
             _leave()
@@ -423,32 +486,43 @@ class Communicator:
         self._host.usable()  # a failed (or closed) communicator refuses at the call, as the blocking calls do
         if not _enter(False):  # another thread is inside a collective: refused (_threads)
             _refuse_thread(what)
+        self._current = rec = None
         try:
             steps = define(*args, True)
-            first = next(steps)  # validates, up to the first transfer
+            try:
+                first = next(steps)  # validates, up to the first transfer
+            finally:
+                rec = self._current
         except StopIteration as stop:
+            if rec is not None:
+                rec.finish()
             return Handle.completed(what, stop.value)
-        except BackendUnavailableError:  # no transport for the array, a closed communicator: nothing started
-            raise
-        except Exception as exc:
+        except BaseException as exc:
+            if rec is not None:
+                rec.finish(exc)
+            if isinstance(exc, BackendUnavailableError) or not isinstance(exc, Exception):
+                raise  # no transport for the array, a closed communicator: nothing started
             err = exc if isinstance(exc, CollectiveError) else transport_failure(exc, what)
             if err is None:
                 raise
             return Handle.completed(what, error=err)
         finally:
             _leave()
-        return Handle(what, self._requests(steps, first), self._outstanding, self._host.fail)
+        return Handle(what, self._requests(steps, first), self._outstanding, self._host.fail, rec)
 
     def _async_tree(self, tree, op, bucket_bytes) -> Handle:
         """:meth:`allreduce_tree` with ``async_op=True``: its buckets' transfers (``_tree``) in a Handle."""
         self._host.usable()
         if not _enter(False):
             _refuse_thread("allreduce_tree")
+        rec = self._begin_record("allreduce_tree", None, op, None, "tree buckets, asynchronous")
         try:
             steps = _tree.allreduce_tree(self._engine, tree, op, bucket_bytes, True)
-        except BackendUnavailableError:
-            raise
-        except Exception as exc:
+        except BaseException as exc:
+            if rec is not None:
+                rec.finish(exc)
+            if isinstance(exc, BackendUnavailableError) or not isinstance(exc, Exception):
+                raise
             err = exc if isinstance(exc, CollectiveError) else transport_failure(exc, "allreduce_tree")
             if err is None:
                 raise
@@ -456,8 +530,10 @@ class Communicator:
         finally:
             _leave()
         if isinstance(steps, Handle):
+            if rec is not None:
+                rec.finish(steps._error)
             return steps
-        return Handle("allreduce_tree", steps, self._outstanding, self._host.fail)
+        return Handle("allreduce_tree", steps, self._outstanding, self._host.fail, rec)
 
     def _requests(self, steps, step: _Step):
         """The asynchronous driver of a collective's steps: each transfer started with the transport's
@@ -557,6 +633,10 @@ class Communicator:
             True
             >>> sub.close()
         """
+        return self._split(color, key)
+
+    @_traced("split")
+    def _split(self, color, key):
         host = self._transport_for(_arrays.HOST)
         error = None
         try:
@@ -567,15 +647,18 @@ class Communicator:
         # raised alone would leave the others in MPI_Comm_split): the refusal branch of _agree.
         _agree.agree(host, "split", (), (), error, checked=self.check)
         sub = host.split(color, key)
+        self._splits += 1
         if sub is None:
             return None
         child = Communicator(sub, check=self.check)
+        child._name = f"{self._name}.{self._splits}"  # the same on every rank of the child (split is collective)
         self._subs = [s for s in self._subs if not s.closed]  # a closed one is released (not kept to the end)
         self._subs.append(child)
         return child
 
     # ---- Python objects ----
     @collective("broadcast_object")
+    @_traced("broadcast_object", root_at=1)
     def broadcast_object(self, obj, root: int = 0):
         """Root's picklable ``obj`` on every rank. See :func:`collectives.broadcast_object`."""
         host = self._transport_for(_arrays.HOST)
@@ -599,6 +682,7 @@ class Communicator:
         return obj if self.rank == root else result
 
     @collective("allgather_object")
+    @_traced("allgather_object")
     def allgather_object(self, obj) -> list:
         """Every rank's picklable ``obj``, in rank order. See :func:`collectives.allgather_object`."""
         host = self._transport_for(_arrays.HOST)
@@ -638,6 +722,8 @@ class Communicator:
         """
         args: dict[str, object] = {"async_op": True} if asynchronous else {}
         view = info = None
+        self._current = self._begin_record(collective, x, None if op is _UNSET else op, None if root is _UNSET else root,
+                                     "asynchronous" if asynchronous else "blocking")
         try:
             a = _arrays.adapter(x)
             device = a.device(x)
@@ -661,9 +747,51 @@ class Communicator:
             transport = self._transport_for(device)
         elif self.check and not transport.array_level:
             self._agree(transport, collective, view, info, **args)
+        rec = self._current
+        if rec is not None:
+            rec.path = f"{rec.path}, {transport.name}"
         return a, transport, view, info, op, root
 
+    def _begin_record(self, collective: str, x=None, op=None, root=None, path: str = "blocking"):
+        """Start the flight recorder's record of a call (:class:`collectives._trace.Record`) at the next
+        sequence number, or None when the record is off (``COLLECTIVES_TRACE_BUFFER=0``)."""
+        ring = self._ring
+        if ring is None:
+            return None
+        n = self._seq = self._seq + 1
+        self._last_activity = _time()
+        rec = _trace.Record(n, collective, op if op is None or op.__class__ is str else repr(op), root,
+                            getattr(x, "dtype", None), getattr(x, "shape", None), getattr(x, "nbytes", None), path)
+        ring[n & self._mask] = rec
+        return rec
+
+    def _note_failure(self, exc: BaseException) -> None:
+        """A hot-path call raised (an MPI error, a timeout, a mismatch found beside it): its entry in the
+        record (a tuple) gets the error; a general-path call's record is finished by its driver."""
+        ring = self._ring
+        if ring is not None:
+            i = self._seq & self._mask
+            entry = ring[i]
+            if entry.__class__ is tuple:
+                ring[i] = (*entry, f"{type(exc).__name__}: {exc}")
+
+    def _blocking(self, steps):
+        """Run a collective's steps to completion (:func:`_now`); its record says how that ended."""
+        self._current = None
+        try:
+            result = _now(steps, self)
+        except BaseException as exc:
+            rec = self._current
+            if rec is not None:
+                rec.finish(exc)
+            raise
+        rec = self._current
+        if rec is not None:
+            rec.finish()
+        return result
+
     @collective("barrier")
+    @_traced("barrier")
     def barrier(self) -> None:
         """Block until every rank has called it. See :func:`collectives.barrier`."""
         transport = self._transport_for(_arrays.HOST)
@@ -713,9 +841,12 @@ class Communicator:
             return
         if blocks is not None:
             if a is _arrays.NUMPY:
+                self._hot_names.setdefault(run, (op[0], op[1] if op[0] == "reduce_scatter" else None, info.name))
                 blocks.setdefault(op, run)
             return
         table = self._fast_broadcast if op == "broadcast" else self._fast.setdefault(op, {})
+        name = ("broadcast", None) if op == "broadcast" else ("allreduce", op)
+        self._hot_names.setdefault(run, (*name, info.name))
         table.setdefault(x.dtype, run)
 
     def _local_transport(self, device):
@@ -778,7 +909,11 @@ class Communicator:
     # ---- the tree collectives ----
     def synchronize(self, tree, root: int = 0, *, bucket_bytes: int | None = None):
         """Root's values for every leaf of ``tree``. See :func:`collectives.synchronize`."""
-        return _tree.synchronize(self._engine, tree, root, bucket_bytes)
+        return self._tree_call("synchronize", _tree.synchronize, tree, root, bucket_bytes)
+
+    @_traced("synchronize", path="tree buckets")
+    def _tree_call(self, name, run, *args):
+        return run(self._engine, *args)
 
     def allreduce_tree(self, tree, op: str = "mean", *, bucket_bytes: int | None = None, async_op: bool = False):
         """Reduce every array leaf of ``tree``, fused. See :func:`collectives.allreduce_tree`.
@@ -788,6 +923,10 @@ class Communicator:
         reduced at the call."""
         if async_op:
             return self._async_tree(tree, op, bucket_bytes)
+        return self._reduce_tree(tree, op, bucket_bytes)
+
+    @_traced("allreduce_tree", path="tree buckets")
+    def _reduce_tree(self, tree, op, bucket_bytes):
         return _tree.allreduce_tree(self._engine, tree, op, bucket_bytes)
 
 
@@ -872,12 +1011,32 @@ def init(backend: str = "auto", *, comm=None, check: bool | None = None) -> Comm
             raise
         if comm is not None:
             _registry.remember(comm, result)
+            _named[0] += 1
+            result._name = f"comm{_named[0]}"  # in the order init(comm=...) was called
         if _world is None:
             _world = result
+            result._name = "world"
+            _start_trace(result)
         if not _atexit_registered:
             atexit.register(finalize)  # runs before mpi4py's MPI_Finalize (registered earlier)
             _atexit_registered = True
         return result
+
+
+_named = [0]  # communicators made by init(comm=...), for their names in trace dumps
+
+
+def _start_trace(world_comm: Communicator) -> None:
+    """Start the flight recorder's process side (``_trace.start``) with a job id every rank shares (rank
+    0's, broadcast: collective, at the first ``init``)."""
+    if _config.trace_buffer() == 0:
+        return
+    import os
+    import time
+
+    mine = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    job = world_comm.broadcast_object(mine, 0) if world_comm.size > 1 else mine
+    _trace.start(job, world_comm.rank, world_comm.size)
 
 
 def world() -> Communicator:
@@ -938,7 +1097,7 @@ class Engine:
         True
     """
 
-    __slots__ = ("communicator",)
+    __slots__ = ("__weakref__", "communicator")  # weakly held by the flight recorder (_trace)
 
     def __init__(self, comm: Communicator):
         self.communicator = comm
@@ -1015,6 +1174,62 @@ class Engine:
         return hit
 
 
+    # ---- the flight recorder's view (_trace) ----
+    def trace_name(self) -> str | None:
+        """The communicator's name in dumps (``world``, ``world.0``, ...), or None when not recorded."""
+        c = self.communicator
+        return c._name if c._ring is not None else None
+
+    def trace_seq(self) -> int:
+        """The sequence number of the communicator's last call."""
+        return self.communicator._seq
+
+    def trace_entries(self, inside: bool = False) -> list[dict]:
+        """The record's entries, oldest first, as dicts (the last ``COLLECTIVES_TRACE_BUFFER``). A hot-path
+        entry has no site or times; the last one is "started" when ``inside`` (a thread of the process is
+        inside a collective), else "completed"."""
+        c = self.communicator
+        ring, seq = c._ring, c._seq
+        if ring is None:
+            return []
+        out = []
+        for n in range(max(1, seq - min(c._kept, len(ring)) + 1), seq + 1):
+            entry = ring[n & c._mask]
+            if entry is None:
+                continue
+            if isinstance(entry, _trace.Record):
+                out.append(entry.as_dict())
+                continue
+            collective, op, dtype = c._hot_names.get(entry[0], ("unknown", None, None))
+            shape = tuple(entry[1])
+            root = entry[2] if collective == "broadcast" else None
+            error = entry[3 if collective == "broadcast" else 2] if len(entry) > (3 if collective == "broadcast" else 2) \
+                else None
+            try:
+                nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+            except TypeError:  # a dtype NumPy does not name (bfloat16 of torch)
+                nbytes = None
+            state = "failed" if error is not None else "started" if inside and n == seq else "completed"
+            out.append({"seq": n, "collective": collective, "op": op, "root": root, "dtype": dtype, "shape": shape,
+                        "nbytes": nbytes, "path": "hot path", "site": None, "thread": None, "start": None,
+                        "end": None, "state": state, "error": error})
+        return out
+
+    def trace_snapshot(self, inside: bool = False) -> dict:
+        """The communicator's part of a dump: its name, ranks, sequence number and record."""
+        c = self.communicator
+        if c._ring is None or c._host is CLOSED:
+            return {"name": c._name, "seq": None}
+        return {"name": c._name, "rank": c.rank, "size": c.size, "seq": c._seq,
+                "world_ranks": getattr(c._host, "world_ranks", None),
+                "records": self.trace_entries(inside)}
+
+    def trace_last(self) -> tuple:
+        """``(name, last entry as a dict, when the sequence number last moved on the general path)``."""
+        entries = self.trace_entries(True)
+        return self.trace_name(), (entries[-1] if entries else None), self.communicator._last_activity
+
+
 def engine_of(comm: Communicator) -> Engine:
     """The :class:`Engine` of ``comm`` (for the layers built on the Communicator)."""
     return comm._engine
@@ -1034,11 +1249,17 @@ class _Step(NamedTuple):
     device: bool = False
 
 
-def _now(steps):
+def _now(steps, comm):
     """The blocking driver of a collective's steps: each transfer run to completion (``run``, or the
-    transport's operation), the call used (or a device transport's result) sent back; the result."""
+    transport's operation), the call used (or a device transport's result) sent back; the result.
+    ``comm._current`` is left holding this call's record (made by the first step's validation), whatever
+    calls the transfers made in between (a device transport staged through the host path)."""
+    rec = None
     try:
-        step = next(steps)
+        try:
+            step = next(steps)
+        finally:
+            rec = comm._current
         while True:
             if step.device:
                 got = getattr(step.transport, step.operation)(*step.args)
@@ -1051,6 +1272,8 @@ def _now(steps):
             step = steps.send(got)
     except StopIteration as stop:
         return stop.value
+    finally:
+        comm._current = rec
 
 
 def _nothing() -> None:

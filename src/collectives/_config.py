@@ -19,6 +19,9 @@ variable                        meaning                                         
 ``COLLECTIVES_SHM_SLOT_BYTES``  shared-memory window bytes per rank (the piece size)         8 MiB
 ``COLLECTIVES_SYNC_PIPELINE``   ``0``: synchronize through MPI_Bcast of packed buckets        ``1``
 ``COLLECTIVES_SIMULATE_NODES``  N: every N consecutive ranks of a node act as one node (tests)  unset
+``COLLECTIVES_TRACE_BUFFER``    calls each communicator keeps in its record (``0``: none)    2000
+``COLLECTIVES_TRACE_DIR``       where the per-rank trace dumps are written                   ``./collectives-trace``
+``COLLECTIVES_STALL_WARN_S``    seconds in one collective before a stall warning (``0``: off) 60
 ==============================  ===========================================================  ==========
 """
 
@@ -194,6 +197,35 @@ def nccl_multi_rank_gpu() -> bool:
 
 # ---- every variable, validated at once (issue 12 item 2) ----
 
+def trace_buffer() -> int:
+    """Calls each communicator's record keeps (``COLLECTIVES_TRACE_BUFFER``; 0: no record, no dumps)."""
+    raw = os.environ.get("COLLECTIVES_TRACE_BUFFER")
+    if raw is None or raw.strip() == "":
+        return 2000
+    try:
+        value = int(raw, 0)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"environment variable COLLECTIVES_TRACE_BUFFER={raw!r}: expected an integer >= 0 "
+                         f"(0 turns the record off)")
+    return value
+
+
+def trace_dir() -> str:
+    """Where trace dumps go (``COLLECTIVES_TRACE_DIR``), as an absolute path; created when first needed."""
+    return os.path.abspath(string("COLLECTIVES_TRACE_DIR", "collectives-trace"))
+
+
+def stall_warn_s() -> float | None:
+    """Seconds one collective may wait before every waiting rank warns (``COLLECTIVES_STALL_WARN_S``;
+    default 60, ``0``: never)."""
+    raw = os.environ.get("COLLECTIVES_STALL_WARN_S")
+    if raw is None or raw.strip() == "":
+        return 60.0
+    return seconds("COLLECTIVES_STALL_WARN_S")
+
+
 def _backend_checked() -> str:
     value = backend()
     if value not in ("auto", "mpi", "self"):
@@ -210,7 +242,7 @@ def _abort_on_error() -> bool:
 # read here first too, so that a malformed value is refused at init, where the ranks agree on it.
 READERS = (_backend_checked, check, timeout, mpi_thread_level, max_count, bucket_bytes, shm,
            simulate_nodes, sync_pipeline, shm_threshold, shm_slot_bytes, _abort_on_error,
-           disable_nccl, cuda_aware_mpi, nccl_eager)
+           disable_nccl, cuda_aware_mpi, nccl_eager, trace_buffer, stall_warn_s)
 
 
 def problems() -> list[str]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import sys
 import time
 
-from . import _config
+from . import _config, _trace
 
 ABORT_VARIABLE = "COLLECTIVES_ABORT_ON_ERROR"
 EXIT_STATUS = 1  # the errorcode handed to MPI_Abort
@@ -114,6 +114,8 @@ def _abort_hook(exc_type, exc, tb) -> None:
         sys.stderr = _Both(captured, sys.__stderr__)
     try:
         sys.stderr.write(f"collectives: rank {rank} of {size} failed with {_describe(exc_type, exc)}\n")
+        if _trace.failure(f"rank {rank} of {size} failed with {_describe(exc_type, exc)}; the job is ending", exc):
+            _trace.await_others()  # their watchers dump within a poll: let them, before MPI_Abort
         previous(exc_type, exc, tb)
         sys.stderr.write(f"collectives: aborting all {size} ranks (MPI_Abort), so that none waits forever "
                          f"for rank {rank}; set {ABORT_VARIABLE}=0 to let this rank exit alone\n")

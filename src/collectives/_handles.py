@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from ._errors import CollectiveError, CollectiveTimeoutError, reraise
+from . import _trace
 from ._poll import poll
 from ._threads import enter, leave, refuse
 
@@ -46,10 +47,11 @@ class Handle:
         True
     """
 
-    __slots__ = ("_error", "_fail", "_finished", "_owner", "_pending", "_result", "_steps", "what")
+    __slots__ = ("_error", "_fail", "_finished", "_owner", "_pending", "_record", "_result", "_steps", "what")
 
-    def __init__(self, what: str, steps, owner: dict | None = None, fail=None):
+    def __init__(self, what: str, steps, owner: dict | None = None, fail=None, record=None):
         self.what = what  # the collective, for messages
+        self._record = record  # the flight recorder's record of the call (_trace.Record), finished with it
         self._steps = steps
         self._pending: Any = None  # the step's request in flight (a transport's Request), or None
         self._finished = False
@@ -65,7 +67,7 @@ class Handle:
     def completed(cls, what: str, result=None, error: BaseException | None = None) -> Handle:
         """A handle whose collective has already run (or failed: ``wait()`` raises ``error``)."""
         h = cls.__new__(cls)
-        h.what, h._steps, h._pending, h._owner, h._fail = what, None, None, None, None
+        h.what, h._steps, h._pending, h._owner, h._fail, h._record = what, None, None, None, None, None
         h._finished, h._result, h._error = True, result, error
         return h
 
@@ -84,6 +86,9 @@ class Handle:
     def _finish(self, result, error) -> None:
         self._finished, self._result, self._error = True, result, error
         self._pending = self._steps = None
+        if self._record is not None:
+            self._record.finish(error)
+            self._record = None
         if self._owner is not None:
             self._owner.pop(id(self), None)
             self._owner = None
@@ -155,6 +160,7 @@ class Handle:
         self._finish(None, CollectiveTimeoutError(
             f"{reason}: another rank has not issued the matching call, or died. The communicator cannot be "
             f"used further (every later call on it raises); end the job"))
+        _trace.failure(f"CollectiveTimeoutError: {reason}")
 
     def _settle(self, seconds: float) -> bool:
         """Poll :meth:`done` for up to ``seconds``; whether it completed (for ``close()``)."""

@@ -35,7 +35,7 @@ BAD_SETTINGS = [  # (variable, malformed value): the thread level first, while M
 
 def main(name: str) -> None:
     if name == "clean-eager-refused":  # COLLECTIVES_NCCL_EAGER=1 without a GPU: init refuses on every rank
-        import torch  # noqa: F401 - the CUDA library the eager set-up looks for
+        import torch
 
         try:
             coll.init()
@@ -175,7 +175,7 @@ def main(name: str) -> None:
         import torch as th  # init_process_group wraps sys.excepthook, capturing stderr around the hook)
         import torch.distributed as dist
 
-        import collectives.torch_backend  # noqa: F401 - registers the backend
+        import collectives.torch_backend
 
         dist.init_process_group("collectives")
         t = th.ones(3)
@@ -208,6 +208,59 @@ def main(name: str) -> None:
 
     elif name == "clean-eager-refused":  # after the refused init (above): collectives work
         assert (x == comm.size).all() and not comm._devices, (x, comm._devices)
+
+    # ---- the flight recorder (issue 22): each leaves its dumps in COLLECTIVES_TRACE_DIR ----
+    elif name == "trace-skip":  # the last rank skips an allreduce the others call, then waits in a barrier
+        for _ in range(3):
+            comm.allreduce(x)
+        if comm.rank == last:
+            mark(name)
+            comm.barrier()  # TRACE-SKIP-BARRIER
+        else:
+            comm.allreduce(x)  # TRACE-SKIP-ALLREDUCE
+        comm.barrier()
+
+    elif name == "trace-divergent":  # the last rank calls broadcast where the others call allreduce
+        comm.allreduce(x)
+        mark(name)
+        if comm.rank == last:
+            comm.broadcast(x, root=0)  # TRACE-DIVERGENT-BROADCAST
+        else:
+            comm.allreduce(x)  # TRACE-DIVERGENT-ALLREDUCE
+
+    elif name == "clean-trace-stall":  # the last rank computes for a while; the others wait in an allreduce
+        import threading
+
+        if comm.rank == 0:  # while the main thread waits inside MPI, ask every rank for a dump
+            threading.Thread(target=lambda: (time.sleep(float(os.environ["TRACE_ASK_AT"])),
+                                             coll.dump_trace(all_ranks=True)), daemon=True).start()
+        if comm.rank == last:
+            time.sleep(float(os.environ["TRACE_SLEEP"]))  # TRACE-STALL-SLEEP
+        comm.allreduce(x)  # TRACE-STALL-ALLREDUCE
+        assert (x == comm.size ** 2).all(), x
+
+    elif name == "clean-trace-sigusr1":  # every rank gets SIGUSR1 mid-run; the job goes on, correct
+        for i in range(20):
+            comm.allreduce(x)
+            if i == 10:
+                os.kill(os.getpid(), signal.SIGUSR1)
+        assert (x == comm.size ** 21).all(), x
+
+    elif name == "clean-trace-fronts":  # the torch backend and DistributedOptimizer's buckets, recorded
+        import torch
+        import torch.distributed as dist
+
+        import collectives.torch_backend  # noqa: F401 - registers the backend
+
+        dist.init_process_group("collectives")
+        t = torch.ones(3)
+        dist.all_reduce(t)  # TRACE-FRONTS-DIST
+        model = torch.nn.Linear(3, 2)
+        opt = coll.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        model(torch.ones(4, 3)).sum().backward()  # TRACE-FRONTS-BACKWARD
+        opt.step()
+        coll.dump_trace()
+        dist.destroy_process_group()
 
     else:
         raise SystemExit(f"unknown scenario {name!r}")

@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import subprocess
+import tempfile
 import sys
 import time
 from pathlib import Path
@@ -28,6 +29,8 @@ SIZES = [2, 3]
 PROMPT_S = 10.0  # a failure must end the whole job within this many seconds of happening
 DEADLINE_S = 3.0  # COLLECTIVES_TIMEOUT for the deadline scenarios
 RUN_LIMIT_S = 120  # the subprocess timeout: reaching it means the job hung
+TRACES = Path(__file__).resolve().parents[2] / ".test-logs" / "crash-traces"
+TRACES.mkdir(parents=True, exist_ok=True)
 
 
 
@@ -47,6 +50,8 @@ class Job:
 
 
 def run(name: str, n: int, **env_extra) -> Job:
+    # each job's flight-recorder dumps in a directory of its own (the trace scenarios read them)
+    env_extra.setdefault("COLLECTIVES_TRACE_DIR", tempfile.mkdtemp(prefix=f"trace-{name}-{n}-", dir=TRACES))
     env = job_environment(drop=("COLLECTIVES_",), **env_extra)
     cmd = job_command(n, [sys.executable, str(SCENARIO), name], forward=env_extra)
     start = time.time()
@@ -63,6 +68,7 @@ def run(name: str, n: int, **env_extra) -> Job:
     ended = time.time()
     marks = [float(t) for t in re.findall(r"^FAILING \S+ AT ([\d.]+)$", out, re.M)]
     job = Job(proc.returncode, out, err, ended - start, min(marks) if marks else None, ended)
+    job.trace_dir = env_extra["COLLECTIVES_TRACE_DIR"]
     after = f"{job.after_failure:.2f}s after the failure" if marks else "no failure mark"
     print(f"\n[crash] {name} -n {n} {env_extra or ''}: exit {job.rc}, {job.wall:.2f}s wall, {after}")
     return job
@@ -250,3 +256,123 @@ def test_malformed_settings_caught_leave_init_usable(n):
     for variable, _ in BAD_SETTINGS:
         assert job.out.count(f"refused {variable}") == n, job
     assert sorted(re.findall(r"^DONE (\d+)$", job.out, re.M)) == [str(r) for r in range(n)], job
+
+
+# ---- the flight recorder (issue 22): the analyzer's verdict on each scenario's dumps ----
+
+def trace_verdict(job: Job) -> str:
+    """``python -m collectives trace`` on the job's dumps: its whole output."""
+    proc = subprocess.run([sys.executable, "-m", "collectives", "trace", job.trace_dir], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def line_of(tag: str) -> int:
+    """The line of scenario.py marked ``# <tag>``."""
+    return next(i for i, line in enumerate(SCENARIO.read_text().splitlines(), 1) if line.rstrip().endswith(f"# {tag}"))
+
+
+def dumps_of(job: Job) -> list[str]:
+    return sorted(p.name for p in Path(job.trace_dir).glob("*.trace-rank*.json"))
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_trace_names_the_rank_that_skipped_an_allreduce(n):
+    job = run("trace-skip", n, COLLECTIVES_TIMEOUT=5)
+    ended_promptly(job, within=5 + PROMPT_S)
+    assert len(dumps_of(job)) == n, (dumps_of(job), job)  # every rank wrote one, the skipping one too
+    out = trace_verdict(job)
+    others = ",".join(map(str, range(n - 1)))
+    first = out.splitlines()[0]
+    assert first.startswith("DIVERGENCE on world at call #6:"), out  # init's broadcast, 1 + 3 + the skipped
+    assert f"rank{'s' if n > 2 else ''} {others} called allreduce #6 (op=sum, float64 (4,)) at " \
+           f"{SCENARIO}:{line_of('TRACE-SKIP-ALLREDUCE')} in main" in first, out
+    assert f"rank {n - 1} called barrier #6 at {SCENARIO}:{line_of('TRACE-SKIP-BARRIER')} in main" in first, out
+    assert "missing" not in out, out
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_trace_names_both_sides_of_a_different_collective(n):
+    job = run("trace-divergent", n, COLLECTIVES_TIMEOUT=5)
+    ended_promptly(job, within=5 + PROMPT_S)
+    assert "MismatchError: ranks called different collectives" in job.err, job
+    first = trace_verdict(job).splitlines()[0]
+    assert first.startswith("DIVERGENCE on world at call #4:"), first
+    assert f"called allreduce #4 (op=sum, float64 (4,)) at {SCENARIO}:{line_of('TRACE-DIVERGENT-ALLREDUCE')}" \
+        in first, first
+    assert f"rank {n - 1} called broadcast #4 (root=0, float64 (4,)) at " \
+           f"{SCENARIO}:{line_of('TRACE-DIVERGENT-BROADCAST')}" in first, first
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_stall_warning_names_the_late_rank_and_its_dump_shows_where_it_is(n):
+    job = run("clean-trace-stall", n, COLLECTIVES_STALL_WARN_S=2, TRACE_SLEEP=8, TRACE_ASK_AT=5)
+    assert job.rc == 0, job  # a warning, not an abort: the job finishes, with the right sums
+    assert sorted(re.findall(r"^DONE (\d+)$", job.out, re.M)) == [str(r) for r in range(n)], job
+    warnings = re.findall(r"^collectives: stall: allreduce #3 \(op=sum, float64 \(4,\)\) on world, called at "
+                          rf"{re.escape(str(SCENARIO))}:{line_of('TRACE-STALL-ALLREDUCE')} in main, has waited \d+ s "
+                          rf"on rank (\d) of {n}; not entered by rank {n - 1} \(at #2 in "
+                          rf"{re.escape(str(SCENARIO))}:{line_of('TRACE-STALL-SLEEP')} in main\)", job.err, re.M)
+    assert sorted(warnings) == [str(r) for r in range(n - 1)], job  # once on every waiting rank
+    assert len(dumps_of(job)) == n, (dumps_of(job), job)
+    first = trace_verdict(job).splitlines()[0]
+    assert first.startswith("DIVERGENCE on world at call #3:") and f"rank {n - 1} never entered it" in first, first
+    assert f"rank {n - 1} was at {SCENARIO}:{line_of('TRACE-STALL-SLEEP')} in main" in first, first
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_sigusr1_dumps_and_the_job_goes_on(n):
+    job = run("clean-trace-sigusr1", n)
+    assert job.rc == 0 and job.err == "", job
+    assert sorted(re.findall(r"^DONE (\d+)$", job.out, re.M)) == [str(r) for r in range(n)], job
+    assert len(dumps_of(job)) == n, dumps_of(job)
+    out = trace_verdict(job)
+    assert out.startswith("no divergence on world"), out
+    assert out.count(": SIGUSR1; at ") == n, out
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_records_name_the_torch_backend_and_the_gradient_buckets(n):
+    job = run("clean-trace-fronts", n)
+    assert job.rc == 0, job
+    import json
+
+    for path in Path(job.trace_dir).glob("*.trace-rank*.json"):
+        dump = json.loads(path.read_text())
+        records = [e for c in dump["communicators"] for e in c["records"]]
+        dist = [e for e in records if "torch.distributed backend" in (e["path"] or "")]
+        assert any(e["site"] == [str(SCENARIO), line_of("TRACE-FRONTS-DIST"), "main"] for e in dist), records
+        buckets = [e for e in records if "DistributedOptimizer gradient bucket" in (e["path"] or "")]
+        assert buckets and all(e["state"] == "completed" for e in buckets), records
+        assert any(e["site"] == [str(SCENARIO), line_of("TRACE-FRONTS-BACKWARD"), "main"] for e in buckets), records
+    out = trace_verdict(job)
+    assert out.startswith("no divergence"), out
+    timeline = Path(job.trace_dir) / "timeline.json"
+    proc = subprocess.run([sys.executable, "-m", "collectives", "trace", job.trace_dir, "--timeline", str(timeline)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    import json
+
+    events = json.loads(timeline.read_text())["traceEvents"]
+    assert {e["pid"] for e in events if e["ph"] == "X"} == set(range(n)), events[:5]
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_the_hang_walkthrough_of_the_docs(n):
+    """examples/hang.py, as docs/troubleshooting.md runs it: the stall warning, the timeout, the verdict."""
+    example = SCENARIO.parents[2] / "examples" / "hang.py"
+    env_extra = {"COLLECTIVES_STALL_WARN_S": 2, "COLLECTIVES_TIMEOUT": 5,
+                 "COLLECTIVES_TRACE_DIR": tempfile.mkdtemp(prefix=f"trace-hang-{n}-", dir=TRACES)}
+    cmd = job_command(n, [sys.executable, str(example)], forward=env_extra)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_LIMIT_S,
+                          env=job_environment(drop=("COLLECTIVES_",), **env_extra))
+    assert proc.returncode != 0, proc.stderr  # the deadline ends it
+    line = f"{example}:{next(i for i, t in enumerate(example.read_text().splitlines(), 1) if 'time.sleep' in t)}"
+    assert re.search(rf"collectives: stall: allreduce #5 .* not entered by rank {n - 1} \(at #4 in {re.escape(line)}",
+                     proc.stderr), proc.stderr
+    job = Job(proc.returncode, proc.stdout, proc.stderr, 0.0, None, 0.0)
+    job.trace_dir = env_extra["COLLECTIVES_TRACE_DIR"]
+    first = trace_verdict(job).splitlines()[0]
+    assert first.startswith("DIVERGENCE on world at call #5:") and f"rank {n - 1} never entered it" in first, first
+    assert f"rank {n - 1} was at {line} in <module>: time.sleep(30)" in first, first

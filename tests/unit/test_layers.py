@@ -16,7 +16,7 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "collectives"
 LAYERS = {
     # 0: the bottom: no library module above it
     "_version": 0, "_errors": 0, "_ops": 0, "_config": 0, "_dtypes": 0, "_arrays": 0, "_agree": 0,
-    "_threads": 0, "_registry": 0, "_launcher": 0, "_handles": 0, "_poll": 0,
+    "_threads": 0, "_registry": 0, "_launcher": 0, "_handles": 0, "_poll": 0, "_trace": 0,
     # 1: transports
     "_backends._libnccl": 1, "_backends.base": 1, "_backends.self": 1, "_backends.shm": 1,
     "_backends.mpi": 1, "_backends.device": 1, "_backends.cuda": 1, "_backends.nccl": 1,
@@ -28,7 +28,7 @@ LAYERS = {
     # 4: the Communicator, init and the public functions
     "_comm": 4, "_failure": 0,
     # 5: what stands on the public functions
-    "_shard": 5, "_optim": 5, "_overlap": 5, "__init__": 6, "_bench": 6, "__main__": 6, "torch_backend": 6,
+    "_shard": 5, "_optim": 5, "_overlap": 5, "__init__": 6, "_bench": 6, "_tracetool": 6, "__main__": 6, "torch_backend": 6,
 }
 # within the transport layer: who may import whom (the factory knows every transport; the others know only
 # their bases and the shared memory allreduce)
@@ -105,7 +105,8 @@ def test_imports_go_downward_only():
                 wrong.append(f"transport {mod} imports {dep}")
             elif LAYERS[dep] == LAYERS[mod] == 3 and dep not in WITHIN_TREES[mod]:
                 wrong.append(f"{mod} imports {dep}")
-            elif LAYERS[dep] == LAYERS[mod] == 0 and mod != "_failure" and dep not in ("_errors", "_ops", "_dtypes", "_threads", "_poll"):
+            elif LAYERS[dep] == LAYERS[mod] == 0 and mod != "_failure" and dep not in ("_errors", "_ops", "_dtypes", "_threads", "_poll",
+                                                                                    "_trace", "_config"):
                 wrong.append(f"bottom-layer {mod} imports {dep}")
     assert not wrong, "\n".join(wrong)
 

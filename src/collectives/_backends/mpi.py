@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .. import _config
+from .. import _config, _trace
 from .._dtypes import divide
 from .._errors import BackendUnavailableError, CollectiveTimeoutError, MismatchError
 from .._poll import poll
@@ -503,6 +503,7 @@ class MPITransport(HostTransport):
         n = len(FIELDS)
         message = _fingerprint_message(what, v[:n], -v[n:], self.rank, self.size)
         self.fail(message)
+        _trace.dump(f"MismatchError: {message}")  # every rank raises (and dumps) alike
         raise MismatchError(message)
 
     def _iallreduce(self, buf, op):
@@ -1017,6 +1018,7 @@ class DeadlineMPITransport(MPITransport):
             sys.stderr.flush()
         except Exception:  # noqa: BLE001 - a closed stderr must not hide the timeout itself
             pass
+        _trace.failure(f"CollectiveTimeoutError: {desc} did not complete on {where} within {self.timeout:g} s")
         raise CollectiveTimeoutError(msg)
 
     def _now(self, operation, *args) -> None:

@@ -1,0 +1,78 @@
+"""What the flight recorder costs: the same calls on a communicator that records and on one that does not.
+
+    mpiexec -n 2 python benchmarks/bench_trace.py
+    mpiexec -n 2 python benchmarks/bench_trace.py --sizes 8B,1MiB --json out.json
+
+Every communicator keeps a ring of its last ``COLLECTIVES_TRACE_BUFFER`` calls (docs/troubleshooting.md,
+"My job hangs"); a hot-path call stores its cached call and its shape (two stores), any other call a
+record with its call site and times. Rows:
+
+- ``allreduce``: ``comm.allreduce(x, "sum")`` (the hot path from the second call);
+- ``broadcast``: ``comm.broadcast(x, 0)`` (the hot path);
+- ``async``: ``comm.allreduce(x, "sum", async_op=True).wait()`` (a full record per call);
+
+each on two communicators over duplicates of ``COMM_WORLD``, made one with the record ("on") and one with
+``COLLECTIVES_TRACE_BUFFER=0`` ("off", set while that one is made). Both sides run on the same buffer in
+alternating rounds (``_common.measure``); on/off is the median of per-round ratios. Only ratios of one run
+mean something.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+from _common import fmt_time, finish, human, measure, parse_sizes, plan
+
+import collectives
+
+
+def communicator(record: bool):
+    from mpi4py import MPI
+
+    os.environ["COLLECTIVES_TRACE_BUFFER"] = "2000" if record else "0"
+    try:
+        return collectives.init(comm=MPI.COMM_WORLD.Dup())
+    finally:
+        os.environ.pop("COLLECTIVES_TRACE_BUFFER", None)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="8B,1MiB")
+    ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--json", metavar="PATH")
+    args = ap.parse_args()
+    world = collectives.init()
+    start = time.perf_counter()
+    on, off = communicator(True), communicator(False)
+    rows = []
+    for nbytes in parse_sizes(args.sizes, 4):
+        x = np.zeros(max(1, nbytes // 4), np.float32)
+        rounds, k = plan(nbytes, args.iters)
+        for name, call in (("allreduce", lambda c, x: c.allreduce(x, "sum")),
+                           ("broadcast", lambda c, x: c.broadcast(x, 0)),
+                           ("async", lambda c, x: c.allreduce(x, "sum", async_op=True).wait())):
+            sides = (lambda x=x, call=call: call(on, x), lambda x=x, call=call: call(off, x))
+            times = measure(world.barrier, sides, rounds, k)
+            times = np.asarray(world.allreduce(times, "max"))
+            a, b = np.median(times, axis=0)
+            rows.append({"call": name, "bytes": nbytes, "on_s": float(a), "off_s": float(b),
+                         "ratio": float(np.median(times[:, 0] / times[:, 1]))})
+    on.close()
+    off.close()
+    if world.rank == 0:
+        print(f"the flight recorder, {world.size} ranks: on / off (median of per-round ratios)")
+        print(f"{'call':>10} {'size':>9} {'on':>11} {'off':>11} {'on/off':>8}")
+        for r in rows:
+            print(f"{r['call']:>10} {human(r['bytes']):>9} {fmt_time(r['on_s'])} {fmt_time(r['off_s'])} "
+                  f"{r['ratio']:>7.3f}x")
+    finish(start, {"rows": rows}, args.json if world.rank == 0 else None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,454 @@
+"""The flight recorder: every communicator's last calls, dumped per rank when a job hangs or fails.
+
+Each :class:`~collectives.Communicator` keeps a ring of its last ``COLLECTIVES_TRACE_BUFFER`` calls
+(default 2000; ``0``: none). A call that takes the general path (validation, the engine's steps: every
+asynchronous call, every call of the torch backend and of the gradient buckets, every first call of a
+kind) is a :class:`Record`: its sequence number on the communicator, the collective, op, root, dtype,
+shape and bytes, the path taken, the user's call site (the first frame outside ``collectives`` and
+torch), the thread, start and end times and its state. A call on the hot path (the cached call of a
+NumPy or CPU torch array's second and later calls of the same kind) is recorded as the cached call and
+the array's shape only: two stores, so that the record costs the 8-byte allreduce about 5%
+(docs/performance.md); its kind, op and dtype are those of the cached call, its site and times are not
+kept (the dump's stacks show where a rank is stuck).
+
+:func:`dump` writes one JSON file per rank into ``COLLECTIVES_TRACE_DIR`` (default ``./collectives-trace``,
+made when needed): the rings of every live communicator of the process, its identity (host, pid, rank,
+size, the job) and the Python stacks of all its threads. Dumps are written on a
+:class:`~collectives.CollectiveTimeoutError`, a :class:`~collectives.MismatchError`, the failure path (an
+uncaught exception that ends the job), ``SIGUSR1`` and :func:`collectives.dump_trace`. A dump for a
+failure also writes a request file beside the dumps; every rank's watcher thread (a daemon thread that
+wakes twice a second and never calls MPI) sees it and dumps too, whatever its main thread is doing (in
+its own code, or stuck inside MPI). The same thread is the stall inspector: when a thread of the process
+has been inside one collective for ``COLLECTIVES_STALL_WARN_S`` seconds (default 60; ``0``: off) without
+the sequence numbers moving, it asks the other ranks, through files in the same directory, how far each
+has come, and logs once which ranks have not entered the call yet.
+
+``python -m collectives trace DIR`` (``collectives._tracetool``) reads the dumps and says where the ranks
+diverged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import signal
+import sys
+import threading
+import time
+import traceback
+import weakref
+from types import FrameType
+
+from . import _config
+
+FORMAT = "collectives-trace/1"
+POLL_S = 0.5  # how often the watcher thread looks for requests, queries and stalls
+ANSWER_WAIT_S = 2.5 * POLL_S  # how long a stalled rank waits for the others' answers
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # the engines of live communicators (their trace_snapshot)
+_job: dict = {"id": None, "rank": 0, "size": 1, "dir": None}
+_reasons: list = []  # why this process dumped, in order
+_ending: list = []  # the exception that is ending the job (every later dump shows it too)
+_watcher: list = []  # the watcher thread, once started
+_lock = threading.Lock()  # one dump at a time (the main thread, a signal, the watcher)
+
+# Frames of these modules are not "the user's call site": the library itself and the frameworks that
+# call it on the user's behalf (torch.distributed, DDP's hooks, Lightning, accelerate).
+_LIBRARY_PREFIXES = ("collectives.", "torch.", "lightning.", "pytorch_lightning.", "accelerate.")
+
+
+class Record:
+    """One call on one communicator, as the flight recorder keeps it (general path)."""
+
+    FIELDS = ("seq", "collective", "op", "root", "dtype", "shape", "nbytes", "path", "site", "thread", "start",
+              "end", "state", "error")  # in the dumps' order
+    __slots__ = ("collective", "dtype", "end", "error", "nbytes", "op", "path", "root", "seq", "shape", "site",
+                 "start", "state", "thread")
+
+    def __init__(self, seq: int, collective: str, op, root, dtype, shape, nbytes, path: str):
+        self.seq, self.collective, self.op, self.root = seq, collective, op, root
+        self.dtype, self.shape, self.nbytes = dtype, shape, nbytes
+        self.site, via = call_site()
+        self.path = path if via is None else f"{path}, {via}"
+        self.thread = threading.get_ident()  # its name is looked up when a dump is written
+        self.start = time.time()
+        self.end: float | None = None
+        self.state = "started"
+        self.error: str | None = None
+
+    def finish(self, error: BaseException | None = None) -> None:
+        """Mark the call completed, or failed with ``error``."""
+        self.end = time.time()
+        if error is None:
+            self.state = "completed"
+        else:
+            self.state, self.error = "failed", f"{type(error).__name__}: {error}"
+
+    def as_dict(self) -> dict:
+        out = {name: getattr(self, name) for name in self.FIELDS}
+        out["thread"] = _thread_name(out["thread"])
+        if out["dtype"] is not None:  # kept as the array's own objects until a dump needs their text
+            out["dtype"] = str(out["dtype"]).replace("torch.", "")
+        if out["shape"] is not None:
+            out["shape"] = [int(n) for n in out["shape"]]
+        if out["nbytes"] is not None:
+            out["nbytes"] = int(out["nbytes"])
+        return out
+
+
+def _thread_name(ident) -> str:
+    for t in threading.enumerate():
+        if t.ident == ident:
+            return t.name
+    return f"thread {ident} (ended)"
+
+
+def is_library(module: str) -> bool:
+    """Whether frames of ``module`` belong to the library or a framework calling it (not a call site)."""
+    return module == "collectives" or module == "torch" or module.startswith(_LIBRARY_PREFIXES)
+
+
+# The front ends a call can come through, named in its record's path (the innermost one found).
+_FRONT_ENDS = {"collectives._overlap": "DistributedOptimizer gradient bucket", "collectives._optim":
+               "DistributedOptimizer", "collectives.torch_backend": "torch.distributed backend",
+               "collectives._tree": "tree", "collectives._shard": "shard"}
+
+
+def call_site() -> tuple[list | None, str | None]:
+    """``([file, line, function], front end)``: the first frame outside the library (see
+    :func:`is_library`), and the front end the call came through (``_FRONT_ENDS``), or None."""
+    frame: FrameType | None = sys._getframe(1)
+    via = None
+    kinds = _CODE_KINDS
+    while frame is not None:
+        code = frame.f_code
+        kind = kinds.get(code)
+        if kind is None:  # once per function: is it the library's, and which front end
+            module = frame.f_globals.get("__name__", "")
+            kind = (is_library(module), _FRONT_ENDS.get(module))
+            if len(kinds) < 65536:  # bounded: code objects of functions that come and go (exec, lambdas)
+                kinds[code] = kind
+        if not kind[0]:
+            return [code.co_filename, frame.f_lineno, code.co_name], via
+        if via is None:
+            via = kind[1]
+        frame = frame.f_back
+    return None, via
+
+
+_CODE_KINDS: dict = {}  # code object -> (is the library's, front end or None): call_site's memo
+
+
+def register(engine) -> None:
+    """Keep ``engine`` (its ``trace_snapshot()``, ``trace_seq()``) among what dumps contain."""
+    _LIVE.add(engine)
+
+
+def enabled() -> bool:
+    return _job["dir"] is not None
+
+
+def start(job: str, rank: int, size: int) -> None:
+    """Begin recording for this process (at the world communicator's ``init``): the job's id (the same on
+    every rank), this rank; install ``SIGUSR1`` and start the watcher thread. Does nothing with
+    ``COLLECTIVES_TRACE_BUFFER=0``."""
+    if _config.trace_buffer() == 0:
+        return
+    _job.update(id=job, rank=rank, size=size, dir=_config.trace_dir())
+    if threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGUSR1"):
+        try:
+            if signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None):
+                signal.signal(signal.SIGUSR1, _on_signal)
+        except (ValueError, OSError):  # not the main interpreter, or no signals here
+            pass
+    if not _watcher:
+        thread = threading.Thread(target=_watch, name="collectives-trace-watcher", daemon=True)
+        _watcher.append(thread)
+        thread.start()
+
+
+def _on_signal(signum, frame) -> None:
+    dump("SIGUSR1")
+
+
+def _path(kind: str, rank: int | None = None) -> str:
+    name = f"{_job['id']}.{kind}" + (f"-rank{rank}" if rank is not None else "")
+    return os.path.join(_job["dir"], name)
+
+
+def dump_path(rank: int | None = None) -> str:
+    """The file this rank's dump goes to (``<dir>/<job>.trace-rank<R>.json``)."""
+    return _path("trace", _job["rank"] if rank is None else rank) + ".json"
+
+
+def _write(path: str, data) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, default=repr)
+    os.replace(tmp, path)
+
+
+def _threads() -> list[dict]:
+    names = {t.ident: t.name for t in threading.enumerate()}
+    out = []
+    for ident, frame in sys._current_frames().items():
+        stack = [[f.filename, f.lineno, f.name, f.line] for f in traceback.extract_stack(frame)]
+        inside = any(_in_library(str(f[0])) for f in stack)
+        out.append({"name": names.get(ident, f"thread {ident}"), "ident": ident, "stack": stack,
+                    "inside_collective": inside and names.get(ident) != "collectives-trace-watcher"})
+    return out
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _in_library(path: str) -> bool:
+    """Whether a frame's file is one of the library's, other than this module (the recorder itself)."""
+    return path.startswith(_PACKAGE) and not path.endswith(("_trace.py", "_failure.py"))
+
+
+def in_package(path: str) -> bool:
+    """Whether a frame's file is one of the library's (this module included)."""
+    return path.startswith(_PACKAGE)
+
+
+def snapshot(reason: str, exc: BaseException | None = None) -> dict:
+    """Everything a dump holds, as a dict (``exc``: the exception that ends the job, with its traceback)."""
+    threads = _threads()
+    inside = any(t["inside_collective"] for t in threads)
+    comms = []
+    for engine in list(_LIVE):
+        try:
+            comms.append(engine.trace_snapshot(inside))
+        except Exception as exc:  # noqa: BLE001 - a closed communicator must not stop the dump
+            comms.append({"error": repr(exc)})
+    return {"format": FORMAT, "job": _job["id"], "rank": _job["rank"], "size": _job["size"],
+            "host": platform.node(), "pid": os.getpid(), "time": time.time(), "reason": reason,
+            "reasons": list(_reasons), "inside_collective": inside,
+            "communicators": [c for c in comms if c.get("seq") is not None or "error" in c],
+            "threads": threads, "exception": None if exc is None else {
+                "type": type(exc).__name__, "message": str(exc),
+                "stack": [[f.filename, f.lineno, f.name, f.line] for f in traceback.extract_tb(exc.__traceback__)]}}
+
+
+def dump(reason: str, *, tell_others: bool = False, exc: BaseException | None = None) -> str | None:
+    """Write this rank's dump (``reason``: why); with ``tell_others`` also ask every other rank to dump
+    (a request file their watcher threads see). Returns the file's path, or None when recording is off.
+    Never raises: a dump must not hide the error it documents."""
+    if not enabled():
+        return None
+    try:
+        with _lock:
+            _reasons.append(reason)
+            if exc is not None and not _ending:
+                _ending.append(exc)
+            path = dump_path()
+            _write(path, snapshot(reason, exc if exc is not None else (_ending[0] if _ending else None)))
+            if tell_others and _job["size"] > 1:
+                _write(_path("request") + ".json", {"rank": _job["rank"], "reason": reason, "time": time.time()})
+        return path
+    except Exception as exc:  # noqa: BLE001 - see above
+        try:
+            sys.stderr.write(f"collectives: could not write the trace dump ({exc})\n")
+        except Exception:  # noqa: BLE001
+            pass
+        return None
+
+
+def dump_trace(*, all_ranks: bool = False) -> str | None:
+    """Write this rank's flight-recorder dump now: the last calls of every communicator of the process,
+    its identity and the Python stacks of all its threads, as JSON in ``COLLECTIVES_TRACE_DIR`` (default
+    ``./collectives-trace``). Returns the file's path (None with ``COLLECTIVES_TRACE_BUFFER=0``). Not
+    collective, and it never calls MPI: any thread may call it, on any rank (``SIGUSR1`` does the same
+    from outside). ``all_ranks=True`` also asks every other rank to dump (through a file in the trace
+    directory that each rank's watcher thread looks for twice a second), whatever they are doing. Read
+    the dumps with ``python -m collectives trace DIR``.
+
+    Example:
+        >>> import collectives as coll, json, numpy as np
+        >>> comm = coll.world()
+        >>> _ = coll.allreduce(np.ones(4), comm=comm)
+        >>> path = coll.dump_trace()
+        >>> dump = json.load(open(path))
+        >>> (dump["rank"], dump["size"]) == (comm.rank, comm.size)
+        True
+        >>> world = next(c for c in dump["communicators"] if c["name"] == "world")
+        >>> last = world["records"].pop()
+        >>> last["collective"], last["state"]
+        ('allreduce', 'completed')
+    """
+    return dump("collectives.dump_trace()", tell_others=all_ranks)
+
+
+def failure(reason: str, exc: BaseException | None = None) -> str | None:
+    """A failure (a timeout, the job ending with ``exc``): dump here and ask every other rank to dump."""
+    path = dump(reason, tell_others=True, exc=exc)
+    if path is not None and len(_reasons) == 1 + sum(r.startswith("asked by") for r in _reasons[:-1]):
+        try:
+            sys.stderr.write(f"collectives: trace written to {path} (every rank writes one; read them with "
+                             f"`python -m collectives trace {_job['dir']}`)\n")
+        except Exception:  # noqa: BLE001
+            pass
+    return path
+
+
+def await_others(seconds: float = 4 * POLL_S) -> None:
+    """Wait (at most ``seconds``) until every other rank's dump is newer than this rank's request: the
+    failure path calls it before the job is aborted, so that the other ranks' watchers have written."""
+    if not enabled() or _job["size"] < 2:
+        return
+    asked = _mtime(_path("request") + ".json")
+    deadline = time.monotonic() + seconds
+    others = [r for r in range(_job["size"]) if r != _job["rank"]]
+    while time.monotonic() < deadline:
+        if all(_mtime(dump_path(r)) >= asked for r in others):
+            return
+        time.sleep(0.05)
+
+
+# ---- the watcher thread: requests from other ranks, the stall inspector ----
+
+def _mtime(path: str) -> float:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return 0.0
+
+
+def _read(path: str):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _progress() -> dict:
+    """What this rank answers a stall query with: how far each communicator has come, where it is."""
+    threads = _threads()
+    inside = [t for t in threads if t["inside_collective"]]
+    main = next((t for t in threads if t["name"] == "MainThread"), threads[0] if threads else None)
+    where = None
+    for t in (inside[0] if inside else main,):
+        if t is not None:
+            user = [f for f in t["stack"] if not in_package(f[0])]
+            where = user[-1] if user else t["stack"][-1]
+    seqs = {}
+    for engine in list(_LIVE):
+        try:
+            name, seq = engine.trace_name(), engine.trace_seq()
+        except Exception:  # noqa: BLE001 - a closed communicator
+            continue
+        if name is not None:
+            seqs[name] = seq
+    return {"rank": _job["rank"], "time": time.time(), "seqs": seqs, "inside_collective": bool(inside),
+            "where": where}
+
+
+def _watch() -> None:
+    seen_request = _mtime(_path("request") + ".json")
+    seen_query = _mtime(_path("query") + ".json")
+    since, last_total, warned = time.monotonic(), None, False
+    while True:
+        time.sleep(POLL_S)
+        try:
+            request = _path("request") + ".json"
+            t = _mtime(request)
+            if t > seen_request:
+                seen_request = t
+                asked = _read(request) or {}
+                if asked.get("rank") != _job["rank"]:
+                    dump(f"asked by rank {asked.get('rank')}: {asked.get('reason')}")
+            query = _path("query") + ".json"
+            t = _mtime(query)
+            if t > seen_query:
+                seen_query = t
+                _write(_path("progress", _job["rank"]) + ".json", _progress())
+            stall = _config.stall_warn_s()
+            if stall is None:
+                continue
+            inside = any(t["inside_collective"] for t in _threads())
+            total = sum(e.trace_seq() for e in list(_LIVE))
+            now = time.monotonic()
+            if not inside or total != last_total:
+                since, last_total, warned = now, total, False
+            elif not warned and now - since >= stall:
+                warned = True
+                _stall(now - since)
+                seen_query = _mtime(query)
+        except Exception:  # noqa: BLE001 - the watcher must never take the process down
+            continue
+
+
+def _current() -> tuple:
+    """``(communicator name, its last record as a dict)`` of the communicator whose call is in progress:
+    the one with the latest sequence activity (the engines say so)."""
+    best = (None, None, -1.0)
+    for engine in list(_LIVE):
+        try:
+            name, entry, when = engine.trace_last()
+        except Exception:  # noqa: BLE001
+            continue
+        if entry is not None and when >= best[2]:
+            best = (name, entry, when)
+    return best[0], best[1]
+
+
+def describe(entry: dict) -> str:
+    """A call as the messages show it: ``allreduce #12 (op=sum, float32 (4,))``."""
+    parts = [f"{k}={entry[k]}" for k in ("op", "root") if entry.get(k) is not None]
+    if entry.get("dtype") is not None:
+        shape = tuple(entry["shape"]) if entry.get("shape") is not None else ""
+        parts.append(f"{entry['dtype']} {shape}".strip())
+    return f"{entry['collective']} #{entry['seq']}" + (f" ({', '.join(parts)})" if parts else "")
+
+
+def site_text(site) -> str:
+    return f"{site[0]}:{site[1]} in {site[2]}" if site else "an unrecorded call site (the hot path)"
+
+
+def _stall(waited: float) -> None:
+    """Ask every rank how far it has come (a query file; their watchers answer with progress files) and
+    log once which ranks have not entered this rank's current call."""
+    name, entry = _current()
+    if entry is None:
+        return
+    asked = time.time()
+    _write(_path("query") + ".json", {"rank": _job["rank"], "time": asked, "comm": name, "seq": entry["seq"]})
+    mine = _progress()
+    _write(_path("progress", _job["rank"]) + ".json", mine)
+    if entry.get("site") is None and mine["where"]:  # a hot-path call keeps no site: the stack has it
+        entry = dict(entry, site=mine["where"][:3])
+    time.sleep(ANSWER_WAIT_S)
+    behind, inside, silent = [], [], []
+    for r in range(_job["size"]):
+        if r == _job["rank"]:
+            continue
+        answer = _read(_path("progress", r) + ".json")
+        if answer is None or answer.get("time", 0) < asked - POLL_S:
+            silent.append(r)
+            continue
+        seq = answer.get("seqs", {}).get(name, 0)
+        if seq < entry["seq"]:
+            where = answer.get("where")
+            at = f" in {where[0]}:{where[1]} in {where[2]}" if where else ""
+            behind.append(f"rank {r} (at #{seq}{at})")
+        else:
+            inside.append(str(r))
+    text = (f"collectives: stall: {describe(entry)} on {name}, called at {site_text(entry.get('site'))}, has "
+            f"waited {waited:.0f} s on rank {_job['rank']} of {_job['size']}")
+    if behind:
+        text += "; not entered by " + ", ".join(behind)
+    if inside:
+        text += f"; rank{'s' if len(inside) > 1 else ''} {','.join(inside)} entered it too"
+    if silent:
+        text += f"; no answer from rank{'s' if len(silent) > 1 else ''} {','.join(map(str, silent))}"
+    text += (" (a warning: the job goes on; COLLECTIVES_STALL_WARN_S sets when it is given, "
+             "coll.dump_trace() or SIGUSR1 writes the record)\n")
+    try:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    except Exception:  # noqa: BLE001
+        pass

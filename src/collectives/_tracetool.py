@@ -1,0 +1,226 @@
+"""``python -m collectives trace DIR``: read the flight recorder's dumps and say where the ranks diverged.
+
+Reads every ``<job>.trace-rank<R>.json`` in ``DIR`` (the newest job's, or ``--job``), and prints a verdict
+first: for each communicator, the first sequence number at which the ranks' records disagree, either
+because some ranks never entered that call (their record ends before it) or because they called a
+different collective, op, root, dtype or shape there; the ranks on each side with their call sites; for a
+rank that never entered it, where its stack shows it was. Without a divergence: "no divergence" and the
+last call every rank completed. Missing dumps are named, not fatal.
+
+``--timeline FILE`` writes a Chrome trace (the ``traceEvents`` JSON that chrome://tracing and Perfetto
+open): one lane per rank (a process) and communicator (a thread), one event per recorded call with its
+start and end (hot-path calls carry no times and are left out). ``--plot FILE.png`` draws the same with
+matplotlib.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+
+from . import _trace
+
+_NAME = re.compile(r"^(?P<job>.+)\.trace-rank(?P<rank>\d+)\.json$")
+_KEY = ("collective", "op", "root", "dtype", "shape")
+
+
+def load(directory: str, job: str | None = None) -> tuple[str | None, dict[int, dict]]:
+    """``(job, {rank: dump})`` of the newest job in ``directory`` (or of ``job``)."""
+    found: dict[str, dict[int, str]] = {}
+    for path in glob.glob(os.path.join(directory, "*.trace-rank*.json")):
+        m = _NAME.match(os.path.basename(path))
+        if m:
+            found.setdefault(m["job"], {})[int(m["rank"])] = path
+    if not found:
+        return None, {}
+    if job is None:
+        job = max(found, key=lambda j: max(os.path.getmtime(p) for p in found[j].values()))
+    dumps = {}
+    for rank, path in found.get(job, {}).items():
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if data.get("format") == _trace.FORMAT:
+            dumps[rank] = data
+    return job, dumps
+
+
+def _key(entry: dict) -> tuple:
+    return tuple(tuple(entry[k]) if isinstance(entry.get(k), list) else entry.get(k) for k in _KEY)
+
+
+def _user_frame(dump: dict) -> tuple[list | None, str]:
+    """The innermost frame outside the library of a rank's main thread (or, where the main thread is in
+    the failure path, of the exception that ended the job), and what it is."""
+    threads = dump.get("threads", [])
+    main = next((t for t in threads if t.get("name") == "MainThread"), threads[0] if threads else None)
+    stack = [f for f in (main or {}).get("stack", []) if not _trace.in_package(f[0])]
+    if stack and main is not None:
+        return stack[-1], " (inside a collective)" if main.get("inside_collective") else ""
+    exc = dump.get("exception")
+    if exc:
+        raised = [f for f in exc["stack"] if not _trace.in_package(f[0])]
+        if raised:
+            return raised[-1], f" (where it raised {exc['type']})"
+    return None, ""
+
+
+def _where(dump: dict) -> str:
+    """Where a rank's stack shows it is (see :func:`_user_frame`)."""
+    frame, what = _user_frame(dump)
+    if frame is None:
+        return "no stack outside the library in its dump"
+    return f"{frame[0]}:{frame[1]} in {frame[2]}" + (f": {frame[3]}" if frame[3] else "") + what
+
+
+def _ranks(ranks) -> str:
+    ranks = sorted(ranks)
+    return f"rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}"
+
+
+def verdict(dumps: dict[int, dict]) -> list[str]:
+    """The verdict's lines (the first says it all)."""
+    comms: dict[str, dict[int, dict]] = {}
+    for rank, dump in dumps.items():
+        for c in dump.get("communicators", []):
+            if c.get("name") is None or c.get("seq") is None:
+                continue
+            comms.setdefault(c["name"], {})[rank] = c
+    order = sorted(comms, key=lambda n: (n != "world", n))
+    findings = []
+    for name in order:
+        per_rank = comms[name]
+        records = {r: {e["seq"]: e for e in c.get("records", [])} for r, c in per_rank.items()}
+        for r, rec in records.items():  # a hot-path call keeps no site: the one in progress is in the stack
+            last = rec.get(per_rank[r]["seq"])
+            if last is not None and last.get("site") is None and last.get("state") != "completed":
+                frame, _ = _user_frame(dumps[r])
+                if frame is not None:
+                    last["site"] = frame[:3]
+        seqs = {r: c["seq"] for r, c in per_rank.items()}
+        first = max((min(rec) if rec else seqs[r] + 1) for r, rec in records.items())  # all ranks still hold it
+        top = max(seqs.values())
+        for s in range(first, top + 1):
+            entered = {r: rec[s] for r, rec in records.items() if s in rec}
+            never = [r for r in per_rank if seqs[r] < s]
+            groups: dict[tuple, list[int]] = {}
+            for r, e in entered.items():
+                groups.setdefault(_key(e), []).append(r)
+            waiting = any(e.get("state") != "completed" for e in entered.values())
+            # ranks behind whose peers completed the call were only dumped earlier (a SIGUSR1 of a healthy
+            # job): a divergence is a different call, or ranks absent from a call others wait in
+            if len(groups) > 1 or (never and entered and waiting):
+                findings.append((s, name, entered, never, groups))
+                break
+    if not findings:
+        lines = []
+        for name in order:
+            per_rank = comms[name]
+            done = []
+            for c in per_rank.values():
+                completed = [e["seq"] for e in c.get("records", []) if e.get("state") == "completed"]
+                done.append(max(completed) if completed else 0)
+            lines.append(f"no divergence on {name}: every rank's record agrees; the last call every rank completed "
+                         f"is #{min(done)} (of up to #{max(c['seq'] for c in per_rank.values())})")
+        return lines or ["no records in the dumps (COLLECTIVES_TRACE_BUFFER=0?)"]
+    s, name, entered, never, groups = findings[0]
+    sides = []
+    for ranks in sorted(groups.values()):
+        e = entered[ranks[0]]
+        sites = sorted({_trace.site_text(entered[r].get("site")) for r in ranks})
+        sides.append(f"{_ranks(ranks)} called {_trace.describe(e)} at {'; '.join(sites)}")
+    line = f"DIVERGENCE on {name} at call #{s}: " + "; ".join(sides)
+    if never:
+        where = "; ".join(f"rank {r} was at {_where(dumps[r])}" for r in sorted(never) if r in dumps)
+        line += f"; {_ranks(never)} never entered it ({where})"
+    lines = [line]
+    for r in sorted(never):
+        c = comms[name][r]
+        recs = c.get("records", [])
+        if recs:
+            lines.append(f"  rank {r}'s last call on {name}: {_trace.describe(recs[-1])} ({recs[-1].get('state')})")
+    return lines
+
+
+def timeline(dumps: dict[int, dict]) -> dict:
+    """The Chrome trace (``traceEvents``) of the dumps' records."""
+    events = []
+    starts = [e["start"] for d in dumps.values() for c in d.get("communicators", [])
+              for e in c.get("records", []) if e.get("start")]
+    t0 = min(starts) if starts else 0.0
+    for rank, d in sorted(dumps.items()):
+        events.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
+        for c in d.get("communicators", []):
+            for e in c.get("records", []):
+                if not e.get("start"):
+                    continue
+                end = e.get("end") or d.get("time") or e["start"]
+                events.append({"name": e["collective"], "cat": e.get("path") or "", "ph": "X", "pid": rank,
+                               "tid": c["name"], "ts": (e["start"] - t0) * 1e6,
+                               "dur": max(0.0, (end - e["start"]) * 1e6),
+                               "args": {k: e.get(k) for k in ("seq", "op", "root", "dtype", "shape", "state",
+                                                              "site", "error")}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def plot(trace: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise SystemExit(f"--plot needs matplotlib (pip install 'collectives[bench]'): {exc}") from None
+    lanes = sorted({(e["pid"], e["tid"]) for e in trace["traceEvents"] if e["ph"] == "X"})
+    fig, ax = plt.subplots(figsize=(10, 1 + 0.4 * len(lanes)))
+    for i, lane in enumerate(lanes):
+        bars = [(e["ts"] / 1e3, max(e["dur"] / 1e3, 0.01)) for e in trace["traceEvents"]
+                if e["ph"] == "X" and (e["pid"], e["tid"]) == lane]
+        ax.broken_barh(bars, (i - 0.4, 0.8))
+    ax.set_yticks(range(len(lanes)), [f"rank {p} {t}" for p, t in lanes])
+    ax.set_xlabel("ms")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main(argv: list[str]) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m collectives trace", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("dir", help="the trace directory (COLLECTIVES_TRACE_DIR; default ./collectives-trace)")
+    ap.add_argument("--job", help="the job id (default: the newest job in DIR)")
+    ap.add_argument("--timeline", metavar="FILE", help="write a Chrome trace (JSON) of the records")
+    ap.add_argument("--plot", metavar="FILE.png", help="draw the timeline (needs matplotlib)")
+    args = ap.parse_args(argv)
+    job, dumps = load(args.dir, args.job)
+    if not dumps:
+        print(f"no trace dumps in {args.dir}" + (f" for job {args.job}" if args.job else ""))
+        return 1
+    size = max(d.get("size", 1) for d in dumps.values())
+    missing = [r for r in range(size) if r not in dumps]
+    lines = verdict(dumps)
+    print(lines[0])
+    for line in lines[1:]:
+        print(line)
+    print(f"\njob {job}: dumps of {len(dumps)} of {size} ranks in {args.dir}"
+          + (f"; missing: {_ranks(missing)} (dead before it could write, or not asked)" if missing else ""))
+    for r, d in sorted(dumps.items()):
+        reason = d.get("reason") or ""
+        reason = reason if len(reason) <= 110 else reason[:110].rsplit(" ", 1)[0] + " ..."
+        print(f"  rank {r} ({d.get('host')}, pid {d.get('pid')}): dumped for: {reason}\n    at {_where(d)}")
+    if args.timeline or args.plot:
+        trace = timeline(dumps)
+        if args.timeline:
+            with open(args.timeline, "w") as f:
+                json.dump(trace, f)
+            print(f"\ntimeline: {args.timeline} ({sum(e['ph'] == 'X' for e in trace['traceEvents'])} events; open "
+                  f"it in chrome://tracing or https://ui.perfetto.dev)")
+        if args.plot:
+            plot(trace, args.plot)
+            print(f"plot: {args.plot}")
+    return 0

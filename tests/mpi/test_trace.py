@@ -1,0 +1,132 @@
+"""The flight recorder (issue 22), in one job: what each front end's calls leave in the record, the ring's
+bound, the off switch, and the analyzer's verdict on the dumps every rank writes. The crash suite runs the
+failing jobs (a rank that skips a call, a different collective, a stall, SIGUSR1)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import collectives as coll
+from collectives._comm import engine_of  # the record as the dumps see it (Engine.trace_entries)
+
+
+def records(comm):
+    return engine_of(comm).trace_entries()
+
+
+def fresh(comm, **env):
+    """A communicator over a duplicate of comm's MPI communicator, made with ``env`` set."""
+    mpi = pytest.importorskip("mpi4py.MPI")
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update({k: str(v) for k, v in env.items()})
+    try:
+        return coll.init(comm=mpi.COMM_WORLD.Dup())
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def test_every_front_end_is_recorded_in_order(comm):
+    c = fresh(comm)
+    try:
+        x = np.ones(5, np.float32)
+        c.allreduce(x)  # the general path (it fills the hot path's cache)
+        c.allreduce(x)  # the hot path
+        c.broadcast(x, root=c.size - 1)
+        c.broadcast(x, root=c.size - 1)
+        c.allreduce(np.ones(3), "max", async_op=True).wait()
+        c.barrier()
+        c.allgather_object(c.rank)
+        coll.allreduce_tree({"a": np.ones(2), "b": [np.zeros(3)]}, op="sum", comm=c)
+        h = coll.allreduce_tree({"a": np.ones(2)}, op="sum", comm=c, async_op=True)
+        h.wait()
+        got = records(c)
+        assert [e["seq"] for e in got] == list(range(1, 10)), got
+        assert [e["collective"] for e in got] == ["allreduce", "allreduce", "broadcast", "broadcast", "allreduce",
+                                                 "barrier", "allgather_object", "allreduce_tree",
+                                                 "allreduce_tree"], got
+        assert [e["path"].split(",")[0] for e in got] == ["blocking", "hot path", "blocking", "hot path",
+                                                          "asynchronous", "blocking", "blocking", "tree buckets",
+                                                          "tree buckets"], got
+        assert got[0]["op"] == got[1]["op"] == "sum" and got[4]["op"] == "max"
+        assert got[2]["root"] == got[3]["root"] == c.size - 1
+        assert got[0]["dtype"] == got[1]["dtype"] == "float32" and got[0]["shape"] == [5] and got[1]["shape"] == (5,)
+        assert all(e["state"] == "completed" for e in got), got
+        here = os.path.abspath(__file__)
+        assert got[0]["site"][0] == here and got[0]["site"][2] == "test_every_front_end_is_recorded_in_order"
+        assert got[1]["site"] is None  # the hot path keeps no site
+        assert got[0]["start"] <= got[0]["end"]
+        every = c.allgather_object([(e["seq"], e["collective"]) for e in records(c)])
+        assert all(r == every[0][:len(r)] for r in every), "every rank recorded the same calls"
+    finally:
+        c.close()
+
+
+def test_failed_calls_are_recorded_as_failed(comm):
+    c = fresh(comm)
+    try:
+        with pytest.raises(TypeError):
+            c.allreduce(np.ones(2, bool), "sum")  # bool sum: refused before any communication
+        with pytest.raises(ValueError):
+            c.broadcast(np.ones(2), root=c.size)
+        got = records(c)
+        assert [(e["collective"], e["state"]) for e in got] == [("allreduce", "failed"), ("broadcast", "failed")]
+        assert got[0]["error"].startswith("TypeError") and got[1]["error"].startswith("ValueError")
+    finally:
+        c.close()
+
+
+def test_the_ring_keeps_the_last_calls_only(comm):
+    c = fresh(comm, COLLECTIVES_TRACE_BUFFER=5)
+    try:
+        x = np.ones(1)
+        for _ in range(12):
+            c.allreduce(x)
+        assert [e["seq"] for e in records(c)] == [8, 9, 10, 11, 12]
+    finally:
+        c.close()
+
+
+def test_buffer_zero_records_nothing(comm):
+    c = fresh(comm, COLLECTIVES_TRACE_BUFFER=0)
+    try:
+        c.allreduce(np.ones(2))
+        c.allreduce(np.ones(2))
+        assert records(c) == [] and engine_of(c).trace_name() is None
+    finally:
+        c.close()
+
+
+def test_split_communicators_are_named_alike_on_every_rank(comm):
+    sub = comm.split(comm.rank % 2)
+    try:
+        names = comm.allgather_object(engine_of(sub).trace_name())
+        assert all(n == names[0] for n in names) and names[0].startswith("world.")
+    finally:
+        sub.close()
+
+
+def test_dumps_of_every_rank_read_as_no_divergence(comm, tmp_path_factory):
+    x = np.arange(4.0)
+    comm.allreduce(x)
+    comm.barrier()
+    path = coll.dump_trace()
+    with open(path) as f:
+        dump = json.load(f)
+    assert dump["rank"] == comm.rank and dump["size"] == comm.size and dump["pid"] == os.getpid()
+    assert any(t["name"] == "MainThread" for t in dump["threads"])
+    comm.barrier()  # every rank's dump is written
+    if comm.rank == 0:
+        proc = subprocess.run([sys.executable, "-m", "collectives", "trace", os.path.dirname(path)],
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.startswith("no divergence on world"), proc.stdout
+        assert f"dumps of {comm.size} of {comm.size} ranks" in proc.stdout, proc.stdout
+    comm.barrier()
