@@ -221,6 +221,24 @@ def _same_shapes(what: str, reference: torch.Tensor, tensors, role: str) -> None
                              f"{tuple(t.shape)} {t.dtype} at index {i}")
 
 
+def _integer_mean(op: str, t) -> bool:
+    """AVG of an integer tensor: torch's NCCL backend sums and divides, truncating toward zero (Lightning
+    averages an int64 batch count so, on every backend but gloo); our own ``op="mean"`` refuses integers."""
+    return op == "mean" and not (t.is_floating_point() or t.is_complex()) and t.dtype != torch.bool
+
+
+def _truncated(t, n: int) -> None:
+    """``t //= n`` toward zero, in place (C's and NCCL's integer division, not Python's floor)."""
+    torch.div(t, n, rounding_mode="trunc", out=t)
+
+
+def _same_dtype(what: str, output, input) -> None:
+    """gloo's rule: the output tensor has the input's dtype (never a silent cast)."""
+    if output.dtype != input.dtype:
+        raise TypeError(f"{what}: the output tensor's dtype {output.dtype} must be the input's {input.dtype} "
+                        f"(the collectives backend does not cast, as gloo does not)")
+
+
 def _opts_op(opts):
     if opts is None:
         return dist.ReduceOp.SUM
@@ -305,7 +323,12 @@ class ProcessGroupCollectives(dist.ProcessGroup):
             for t in tensors:
                 t.mul_(factor)
         if len(tensors) == 1:
-            return self._work("allreduce", [self._comm.allreduce(tensors[0], op, async_op=True)], result=tensors)
+            t = tensors[0]
+            if _integer_mean(op, t):
+                n = self.size()
+                return self._work("allreduce", [self._comm.allreduce(t, "sum", async_op=True)],
+                                  lambda _: _truncated(t, n), tensors)
+            return self._work("allreduce", [self._comm.allreduce(t, op, async_op=True)], result=tensors)
         return self._coalesced("allreduce", tensors, op)
 
     def allreduce_coalesced(self, tensors, opts=None):
@@ -323,10 +346,15 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         for t in tensors:
             groups.setdefault((t.dtype, t.device), []).append(t)
         flats = [(ts, torch.cat([t.reshape(-1) for t in ts])) for ts in groups.values()]
-        handles = [self._comm.allreduce(flat, op, async_op=True) for _, flat in flats]
+        truncating = [_integer_mean(op, flat) for _, flat in flats]
+        handles = [self._comm.allreduce(flat, "sum" if trunc else op, async_op=True)
+                   for (_, flat), trunc in zip(flats, truncating, strict=True)]
+        size = self.size()
 
         def finish(results):
-            for (ts, _), out in zip(flats, results, strict=True):
+            for (ts, _), out, trunc in zip(flats, results, truncating, strict=True):
+                if trunc:
+                    _truncated(out, size)
                 at = 0
                 for t in ts:
                     n = t.numel()
@@ -341,6 +369,10 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         if factor is not None:
             t.mul_(factor)
         root = 0 if opts is None else opts.rootRank
+        if _integer_mean(op, t):
+            n, mine = self.size(), self.rank() == root
+            return self._work("reduce", [self._comm.reduce(t, "sum", root, async_op=True)],
+                              lambda _: _truncated(t, n) if mine else None, [t])
         return self._work("reduce", [self._comm.reduce(t, op, root, async_op=True)], result=[t])
 
     def _scaled(self, t, factor):
@@ -351,10 +383,17 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         if input.numel() != output.numel() * self.size():
             raise ValueError(f"reduce_scatter_tensor: the input must hold size ({self.size()}) times the output's "
                              f"{output.numel()} elements, got {input.numel()}")
+        _same_dtype("reduce_scatter_tensor", output, input)
         blocks = self._scaled(input, factor).reshape((self.size(),) + tuple(output.shape))
-        h = self._comm.reduce_scatter(blocks, op, async_op=True)
-        return self._work("reduce_scatter_tensor", [h], lambda r: output.copy_(r[0].reshape(output.shape)),
-                          [output])
+        trunc, n = _integer_mean(op, input), self.size()
+        h = self._comm.reduce_scatter(blocks, "sum" if trunc else op, async_op=True)
+
+        def finish(r):
+            output.copy_(r[0].reshape(output.shape))
+            if trunc:
+                _truncated(output, n)
+
+        return self._work("reduce_scatter_tensor", [h], finish, [output])
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -367,8 +406,15 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         _same_shapes("reduce_scatter", output, blocks, "input tensor")
         op, factor = _op(_opts_op(opts))
         stacked = self._scaled(torch.stack(list(blocks)), factor)
-        h = self._comm.reduce_scatter(stacked, op, async_op=True)
-        return self._work("reduce_scatter", [h], lambda r: output.copy_(r[0].reshape(output.shape)), [output])
+        trunc, n = _integer_mean(op, output), self.size()
+        h = self._comm.reduce_scatter(stacked, "sum" if trunc else op, async_op=True)
+
+        def finish(r):
+            output.copy_(r[0].reshape(output.shape))
+            if trunc:
+                _truncated(output, n)
+
+        return self._work("reduce_scatter", [h], finish, [output])
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
@@ -401,6 +447,7 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         if output.numel() != input.numel() * self.size():
             raise ValueError(f"all_gather_into_tensor: the output must hold size ({self.size()}) times the input's "
                              f"{input.numel()} elements, got {output.numel()}")
+        _same_dtype("all_gather_into_tensor", output, input)
         h = self._comm.allgather(input, async_op=True)
         return self._work("all_gather_into_tensor", [h], lambda r: output.copy_(r[0].reshape(output.shape)),
                           [output])
@@ -431,9 +478,13 @@ class ProcessGroupCollectives(dist.ProcessGroup):
             if t.dim() == 0 or t.shape[0] % n:
                 raise ValueError(f"all_to_all_single: the {name}'s leading dimension must be divisible by the "
                                  f"group's size {n}, got shape {tuple(t.shape)}")
+            if splits and sum(splits) != t.shape[0]:  # gloo: "Split sizes doesn't match total dim 0 size"
+                raise ValueError(f"all_to_all_single: {name}_split_sizes={list(splits)} add up to {sum(splits)}, "
+                                 f"but the {name}'s dim 0 is {t.shape[0]}")
         if output.shape != input.shape:
             raise ValueError(f"all_to_all_single: output shape {tuple(output.shape)} must equal the input's "
                              f"{tuple(input.shape)}")
+        _same_dtype("all_to_all_single", output, input)
         h = self._comm.alltoall(input, async_op=True)
         return self._work("all_to_all_single", [h], lambda r: output.copy_(r[0]), [output])
 

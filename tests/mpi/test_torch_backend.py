@@ -8,6 +8,8 @@ import contextlib
 import os
 from datetime import timedelta
 
+import math
+
 import numpy as np
 import pytest
 
@@ -118,13 +120,11 @@ def test_all_reduce_ops(pg, comm, name, ref, dtype):
     vals = [float(r + 2) for r in range(comm.size)]
     t = torch.full((5,), vals[comm.rank], dtype=dt)
     op = getattr(dist.ReduceOp, name)
-    if name == "AVG" and not dt.is_floating_point:
-        with pytest.raises(TypeError) as ours:
-            dist.all_reduce(t, op=op)
-        with pytest.raises(TypeError) as lib:
+    if name == "AVG" and not dt.is_floating_point:  # torch's NCCL contract, not our API's refusal (below)
+        dist.all_reduce(t, op=op)
+        assert (t == math.trunc(sum(vals) / len(vals))).all(), t
+        with pytest.raises(TypeError, match="truncate"):
             coll.allreduce(t.clone(), op="mean")
-        assert str(ours.value) == str(lib.value)
-        assert (t == vals[comm.rank]).all()  # untouched
         return
     dist.all_reduce(t, op=op)
     expected = coll.allreduce(torch.full((5,), vals[comm.rank], dtype=dt),
@@ -179,6 +179,44 @@ def test_all_gather_forms(pg, comm):
     assert torch.equal(flat, torch.cat(outs))
     with pytest.raises(ValueError, match="shape"):
         dist.all_gather([torch.empty(3)] * n, torch.empty(2))
+
+
+def test_integer_avg_sums_and_truncates_toward_zero_as_torchs_nccl_backend(pg, comm):
+    """Lightning's sync_dist averages an int64 batch count with ReduceOp.AVG on every backend but gloo;
+    torch's NCCL backend sums and divides, truncating toward zero: so does ours, on every form."""
+    n = comm.size
+    mine = [-7 * (comm.rank + 1) + 3, 5 * comm.rank + 1]  # negative sums: truncation, not floor
+    want = [math.trunc(sum(-7 * (r + 1) + 3 for r in range(n)) / n), math.trunc(sum(5 * r + 1 for r in range(n)) / n)]
+    avg = dist.ReduceOp.AVG
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        t = torch.tensor(mine, dtype=dtype)
+        dist.all_reduce(t, op=avg)
+        assert t.tolist() == want, (dtype, t)
+    a, b = torch.tensor(mine[:1]), torch.tensor(mine[1:])
+    dist.all_reduce_coalesced([a, b], op=avg)
+    assert [a.item(), b.item()] == want
+    r = torch.tensor(mine)
+    dist.reduce(r, dst=n - 1, op=avg)
+    assert r.tolist() == (want if comm.rank == n - 1 else mine)
+    blocks = torch.tensor([mine] * n)
+    out = torch.empty(2, dtype=torch.int64)
+    dist.reduce_scatter_tensor(out, blocks.reshape(-1), op=avg)
+    assert out.tolist() == want
+
+
+def test_argument_checks_refuse_what_gloo_refuses(pg, comm):
+    """Splits that do not add up to dim 0, and outputs of another dtype than the input: refused before any
+    communication (gloo refuses all three), never a silent exchange of other blocks or a cast."""
+    n = comm.size
+    with pytest.raises(ValueError, match="add up to"):
+        dist.all_to_all_single(torch.empty(2 * n), torch.empty(2 * n), [1] * n, [1] * n)
+    with pytest.raises(TypeError, match="dtype"):
+        dist.reduce_scatter_tensor(torch.empty(2, dtype=torch.int64), torch.ones(2 * n))
+    with pytest.raises(TypeError, match="dtype"):
+        dist.all_gather_into_tensor(torch.empty(2 * n, dtype=torch.int32), torch.ones(2))
+    t = torch.ones(3)
+    dist.all_reduce(t)  # the group is still usable: nothing was sent
+    assert (t == n).all()
 
 
 def test_reduce_scatter_forms(pg, comm):

@@ -233,6 +233,12 @@ class MPITransport(HostTransport):
         self._large_counts = "MPICH" in MPI.Get_library_version()
         self._in_place = MPI.IN_PLACE
         self._shm = None
+        group, world = self.comm.Get_group(), MPI.COMM_WORLD.Get_group()
+        try:  # this communicator's ranks as ranks of COMM_WORLD (for the flight recorder's dumps); local
+            self.world_ranks = [int(r) for r in MPI.Group.Translate_ranks(group, list(range(self.size)), world)]
+        finally:
+            group.Free()
+            world.Free()
         faulty = faulty_ops(MPI, self._ops, self._types)  # per transport: local, 1-2 ms (42 small reductions)
         self._shm_threshold, self._pipeline, self._faulty = _agreed_settings(self.comm, self.local_size, faulty)
         if self._faulty and self.rank == 0:
