@@ -42,6 +42,7 @@ BACKENDS = ("auto", "mpi", "self")
 _ndarray = np.ndarray  # one global look-up on the hot path instead of two
 _empty = np.empty
 _torch_tensor = None  # torch.Tensor, once a torch tensor's call has been cached (torch is never imported here)
+MAX_OUTSTANDING = 64  # asynchronous calls in flight per communicator before the oldest is completed (_sweep)
 _NONE: dict = {}  # read-only by convention: what the hot path looks in for an op with no cached calls
 _UNSET = object()  # "argument not part of this collective" (None is a value users may pass by mistake)
 
@@ -488,6 +489,8 @@ class Communicator:
             _refuse_thread(what)
         self._current = rec = None
         try:
+            if self._outstanding:
+                self._sweep()
             steps = define(*args, True)
             try:
                 first = next(steps)  # validates, up to the first transfer
@@ -509,6 +512,26 @@ class Communicator:
         finally:
             _leave()
         return Handle(what, self._requests(steps, first), self._outstanding, self._host.fail, rec)
+
+    def _sweep(self) -> None:
+        """Before an asynchronous call: move on the outstanding handles whose transfers have completed,
+        oldest first, stopping at the first still in flight (one ``MPI_Test``), so that a handle dropped
+        without ``wait()`` is released with its buffers once done, not only at ``close()``; and complete
+        the oldest while more than :data:`MAX_OUTSTANDING` are in flight (MPI moves a non-blocking
+        collective only inside MPI calls: without a bound, dropped handles would pile up, each with its
+        buffers). Every rank issues the same calls in the same order, so every rank completes the same
+        oldest call here; a wait is bounded as ``wait()`` is. An error stays with its handle."""
+        outstanding = self._outstanding
+        while outstanding:
+            h = next(iter(outstanding.values()))
+            if len(outstanding) > MAX_OUTSTANDING:
+                try:
+                    h.wait()
+                except Exception:  # noqa: BLE001 - the handle keeps it: its own wait() raises it
+                    pass
+            elif not h._progress():
+                break
+            outstanding.pop(id(h), None)  # (finishing removed it already; a handle that failed too)
 
     def _async_tree(self, tree, op, bucket_bytes) -> Handle:
         """:meth:`allreduce_tree` with ``async_op=True``: its buckets' transfers (``_tree``) in a Handle."""

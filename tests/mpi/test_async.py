@@ -309,3 +309,27 @@ def test_close_with_a_handle_that_cannot_complete_raises(comm):
         c.allreduce(x, "sum")
         c.close()
         gather_objects(None)
+
+
+def test_handles_dropped_without_wait_are_released(comm):
+    """A handle dropped without wait() is released with its buffers once its transfer is done (the next
+    asynchronous calls move it on, and complete the oldest past MAX_OUTSTANDING in flight), not kept to
+    close(): 200 dropped 1 MiB allreduces hold at most 64 buffers, not 200."""
+    import gc
+    import weakref
+
+    c = coll.init(comm=__import__("mpi4py.MPI", fromlist=["MPI"]).COMM_WORLD.Dup())
+    try:
+        refs = []
+        for _ in range(200):
+            x = np.ones(1 << 17)  # 1 MiB
+            refs.append(weakref.ref(x))
+            c.allreduce(x, async_op=True)  # dropped
+            del x
+        c.allreduce(np.ones(1), async_op=True).wait()  # every earlier one is complete now (issue order)...
+        c.allreduce(np.ones(1), async_op=True).wait()  # ...and the next call releases them
+        gc.collect()
+        alive = sum(r() is not None for r in refs)
+        assert alive <= 8 if c.size == 1 else alive <= 66, f"{alive} of 200 dropped buffers still held"
+    finally:
+        c.close()
