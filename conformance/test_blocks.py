@@ -1,10 +1,11 @@
-"""reduce_scatter and alltoall (every library, dtype and op), broadcast_object and allgather_object.
+"""reduce_scatter, alltoall and gather (every library, dtype and op), broadcast_object and allgather_object.
 
 docs/semantics.md: the leading dimension of x is split into ``size`` equal blocks. ``reduce_scatter``
 returns this rank's block of the element-wise reduction (every rule of allreduce), a new array of shape
 ``(x.shape[0] // size, *x.shape[1:])``; ``alltoall`` returns a new array whose block i is rank i's block
 ``rank``, bit for bit; both leave x unchanged and raise ValueError when the leading dimension does not
-divide. Optional names of the system under test: their tests are skipped when it lacks them.
+divide. ``gather(x, root)`` returns, on root, a new ``(size, *x.shape)`` array whose row r is rank r's x bit
+for bit, and None on every other rank; x is left unchanged. Optional names of the system under test: their tests are skipped when it lacks them.
 """
 
 from __future__ import annotations
@@ -84,6 +85,30 @@ def test_alltoall(sut, comm, rec, lib_name, dtype, op):
             raise AssertionError(f"{what}: block {i} of the result is not rank {i}'s block {comm.rank}"
                                  + (f" (it is rank {whose[0][0]}'s block {whose[0][1]})" if whose else "")
                                  + f": {_checks.first_difference(block, want)}")
+
+
+@pytest.mark.parametrize("lib_name,dtype,op", _cases(False))
+def test_gather(sut, comm, rec, lib_name, dtype, op):
+    _need(sut, "gather")
+    lib, spec = _libs.get(lib_name), _dtypes.ALL[dtype]
+    n = comm.size
+    shape = (ROWS, 3)
+    seed = seed_of("gather", lib_name, dtype)
+    sent = [_dtypes.random_bits(spec, shape, seed_of(seed, r)) for r in range(n)]  # rank r's x
+    root = n - 1
+    what = f"gather(x, root={root}) on rank {comm.rank} of {n}"
+    x = lib.from_bits(sent[comm.rank], spec)
+    before = lib.to_bits(x, spec)
+    y = sut.gather(x, root=root)
+    assert _checks.same_bits(lib.to_bits(x, spec), before), f"{what}: x must be left unchanged"
+    if comm.rank != root:
+        assert y is None, f"{what}: a rank other than root gets None, got {type(y).__name__}"
+        return
+    _checks.check_common(lib, spec, x, y, (n,) + shape, what)
+    got = lib.to_bits(y, spec)
+    for r in range(n):
+        if not _checks.same_bits(got[r], sent[r]):
+            raise AssertionError(f"{what}: row {r} is not rank {r}'s x: {_checks.first_difference(got[r], sent[r])}")
 
 
 @pytest.mark.parametrize("collective", ["reduce_scatter", "alltoall"])

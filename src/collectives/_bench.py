@@ -15,8 +15,8 @@ Sizes are bytes per rank (the buffer each rank passes: for reduce_scatter and al
 ``n`` blocks, as nccl-tests counts them; the element count is rounded down to a multiple of ``n``). Bandwidths follow nccl-tests
 (https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md), with ``n`` ranks:
 
-* ``algbw = bytes / time`` (for allgather, the gathered bytes: ``n * size``);
-* ``busbw = algbw * factor``: ``2(n-1)/n`` for allreduce and allreduce_tree, ``(n-1)/n`` for allgather,
+* ``algbw = bytes / time`` (for allgather and gather, the gathered bytes: ``n * size``);
+* ``busbw = algbw * factor``: ``2(n-1)/n`` for allreduce and allreduce_tree, ``(n-1)/n`` for allgather, gather,
   reduce_scatter and alltoall, ``1`` for broadcast, reduce and synchronize. busbw is what each rank's link must carry with an optimal
   algorithm, so it can be compared with the hardware's bandwidth (memory bandwidth on one node) and
   across rank counts.
@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-COLLECTIVES = ("allreduce", "broadcast", "reduce", "allgather", "synchronize", "allreduce_tree",
+COLLECTIVES = ("allreduce", "broadcast", "reduce", "allgather", "gather", "synchronize", "allreduce_tree",
                "reduce_scatter", "alltoall")
 REDUCING = ("allreduce", "reduce", "allreduce_tree", "reduce_scatter")
 BLOCKS = ("reduce_scatter", "alltoall")  # the input is split into n blocks
@@ -88,7 +88,7 @@ def sizes_from(begin: int, end: int, factor: float) -> list[int]:
 def bus_factor(collective: str, n: int) -> float:
     if collective in ("allreduce", "allreduce_tree"):
         return 2 * (n - 1) / n
-    if collective in ("allgather", "reduce_scatter", "alltoall"):
+    if collective in ("allgather", "gather", "reduce_scatter", "alltoall"):
         return (n - 1) / n
     return 1.0
 
@@ -222,9 +222,9 @@ def expected(collective: str, op: str, count: int, rank: int, n: int, root: int,
     inputs = [check_input(collective, op, count, q, n, kind).astype(np.float64) for q in range(n)]
     if collective in ("broadcast", "synchronize"):
         return inputs[root]
-    if collective == "allgather":
+    if collective == "allgather" or (collective == "gather" and rank == root):
         return np.stack(inputs)
-    if collective == "reduce" and rank != root:
+    if collective in ("reduce", "gather") and rank != root:  # (gather: None there, checked as x unchanged)
         return inputs[rank]
     block = slice(count // n * rank, count // n * (rank + 1))
     if collective == "alltoall":
@@ -265,6 +265,10 @@ def make_call(coll, comm, collective: str, op: str, root: int, x, leaves: int):
     if collective == "allgather":
         box = [None]
         return (lambda: box.__setitem__(0, coll.allgather(x, comm=comm))), (lambda: box[0])
+    if collective == "gather":
+        box = [None]
+        return (lambda: box.__setitem__(0, coll.gather(x, root=root, comm=comm))), \
+            (lambda: x if box[0] is None and comm.rank != root else box[0])
     if collective == "reduce_scatter":
         box = [None]
         return (lambda: box.__setitem__(0, coll.reduce_scatter(x, op=op, comm=comm))), (lambda: box[0])
@@ -440,7 +444,7 @@ def main(argv=None) -> int:
             gathered = coll.allgather(np.array([mine, float(wrong)]), comm=comm)
             medians, wrong = gathered[:, 0], int(gathered[:, 1].sum())
             t = float(np.median(medians))
-            moved = nbytes * (n if collective == "allgather" else 1)
+            moved = nbytes * (n if collective in ("allgather", "gather") else 1)
             algbw = moved / t / GB if t > 0 else math.inf
             row = {"collective": collective, "op": op, "dtype": arrays.dtype_name, "bytes": nbytes,
                    "count": count, "iters": iters, "time_us": t * 1e6,

@@ -347,6 +347,22 @@ class Communicator:
         yield _Step(transport, "allgather", (_contiguous(view), out.reshape(self.size, -1)))
         return a.wrap(out, info, x)
 
+    @collective("gather")
+    def gather(self, x, root: int = 0, *, async_op: bool = False):
+        """Every rank's ``x`` stacked on ``root``; None elsewhere. See :func:`collectives.gather`."""
+        if async_op:
+            return self._async("gather", self._gather, x, root)
+        return self._blocking(self._gather(x, root, False))
+
+    def _gather(self, x, root, asynchronous: bool):
+        a, transport, view, info, _, root = self._prepare("gather", x, root=root, asynchronous=asynchronous)
+        if transport.array_level:
+            return (yield _Step(transport, "gather", (x, a, root), device=True))
+        out = np.empty((self.size,) + view.shape, dtype=view.dtype) if self.rank == root else None
+        yield _Step(transport, "gather", (_contiguous(view), None if out is None else out.reshape(self.size, -1),
+                                          root))
+        return None if out is None else a.wrap(out, info, x)
+
     def reduce_scatter(self, x, op: str = "sum", *, async_op: bool = False):
         """This rank's block of the reduction of ``x``. See :func:`collectives.reduce_scatter`."""
         if async_op:
@@ -1488,6 +1504,38 @@ def allgather(x, *, comm=None, async_op: bool = False):
         True
     """
     return _resolve(comm).allgather(x, async_op=async_op)
+
+
+def gather(x, root: int = 0, *, comm=None, async_op: bool = False):
+    """Every rank's ``x`` stacked along a new leading axis on ``root`` (``MPI_Gather``); None elsewhere.
+
+    Every rank passes an array of the same shape and dtype; ``root`` gets a new array of shape
+    ``(size, *x.shape)`` of x's library and device, row r holding rank r's ``x`` bit for bit (every dtype).
+    The other ranks get None. ``x`` is never written.
+
+    Args:
+        x: an array (any array-API library; any dtype).
+        root: the rank that receives (the same on every rank).
+        comm: the communicator (default: the one :func:`init` made).
+        async_op: return a :class:`Handle` whose ``wait()`` gives the result.
+
+    Returns:
+        On ``root``, the stacked array; on every other rank, None.
+
+    Raises:
+        TypeError: ``x`` is not an array.
+        ValueError: ``root`` is not a rank of ``comm``.
+        MismatchError: (checked mode, and on the non-blocking paths) the ranks passed different shapes,
+            dtypes or roots.
+
+    Example:
+        >>> import numpy as np, collectives as coll
+        >>> comm = coll.init()
+        >>> g = coll.gather(np.array([comm.rank, 10 * comm.rank]), root=0)
+        >>> g.tolist() == [[r, 10 * r] for r in range(comm.size)] if comm.rank == 0 else g is None
+        True
+    """
+    return _resolve(comm).gather(x, root, async_op=async_op)
 
 
 def reduce_scatter(x, op: str = "sum", *, comm=None, async_op: bool = False):

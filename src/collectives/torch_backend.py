@@ -511,11 +511,12 @@ class ProcessGroupCollectives(dist.ProcessGroup):
             if len(outs) != self.size():
                 raise ValueError(f"gather: gather_list must hold one tensor per rank ({self.size()}), got {len(outs)}")
             _same_shapes("gather", t, outs, "gather_list tensor")
-        h = self._comm.allgather(t, async_op=True)  # every rank receives: gather as an allgather
+        h = self._comm.gather(t, root, async_op=True)  # MPI_Igather: only the root receives
 
         def finish(r):
-            for o, g in zip(outs, r[0], strict=False):
-                o.copy_(g)
+            if r[0] is not None:
+                for o, g in zip(outs, r[0], strict=True):
+                    o.copy_(g)
 
         return self._work("gather", [h], finish, [list(outs)])
 

@@ -135,6 +135,23 @@ def test_allgather_new_array_on_the_same_device(comm, dev, dtype):
         np.testing.assert_array_equal(got[r], dev.to_numpy(dev.make(values[r], dtype)).T)
 
 
+@pytest.mark.parametrize("dtype", ["bool", "float16", "bfloat16", "float64"])
+def test_gather_on_root_only_on_the_same_device(comm, dev, dtype):
+    if not dev.has(dtype):
+        pytest.skip(f"{dev.name} has no {dtype}")
+    values = [rank_values(r, (3, 4), dtype) for r in range(comm.size)]
+    x = dev.make(values[comm.rank], dtype)
+    for root in range(comm.size):
+        for out in (coll.gather(x, root, comm=comm), coll.gather(x, root, comm=comm, async_op=True).wait()):
+            if comm.rank != root:
+                assert out is None
+                continue
+            assert dev.is_array(out) and dev.device_of(out) == dev.index
+            got = dev.to_numpy(out)
+            for r in range(comm.size):
+                np.testing.assert_array_equal(got[r], dev.to_numpy(dev.make(values[r], dtype)))
+
+
 def test_empty_and_zero_d(comm, dev):
     e = dev.make(np.zeros(0), "float32")
     assert coll.allreduce(e, comm=comm) is e and coll.broadcast(e, 0, comm=comm) is e

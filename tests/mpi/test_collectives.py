@@ -98,6 +98,33 @@ def test_allgather_every_dtype(comm, lib, dtype, op):
             assert same_bits(to_numpy(make(lib, rank_values(r, shape, dtype), dtype)), got[r])
 
 
+@pytest.mark.parametrize("lib,dtype,op", cases(with_op=False))
+def test_gather_every_dtype_every_root(comm, lib, dtype, op):
+    for root in range(comm.size):
+        for shape in SHAPES:
+            x = make(lib, rank_values(comm.rank, shape, dtype), dtype)
+            before = to_numpy(x).copy()
+            g = coll.gather(x, root=root, comm=comm)
+            assert same_bits(before, to_numpy(x)), "gather never writes x"
+            if comm.rank != root:
+                assert g is None
+                continue
+            assert type(g) is type(x)
+            got = to_numpy(g)
+            assert got.shape == (comm.size,) + shape
+            for r in range(comm.size):
+                assert same_bits(to_numpy(make(lib, rank_values(r, shape, dtype), dtype)), got[r])
+
+
+def test_gather_refuses_a_bad_root_before_communicating(comm):
+    x = np.arange(3.0)
+    for root in (comm.size, -1, 1.5, "0"):
+        with pytest.raises((ValueError, TypeError)):
+            coll.gather(x, root=root, comm=comm)
+    assert (x == np.arange(3.0)).all()
+    assert coll.gather(x, root=0, comm=comm) is None or comm.rank == 0  # the communicator still works
+
+
 def test_broadcast_opaque_numpy_dtypes_bit_for_bit(comm):
     rec = np.zeros(3, dtype=[("a", "i4"), ("b", "f8")])
     rec["a"] = comm.rank

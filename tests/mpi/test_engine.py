@@ -54,7 +54,7 @@ def raises_everywhere(c, run) -> str:
 
 
 @pytest.mark.parametrize("mode", ["deadline", "async"])
-@pytest.mark.parametrize("other", ["barrier", "allgather", "broadcast", "reduce_scatter"])
+@pytest.mark.parametrize("other", ["barrier", "allgather", "gather", "broadcast", "reduce_scatter"])
 def test_a_rank_calling_another_collective_never_returns_data(comm, mode, other):
     if mode == "async" and other == "barrier":
         pytest.skip("barrier has no async_op (a blocking barrier against an asynchronous call hangs, by design)")
@@ -71,7 +71,7 @@ def test_a_rank_calling_another_collective_never_returns_data(comm, mode, other)
 
 
 @pytest.mark.parametrize("mode", ["deadline", "async"])
-@pytest.mark.parametrize("what", ["count", "dtype", "op", "root"])
+@pytest.mark.parametrize("what", ["count", "dtype", "op", "root", "gather root"])
 def test_the_same_collective_with_other_arguments_never_returns_data(comm, mode, what):
     with fresh(mode) as c:
         odd = c.rank == c.size - 1
@@ -81,6 +81,8 @@ def test_the_same_collective_with_other_arguments_never_returns_data(comm, mode,
         def run():
             if what == "root":
                 return call(c, "broadcast", x, mode, root=1 if odd else 0)
+            if what == "gather root":
+                return call(c, "gather", x, mode, root=1 if odd else 0)
             return call(c, "allreduce", x, mode, op="max" if (odd and what == "op") else "sum")
 
         text = raises_everywhere(c, run)

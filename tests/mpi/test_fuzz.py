@@ -1,7 +1,7 @@
 """The fuzz suite (issue 12): random calls on every rank, checked against a reference built from an
 allgather of every rank's inputs, and the rule that an exception is the same exception on every rank.
 
-A draw is a collective (allreduce, reduce, broadcast, allgather, allreduce_tree, synchronize), an op, a
+A draw is a collective (allreduce, reduce, broadcast, allgather, gather, allreduce_tree, synchronize), an op, a
 dtype (longdouble, structured and byte-swapped ones included), a layout, a library (NumPy, torch), an
 element count around every threshold (the shared-memory one, its slot, the per-call count limit: all
 shrunk on the fuzz communicator so that the whole file runs in seconds), values with NaN, infinities and
@@ -77,7 +77,7 @@ NUMPY_DTYPES = ["float64", "longdouble", "float32", "float16", "int64", "bool", 
                 "int8", "uint8", "int32", "uint64", "complex64", ">i4"]
 TORCH_DTYPES = ["float32", "float64", "bfloat16", "float16", "int64", "bool", "int32", "complex64"]
 LEGAL = {"sum": "iufc", "prod": "iufc", "min": "biuf", "max": "biuf", "mean": "fc"}
-COLLECTIVES = ["allreduce", "allreduce", "reduce", "broadcast", "allgather", "allreduce_tree",
+COLLECTIVES = ["allreduce", "allreduce", "reduce", "broadcast", "allgather", "gather", "allreduce_tree",
                "synchronize"]
 REDUCTIONS = ("allreduce", "reduce", "allreduce_tree")
 
@@ -120,7 +120,7 @@ def calls(draw, size):
         lib = draw(st.sampled_from(["numpy", "numpy", "torch"]))
         dtype = draw(st.sampled_from(NUMPY_DTYPES if lib == "numpy" else TORCH_DTYPES))
         movable_only = kind(dtype) == "V" or not native(dtype)
-        collective = draw(st.sampled_from(["broadcast", "allgather", "synchronize"] if movable_only
+        collective = draw(st.sampled_from(["broadcast", "allgather", "gather", "synchronize"] if movable_only
                                           else COLLECTIVES))
     op = None
     if collective in REDUCTIONS:
@@ -262,7 +262,7 @@ def reference(p, inputs: list[np.ndarray]) -> np.ndarray:
     name = p["collective"]
     if name in ("broadcast", "synchronize"):
         return inputs[p["root"]]
-    if name == "allgather":
+    if name in ("allgather", "gather"):
         return np.stack(inputs)
     stack = np.stack(inputs)
     op = p["op"]
@@ -293,7 +293,7 @@ def compare(p, got: np.ndarray, want: np.ndarray) -> str | None:
     """None when ``got`` is right, else what is wrong."""
     if got.shape != want.shape:
         return f"shape {got.shape}, expected {want.shape}"
-    if p["collective"] in ("broadcast", "synchronize", "allgather") or kind(p["dtype"]) in "biuV":
+    if p["collective"] in ("broadcast", "synchronize", "allgather", "gather") or kind(p["dtype"]) in "biuV":
         if np.ascontiguousarray(got).tobytes() != np.ascontiguousarray(want.astype(got.dtype)).tobytes():
             return f"values {got.ravel()[:8]} ..., expected {want.ravel()[:8]} ..."
         return None
@@ -333,6 +333,9 @@ def run_call(c, p, x):
         return to_numpy(c.broadcast(x, root=p["root"]))
     if name == "allgather":
         return to_numpy(c.allgather(x))
+    if name == "gather":
+        got = c.gather(x, root=p["root"])
+        return None if got is None else to_numpy(got)
     if name == "allreduce_tree":
         out = c.allreduce_tree({"x": x, "other": np.ones(2)}, op=p["op"])
         return to_numpy(out["x"])
@@ -353,7 +356,7 @@ def mismatched(p, rank, size) -> dict:
     if p["mismatch"] == "shape":
         return dict(p, n=p["n"] + 1)
     other = {"allreduce": "allreduce_tree", "reduce": "synchronize", "broadcast": "allreduce_tree",
-             "allgather": "barrier", "allreduce_tree": "allreduce", "synchronize": "broadcast"}
+             "allgather": "barrier", "gather": "allgather", "allreduce_tree": "allreduce", "synchronize": "broadcast"}
     return dict(p, collective=other[p["collective"]], op=p["op"] or "sum", barrier=True)
 
 
@@ -397,6 +400,8 @@ def outcome(c, p) -> tuple:
         return "ok", None
     if p["collective"] == "reduce" and rank != p["root"]:
         want = inputs[rank]
+    elif p["collective"] == "gather" and rank != p["root"]:
+        return ("ok", None) if got is None else ("wrong", f"a non-root rank got {type(got).__name__}, not None")
     else:
         want = reference(p, inputs)
     problem = compare(p, got, want)

@@ -393,6 +393,48 @@ def test_every_path_gives_the_documented_bits(comm, comms, dtype, op):
     assert len(results) >= 5
 
 
+@pytest.mark.parametrize("dtype", ["bool", "int8", "float16", "float64", "longdouble", "complex64"])
+def test_gather_every_path_gives_every_rank_s_bits(comm, comms, dtype):
+    """gather moves bytes: every path (hot and general, strided, read-only, asynchronous, every
+    communicator's transport, torch, the device stand-ins, the torch backend's gather) gives root each
+    rank's input bit for bit, NaN payloads and signed zeros included; None elsewhere."""
+    x = inputs(dtype, "max" if kind(dtype) in "biuf" else "sum", comm.rank)
+    want = np.stack([inputs(dtype, "max" if kind(dtype) in "biuf" else "sum", r) for r in range(comm.size)])
+    root = comm.size - 1
+    got = {"numpy": coll.gather(x.copy(), root, comm=comm), "numpy again": coll.gather(x.copy(), root, comm=comm),
+           "async": coll.gather(x, root, comm=comm, async_op=True).wait()}
+    base = np.zeros((2,) + x.shape, x.dtype)
+    base[1] = x
+    got["strided"] = coll.gather(base.T[:, 1], root, comm=comm)
+    ro = x.copy()
+    ro.flags.writeable = False
+    got["read-only"] = coll.gather(ro, root, comm=comm)
+    for name, c in comms.items():
+        got[name] = c.gather(x, root)
+        got[f"{name} async"] = c.gather(x, root, async_op=True).wait()
+    if dtype != "longdouble":
+        import torch
+
+        t = as_lib(x, dtype, "torch")
+        got["torch"] = coll.gather(t, root, comm=comm)
+        for transport in device_stand_ins(comm):
+            got[f"{transport.name} (CPU tensors standing in)"] = transport.gather(t, None, root)
+        group, _ = torch_group(comm, "sum", "AllreduceOptions")
+        import torch.distributed as dist
+
+        opts = dist.GatherOptions()
+        opts.rootRank = root
+        outs = [[torch.empty_like(t) for _ in range(comm.size)]] if comm.rank == root else []
+        assert group.gather(outs, [t], opts).wait()
+        got["torch.distributed backend"] = torch.stack(outs[0]) if outs else None
+    for name, g in got.items():
+        if comm.rank != root:
+            assert g is None, name
+        else:
+            why = same_bits(to_numpy(g, dtype), want)
+            assert not why, f"gather {name}: {why}"
+
+
 @pytest.mark.parametrize("dtype", ["float32", "longdouble"])
 @pytest.mark.parametrize("shape", [(67,), (3, 5, 7)])
 def test_reduce_leaves_non_root_inputs_untouched(comm, dtype, shape):

@@ -49,7 +49,7 @@ class Request:
 
 
 DONE = Request()
-OPERATIONS = ("allreduce", "reduce", "broadcast", "allgather", "reduce_scatter", "alltoall")
+OPERATIONS = ("allreduce", "reduce", "broadcast", "allgather", "gather", "reduce_scatter", "alltoall")
 
 
 class HostTransport(abc.ABC):
@@ -149,6 +149,11 @@ class HostTransport(abc.ABC):
     @abc.abstractmethod
     def allgather(self, send: np.ndarray, recv: np.ndarray) -> None:
         """``recv[r]`` becomes rank r's ``send``; ``recv`` has shape ``(size, send.size)``."""
+
+    @abc.abstractmethod
+    def gather(self, send: np.ndarray, recv: np.ndarray | None, root: int) -> None:
+        """On ``root``, ``recv[r]`` becomes rank r's ``send`` (``recv``: shape ``(size, send.size)``); the
+        other ranks pass ``recv=None``."""
 
     @abc.abstractmethod
     def reduce_scatter(self, send: np.ndarray, recv: np.ndarray, op: str) -> None:

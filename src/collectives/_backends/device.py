@@ -70,6 +70,13 @@ class DeviceTransport(abc.ABC):
     def allgather(self, x, a):
         """A new ``(size, *x.shape)`` array on x's device, row r holding rank r's ``x``."""
 
+    def gather(self, x, a, root: int):
+        """On ``root``, a new ``(size, *x.shape)`` array on x's device (as :meth:`allgather`); None on the
+        other ranks. Default: the allgather, kept on ``root`` (the same bits; ``size`` times the traffic
+        to the other ranks: NCCL has no gather of its own)."""
+        out = self.allgather(x, a)
+        return out if self.rank == root else None
+
     @abc.abstractmethod
     def reduce_scatter(self, x, a, op: str):
         """A new ``(x.shape[0] // size, *x.shape[1:])`` array on x's device: this rank's block of the

@@ -33,11 +33,11 @@ _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
 
 # The lanes: one MPI communicator per kind of collective (see MPITransport.__init__), and one for the
 # fingerprints the non-blocking paths reduce beside each call (see _fingerprint).
-LANES = ("allreduce", "reduce", "broadcast", "allgather", "reduce_scatter", "alltoall", "barrier", "objects",
+LANES = ("allreduce", "reduce", "broadcast", "allgather", "gather", "reduce_scatter", "alltoall", "barrier", "objects",
          "fingerprint")
 # The fields of a call's fingerprint: which collective, how many elements of which dtype, op, root.
 FIELDS = ("collective", "count", "dtype", "op", "root")
-_KINDS = ("allreduce", "reduce", "broadcast", "allgather", "reduce_scatter", "alltoall", "barrier")
+_KINDS = ("allreduce", "reduce", "broadcast", "allgather", "reduce_scatter", "alltoall", "barrier", "gather")
 _OP_IDS = {"sum": 0, "prod": 1, "min": 2, "max": 3}
 
 
@@ -436,7 +436,7 @@ class MPITransport(HostTransport):
     # ---- non-blocking starts (async_op=True; every operation of the deadline transport) ----
     def start(self, operation, *args):
         """Begin ``operation`` as MPI's non-blocking collective (``Iallreduce``, ``Ireduce``, ``Ibcast``,
-        ``Iallgather``, ``Ireduce_scatter_block``, ``Ialltoall``, ``Ibarrier``) with its fingerprint beside
+        ``Iallgather``, ``Igather``, ``Ireduce_scatter_block``, ``Ialltoall``, ``Ibarrier``) with its fingerprint beside
         it (:meth:`_begin`), and return its request. Never the shared-memory allreduce (synchronous by
         design: it would finish here, with nothing to overlap; see docs/semantics.md). Counts past the limit
         of one MPI call run blocking now (a completed request): the piecewise loops need each piece's result
@@ -465,7 +465,7 @@ class MPITransport(HostTransport):
             return args[1].size <= self._max_count
         if operation == "alltoall":
             return buf.nbytes // self.size <= self._max_count
-        return buf.nbytes <= self._max_count  # broadcast, allgather
+        return buf.nbytes <= self._max_count  # broadcast, allgather, gather
 
     def _begin(self, operation, *args) -> _MPIRequest:
         """Start one MPI call of ``operation`` and, before it, the reduction of its fingerprint
@@ -527,6 +527,11 @@ class MPITransport(HostTransport):
     def _iallgather(self, send, recv):
         return self._lanes["allgather"].Iallgather([send.reshape(-1).view(np.uint8), self.MPI.BYTE],
                                                    [recv.reshape(-1).view(np.uint8), self.MPI.BYTE])
+
+    def _igather(self, send, recv, root):
+        return self._lanes["gather"].Igather([send.reshape(-1).view(np.uint8), self.MPI.BYTE],
+                                             None if recv is None else [recv.reshape(-1).view(np.uint8), self.MPI.BYTE],
+                                             root)
 
     def _ireduce_scatter(self, send, recv, op):
         datatype = self._types[send.dtype]
@@ -686,6 +691,21 @@ class MPITransport(HostTransport):
                 row[...] = send.reshape(-1)
             self.broadcast(row, r)
 
+    def gather(self, send, recv, root):
+        raw_s = send.reshape(1, -1).view(np.uint8)
+        raw_r = None if recv is None else recv.reshape(self.size, -1).view(np.uint8)
+        m, step = raw_s.shape[1], self._max_count
+        if m <= step:
+            self._gather_piece(raw_s, raw_r, root)
+            return
+        # Past the count limit: one gather per column piece, which the root copies into place.
+        for lo in range(0, m, step):
+            piece = np.ascontiguousarray(raw_s[:, lo:lo + step])
+            out = None if raw_r is None else np.empty((self.size, piece.shape[1]), np.uint8)
+            self._gather_piece(piece, out, root)
+            if raw_r is not None:
+                raw_r[:, lo:lo + step] = out
+
     def _blocks(self, send, recv):
         """Pieces ``(send part, recv part, write back)`` of a reduce-scatter or alltoall whose per-rank
         block is longer than one MPI call takes: column slices of the ``(size, n)`` layout, copied to be
@@ -721,6 +741,11 @@ class MPITransport(HostTransport):
         """The one MPI call of :meth:`allgather` (the deadline transport polls a non-blocking one)."""
         self._lanes["allgather"].Allgather([send.reshape(-1).view(np.uint8), self.MPI.BYTE],
                                            [recv.reshape(-1).view(np.uint8), self.MPI.BYTE])
+
+    def _gather_piece(self, send, recv, root) -> None:
+        """The one MPI call of :meth:`gather` on uint8 ``send`` (and ``recv`` on root; None elsewhere)."""
+        self._lanes["gather"].Gather([send.reshape(-1), self.MPI.BYTE],
+                                     None if recv is None else [recv.reshape(-1), self.MPI.BYTE], root)
 
     def _reduce_scatter_piece(self, s, r, datatype, mop, op) -> None:
         """One MPI call of :meth:`reduce_scatter` (the deadline transport polls a non-blocking one)."""
@@ -876,6 +901,8 @@ def _fields(operation: str, args: tuple) -> list[int]:
         root = rest[1]
     elif operation == "broadcast":
         root = rest[0]
+    elif operation == "gather":
+        root = rest[-1]
     return [kind, buf.size, ord(dtype.kind) * 64 + dtype.itemsize, op, root]
 
 
@@ -904,8 +931,8 @@ def _describe(operation: str, args: tuple):
         detail = f"op={args[-1]}"
     elif operation == "reduce":
         detail = f"op={args[1]}, root={args[2]}"
-    elif operation == "broadcast":
-        detail = f"root={args[1]}"
+    elif operation in ("broadcast", "gather"):
+        detail = f"root={args[-1]}"
     else:
         detail = None
     return (operation, args[0] if args else None, detail)
@@ -1073,6 +1100,9 @@ class DeadlineMPITransport(MPITransport):
 
     def _allgather_piece(self, send, recv) -> None:
         self._now("allgather", send, recv)
+
+    def _gather_piece(self, send, recv, root) -> None:
+        self._now("gather", send, recv, root)
 
     def _reduce_scatter_piece(self, s, r, datatype, mop, op) -> None:
         self._now("reduce_scatter", s, r, op)

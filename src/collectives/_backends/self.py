@@ -24,6 +24,9 @@ class SelfTransport(HostTransport):
     def allgather(self, send, recv):
         recv[0] = send.reshape(-1)
 
+    def gather(self, send, recv, root):
+        recv[0] = send.reshape(-1)
+
     def reduce_scatter(self, send, recv, op):
         recv.reshape(-1)[...] = send.reshape(-1)
 
