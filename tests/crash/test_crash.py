@@ -356,6 +356,11 @@ def test_records_name_the_torch_backend_and_the_gradient_buckets(n):
 
     events = json.loads(timeline.read_text())["traceEvents"]
     assert {e["pid"] for e in events if e["ph"] == "X"} == set(range(n)), events[:5]
+    picture = Path(job.trace_dir) / "timeline.png"  # the same drawn (matplotlib: in the test extra)
+    proc = subprocess.run([sys.executable, "-m", "collectives", "trace", job.trace_dir, "--plot", str(picture)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.stat().st_size > 2000, proc.stdout
 
 
 @pytest.mark.parametrize("n", SIZES)
