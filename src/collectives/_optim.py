@@ -15,7 +15,7 @@ from . import _dtypes
 from ._backends import closed as _closed
 from ._comm import _resolve, allreduce_tree
 from ._errors import BackendUnavailableError
-from ._overlap import MISSING_GRADS
+from ._overlap import MISSING_GRADS, amp_step
 from ._tree import WRAPPER_ATTRIBUTE, is_array, map_leaves
 
 
@@ -213,6 +213,10 @@ class TorchDistributedOptimizer:
     """
 
     _collectives_distributed = True
+    # torch.amp.GradScaler: an optimizer with this attribute gets the scale and the inf/NaN flag as its
+    # attributes grad_scale and found_inf, and its step() is always called: the wrapper unscales what the
+    # step uses (after the averaging) and skips the update itself, on every rank alike (see _amp_step)
+    _step_supports_amp_scaling = True
 
     def __init__(self, optimizer, *, op: str = "mean", backward_passes_per_step: int = 1,
                  bucket_bytes: int | None = None, comm=None, overlap: bool = True, grad_views: bool = True,
@@ -384,6 +388,7 @@ class TorchDistributedOptimizer:
                 :func:`DistributedOptimizer`).
         """
         k = self.backward_passes_per_step
+        amp = _amp_call(self)
         if closure is not None and k > 1:
             raise ValueError("step(closure) is not supported with backward_passes_per_step > 1: the closure "
                              "would run one backward pass more than the k accumulated ones")
@@ -399,7 +404,7 @@ class TorchDistributedOptimizer:
                 if closure is None:
                     if not self._averaged:
                         engine.finish()
-                    return engine.step()
+                    return engine.step(amp=amp)
 
                 def reduced_closure():
                     engine.new_round()
@@ -413,10 +418,19 @@ class TorchDistributedOptimizer:
                 engine.communicating = k == 1
                 engine.new_round()
         if closure is None:
+            if amp is not None and not self._averaged:
+                self._averaged = False
+                _amp_done(self)
+                raise RuntimeError(
+                    "DistributedOptimizer(overlap=False) under torch.amp.GradScaler: GradScaler looked at .grad "
+                    "before step() averaged it, so its inf/NaN check saw this rank's own gradients (ranks would "
+                    "skip different steps and scale differently). Call opt.average_gradients() before "
+                    "scaler.unscale_(opt) / scaler.step(opt) (Horovod's optimizer.synchronize()), or use "
+                    "overlap=True (the default: .grad is averaged when backward() returns)")
             if not self._averaged:
                 self.average_gradients()
             self._averaged = False
-            return self.inner.step()
+            return amp_step(self.inner, amp, self._grads)
 
         def averaged_closure():
             loss = closure()
@@ -425,6 +439,9 @@ class TorchDistributedOptimizer:
 
         self._averaged = False
         return self.inner.step(averaged_closure)
+
+    def _grads(self) -> list:
+        return [p.grad for group in self.inner.param_groups for p in group["params"] if p.grad is not None]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The inner ``zero_grad``, skipped while accumulating (so the k backward passes add up).
@@ -533,6 +550,23 @@ class TorchDistributedOptimizer:
             assert self._engine is not None  # shard_state=True: there is always an engine, holding the shards
             total += nbytes(self._engine.shards.opt)
         return total
+
+
+def _amp_call(opt):
+    """``(grad_scale, found_inf)`` when torch.amp.GradScaler.step() is calling ``opt.step()`` (it sets both as
+    attributes of an optimizer with ``_step_supports_amp_scaling``), else ``None``. ``grad_scale`` is ``None``
+    when ``scaler.unscale_(opt)`` already unscaled ``.grad``; ``found_inf`` is the scaler's inf/NaN flag
+    over ``.grad``."""
+    d = opt.__dict__
+    if "found_inf" not in d:
+        return None
+    return d.get("grad_scale"), d["found_inf"]
+
+
+def _amp_done(opt) -> None:
+    """Remove GradScaler's attributes (a step that raises: the scaler removes them only after a step)."""
+    opt.__dict__.pop("grad_scale", None)
+    opt.__dict__.pop("found_inf", None)
 
 
 def _overlap_bucket_bytes(bucket_bytes) -> int:

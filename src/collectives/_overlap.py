@@ -53,6 +53,7 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
+from collections.abc import Callable
 
 import numpy as np
 
@@ -447,6 +448,7 @@ class Buckets:
                         g.copy_(s.view)
         if self.shards is not None:
             self.shards.take_gradients(skipped)
+            self.shards.agree_finite()
         self.finished = True
 
     def _settle_missing(self) -> set:
@@ -484,11 +486,47 @@ class Buckets:
                 s.missing = False
         return {i for i, rs in lacking.items() if len(rs) == size}
 
-    def step(self, closure=None):
-        """The inner step over the reduced gradients (:meth:`finish` done), or the sharded step."""
+    def step(self, closure=None, amp=None):
+        """The inner step over the reduced gradients (:meth:`finish` done), or the sharded step; ``amp``:
+        GradScaler's ``(grad_scale, found_inf)`` (see :func:`amp_step`)."""
         if self.shards is not None:
-            return self.shards.step(closure)
-        return self.inner.step() if closure is None else self.inner.step(closure)
+            return self.shards.step(closure, amp)
+        if closure is not None:
+            return self.inner.step(closure)
+        return amp_step(self.inner, amp, lambda: [s.param.grad for s in self.slots if s.param.grad is not None])
+
+
+def amp_step(opt, amp, grads_of: Callable, step: Callable | None = None):
+    """``opt.step()`` as torch.amp.GradScaler would run it on a plain optimizer whose gradients are what
+    ``grads_of()`` gives (the averaged ones: the same on every rank, so every rank decides alike).
+
+    An optimizer that unscales itself (fused Adam: ``_step_supports_amp_scaling``) gets ``grad_scale`` and
+    ``found_inf`` as the scaler hands them; for any other, the gradients are unscaled with the scaler's own
+    reciprocal and kernel (unless ``scaler.unscale_`` did it), and the step is skipped when ``found_inf``
+    is set. ``step`` replaces ``opt.step`` (the sharded step, which also gathers the parameters)."""
+    run = opt.step if step is None else step
+    if amp is None:
+        return run()
+    torch = _torch()
+    scale, found_inf = amp
+    if getattr(opt, "_step_supports_amp_scaling", False):
+        opt.grad_scale, opt.found_inf = scale, found_inf
+        try:
+            return run()
+        finally:
+            del opt.grad_scale, opt.found_inf
+    if scale is not None:
+        inv = scale.double().reciprocal().float()  # GradScaler.unscale_'s reciprocal, in float64
+        groups: dict = {}
+        for g in grads_of():
+            groups.setdefault((g.device, g.dtype), []).append(g)
+        with torch.no_grad():
+            for (device, _), grads in groups.items():
+                flag = torch.zeros((), dtype=torch.float32, device=device)
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv.to(device))
+    if found_inf.item():
+        return None
+    return run()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -581,6 +619,34 @@ class Shards:
                 self.tensors[b.shard_k].grad[b.shard_off:b.shard_off + c].copy_(b.block.reshape(-1))
                 b.block = None
 
+    def agree_finite(self) -> None:
+        """The inf/NaN decision alike on every rank (one 8-byte allreduce): GradScaler looks for inf/NaN
+        in ``.grad``, which holds this rank's own gradients, while the step uses the averaged share. When
+        the averaged gradient is not finite on some rank's share, every rank's ``.grad`` gets an inf (in its first
+        element: the sharded step reads its averaged share, never ``.grad``), as the averaged ``.grad`` of DDP
+        would hold one on every rank: every rank's GradScaler then skips the step and backs off alike.
+        (A rank whose own gradients hold an inf or a NaN puts it in the average of some rank's share.)"""
+        if self.size == 1:
+            return
+        torch = _torch()
+        bad = 0
+        for t in self.tensors:
+            g = t.grad
+            # a sum is not finite when an element is not (or when the sum overflows: then look closer)
+            if not bool(torch.isfinite(g.sum())) and not bool(torch.isfinite(g).all()):
+                bad = 1
+                break
+        flag = np.array([bad], np.int64)
+        self.engine.comm.allreduce(flag, "max")
+        if not flag[0]:
+            return
+        with torch.no_grad():
+            for s in self.engine.slots:  # (the sharded step reads its share, never .grad)
+                g = s.param.grad
+                if g is not None and g.numel() and s.index not in self.skipped:
+                    g[(0,) * g.dim()] = float("inf")
+                    return
+
     def gather_gradients(self) -> None:
         """average_gradients(): the reduced blocks back into every ``.grad`` (one allgather per bucket);
         the next step takes this rank's blocks from ``.grad`` again (after the user's clipping)."""
@@ -605,8 +671,14 @@ class Shards:
         c = b.padded // self.size
         return self.tensors[b.shard_k].grad[b.shard_off:b.shard_off + c]
 
-    def step(self, closure=None):
+    def step(self, closure=None, amp=None):
         torch = _torch()
+        if amp is not None and amp[0] is None and not self.from_grads:
+            raise RuntimeError(
+                "DistributedOptimizer(shard_state=True): scaler.unscale_(opt) unscaled .grad, which holds this "
+                "rank's own gradients, not the averaged share the sharded step uses. Call "
+                "opt.average_gradients() before scaler.unscale_(opt) (it gathers the average into .grad, for "
+                "clipping), or leave the unscaling to scaler.step(opt)")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -632,6 +704,15 @@ class Shards:
                     kept = {key: v[pos:pos + n].clone() for key, v in state.items()
                             if torch.is_tensor(v) and v.shape == t.shape}
                     saved.append((k, pos, n, kept))
+        amp_step(self.opt, amp, lambda: [t.grad for t in self.tensors], step=lambda: self._step_and_gather(saved))
+        self.skipped = set()
+        return loss
+
+    def _step_and_gather(self, saved: list) -> None:
+        """The shard optimizer's step, then the parameters back from every rank's share (one allgather per
+        bucket); ``saved``: the state of parameters without gradient anywhere, put back."""
+        torch = _torch()
+        skipped = self.skipped
         self.opt.step()
         self.engine.inner._opt_called = True  # an LR scheduler given inner: its step() counts as stepped
         with torch.no_grad():
@@ -652,8 +733,6 @@ class Shards:
                 for s in b.slots:
                     if s.index not in skipped:
                         s.param.detach().copy_(full[s.offset:s.offset + s.numel].view(s.param.shape))
-        self.skipped = set()
-        return loss
 
     # ---- state dicts ----
     def full_state(self) -> dict:

@@ -1,0 +1,195 @@
+"""The training loops people really write, with DistributedOptimizer in every mode (overlap on, off, sharded
+state), against DDP over a gloo group made in this job and against one process on the whole batch.
+
+Bits: at 1 and 2 ranks the parameters are those of DDP(gloo) bit for bit (a sum of two has one order, and
+DDP's division of each gradient by the number of ranks before the sum gives the same bits as our one
+division after it when that number is a power of two); at 3 ranks within a few float32 roundings
+(docs/guide-data-parallel.md, "AMP and other loops"). Tiny models and few steps: this file is in CI.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+
+import numpy as np
+import pytest
+
+import collectives as coll
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+F = torch.nn.functional
+
+MODES = {"overlap": dict(overlap=True), "off": dict(overlap=False), "sharded": dict(shard_state=True)}
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def gloo(comm):
+    """A gloo process group of every rank of this job (through a file store in a directory rank 0 makes),
+    beside the library's communicators, for DDP(gloo) references."""
+    if comm.size > 1 and comm.local_size != comm.size:
+        pytest.skip("the file store needs every rank on one node")
+    from mpi4py import MPI
+
+    made = not dist.is_initialized()
+    root = MPI.COMM_WORLD.bcast(tempfile.mkdtemp(prefix="recipes-") if comm.rank == 0 else None, root=0)
+    store = dist.FileStore(os.path.join(root, "store"), comm.size)
+    if made:
+        dist.init_process_group("gloo", store=store, rank=comm.rank, world_size=comm.size)
+        group = dist.group.WORLD
+    else:  # another module's default group: a gloo group beside it
+        group = dist.new_group(backend="gloo")
+    yield group
+    if made:
+        dist.destroy_process_group()
+    else:
+        dist.destroy_process_group(group)
+
+
+def same(comm, got, want, what: str) -> None:
+    """Bit for bit at 1 and 2 ranks; at 3+ ranks within float32 roundings (see the module docstring)."""
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        if comm.size <= 2:
+            assert torch.equal(a, b), f"{what}: parameter {i} differs by {(a - b).abs().max().item():.3g}"
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"{what}: parameter {i}")
+
+
+def params(model) -> list:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def mlp(seed: int = 0, width: int = 16):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, width), torch.nn.ReLU(), torch.nn.Linear(width, 4))
+
+
+def data(step: int, rank: int, n: int = 4):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(n, 6, generator=g), torch.randint(0, 4, (n,), generator=g)
+
+
+def wrap(model, mode, comm, gloo, make_opt):
+    """(the module to call, the optimizer to step): DDP(gloo) for ``mode="ddp"``, else ours."""
+    if mode == "ddp":
+        ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=gloo)
+        return ddp, make_opt(ddp.parameters())
+    return model, coll.DistributedOptimizer(make_opt(model.parameters()), comm=comm, **MODES[mode])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# AMP: GradScaler and autocast (bfloat16 on CPU)
+
+
+def amp_train(mode, comm, gloo, *, overflow_rank=None, adam=False, fused=False):
+    """SGD (or Adam) under GradScaler and autocast; at step 2, ``overflow_rank``'s loss is inf (its
+    gradients inf/NaN there only). Returns the parameters, the scales seen and the steps taken."""
+    def make_opt(ps):
+        return torch.optim.Adam(ps, lr=1e-2, fused=fused) if adam else torch.optim.SGD(ps, lr=0.1, momentum=0.9)
+
+    net, opt = wrap(mlp(), mode, comm, gloo, make_opt)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2)
+    scales = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = data(step, comm.rank)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(net(x), y)
+        if step == 2 and comm.rank == overflow_rank:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        if mode == "off":
+            opt.average_gradients()  # overlap=False: before GradScaler looks at .grad (Horovod's synchronize())
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    module = net.module if mode == "ddp" else net
+    return params(module), scales
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_amp_grad_scaler_as_ddp(comm, gloo, mode):
+    """GradScaler + autocast: the parameters of DDP(gloo) with the same scaler (sharded state unscales
+    its averaged share, not the .grad it does not use)."""
+    want, want_scales = amp_train("ddp", comm, gloo)
+    got, scales = amp_train(mode, comm, gloo)
+    assert scales == want_scales
+    same(comm, got, want, f"AMP {mode}")
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_amp_overflow_on_one_rank(comm, gloo, mode):
+    """One rank's gradients overflow: every rank skips that step and backs off, as DDP (no hang)."""
+    want, want_scales = amp_train("ddp", comm, gloo, overflow_rank=0)
+    got, scales = amp_train(mode, comm, gloo, overflow_rank=0)
+    assert scales == want_scales and scales[2] == scales[1] / 2, scales
+    same(comm, got, want, f"AMP {mode}, overflow on rank 0")
+    every = coll.allgather(torch.cat([p.reshape(-1) for p in got]), comm=comm)
+    assert all(torch.equal(every[0], every[r]) for r in range(comm.size))
+
+
+@pytest.mark.parametrize("mode", ["overlap", "sharded"])
+def test_amp_fused_adam(comm, gloo, mode):
+    """Adam(fused=True) takes the scale and the inf flag itself (GradScaler's protocol): handed on."""
+    want, want_scales = amp_train("ddp", comm, gloo, overflow_rank=comm.size - 1, adam=True, fused=True)
+    got, scales = amp_train(mode, comm, gloo, overflow_rank=comm.size - 1, adam=True, fused=True)
+    assert scales == want_scales
+    if mode == "sharded":  # the fused CPU kernel's tail (see test_fused_adam_sharded below)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    else:
+        same(comm, got, want, f"AMP fused Adam {mode}")
+
+
+def test_amp_overlap_false_needs_average_gradients(comm):
+    """overlap=False: GradScaler would look at un-averaged .grad; a clear error on every rank."""
+    model = mlp()
+    opt = coll.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm=comm, overlap=False)
+    scaler = torch.amp.GradScaler("cpu")
+    x, y = data(0, comm.rank)
+    scaler.scale(F.cross_entropy(model(x), y)).backward()
+    with pytest.raises(RuntimeError, match="average_gradients"):
+        scaler.step(opt)
+    assert "found_inf" not in vars(opt)
+    opt.average_gradients()  # and the loop goes on
+    scaler.step(opt)
+    scaler.update()
+
+
+def test_amp_sharded_unscale_needs_average_gradients(comm):
+    """shard_state=True: scaler.unscale_ before step would unscale .grad, which the step does not use."""
+    model = mlp()
+    opt = coll.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm=comm, shard_state=True)
+    scaler = torch.amp.GradScaler("cpu")
+    x, y = data(0, comm.rank)
+    scaler.scale(F.cross_entropy(model(x), y)).backward()
+    scaler.unscale_(opt)
+    with pytest.raises(RuntimeError, match="average_gradients"):
+        scaler.step(opt)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_amp_unscale_then_clip(comm, gloo, mode):
+    """scaler.unscale_(opt), clip_grad_norm_, scaler.step(opt): with average_gradients() first where the
+    mode needs it (overlap=False, sharded state), the parameters of DDP."""
+    out = {}
+    for m in ("ddp", mode):
+        net, opt = wrap(mlp(), m, comm, gloo, lambda ps: torch.optim.SGD(ps, lr=0.5))
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+        for step in range(STEPS):
+            opt.zero_grad()
+            x, y = data(step, comm.rank)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = F.cross_entropy(net(x), y)
+            scaler.scale(loss).backward()
+            if m in ("off", "sharded"):
+                opt.average_gradients()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
+            scaler.step(opt)
+            scaler.update()
+        out[m] = params(net.module if m == "ddp" else net)
+    same(comm, out[mode], out["ddp"], f"AMP clip {mode}")
