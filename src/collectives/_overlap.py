@@ -179,6 +179,25 @@ class Buckets:
         self.communicating = communicating  # False in the accumulating passes (k-1 of every k)
         self.poisoned: BaseException | None = None
         self.deferred: BaseException | None = None  # a MismatchError of the end of backward, for step()
+        self.bucket_bytes = bucket_bytes
+        self.shard = shard
+        self._layout()
+        self.flag = np.zeros(3, np.int64)
+        self.flag_handle = None
+        self.next = 0
+        self.finished = False
+        self.shards = Shards(self) if shard else None
+        self.with_hooks = hooks
+        self.hooks: list = []
+        self._ref = weakref.ref(self)
+        # Hooks leave with the engine (the wrapper dropped): they hold it only weakly.
+        self._finalizer = weakref.finalize(self, _remove_hooks, self.hooks)
+        self._reset()
+
+    def _layout(self) -> None:
+        """The buckets and slots of the parameters as they are now (their dtype, device and shape), agreed
+        by every rank (collective)."""
+        comm, op, bucket_bytes, shard, inner = self.comm, self.op, self.bucket_bytes, self.shard, self.inner
         entries = []
         index = 0
         for g, group in enumerate(inner.param_groups):
@@ -226,16 +245,30 @@ class Buckets:
                        for s in self.slots)
         header = (("op", op), ("bucket_bytes", int(bucket_bytes)), ("shard_state", bool(shard)))
         _agree.agree(engine_of(comm).host, "DistributedOptimizer", header, layout, checked=False)
-        self.flag = np.zeros(3, np.int64)
-        self.flag_handle = None
-        self.next = 0
-        self.finished = False
-        self.shards = Shards(self) if shard else None
-        self.with_hooks = hooks
-        self.hooks: list = []
-        self._ref = weakref.ref(self)
-        # Hooks leave with the engine (the wrapper dropped): they hold it only weakly.
-        self._finalizer = weakref.finalize(self, _remove_hooks, self.hooks)
+        self.shapes = [(s.param, s.param.dtype, s.param.device, s.param.shape) for s in self.slots]
+
+    def _stale(self) -> bool:
+        """Whether a parameter's dtype, device or shape changed since the layout (``model.double()``,
+        ``.to(...)`` after wrapping)."""
+        for p, dtype, device, shape in self.shapes:
+            if p.dtype is not dtype or p.shape != shape or p.device != device:
+                return True
+        return False
+
+    def _relayout(self) -> None:
+        """The parameters changed dtype, device or shape: buckets laid out anew (collective, in ``finish()``,
+        where every rank comes alike), the sharded state carried over in the parameters' new dtype."""
+        full = self.shards.full_state() if self.shards is not None else None
+        self._drain()
+        hooked = {s.index for s in self.slots if s.hooked}
+        self._layout()
+        for s in self.slots:
+            s.hooked = s.index in hooked
+        if full is not None:
+            self.shards = Shards(self)
+            sd = self.inner.state_dict()
+            sd["state"] = full
+            self.shards.load_full(sd)
         self._reset()
 
     def _hook(self, s: _Slot) -> None:
@@ -275,6 +308,11 @@ class Buckets:
         self.flag_handle = None
         self.finished = False
         self.queued = False
+        self.checked = self.stale = False
+        if self.shards is not None:
+            self.shards.from_grads = False
+        if self.op != "mean":
+            self.left = []
 
     def _drain(self) -> None:
         for b in self.buckets:
@@ -304,15 +342,39 @@ class Buckets:
         if self.poisoned is not None:
             raise self.poisoned
         s = self.by_index[index]
-        if s.ready or self.finished:
+        if self.finished:
+            # Another backward pass after the round completed, before step() (a GAN's generator loss through
+            # the discriminator after module.zero_grad(), a second loss): a new round, as DDP reduces every
+            # backward pass. .grad now holds what torch accumulated: the average plus this pass's own
+            # gradients (or only the latter after a zero_grad), whose mean is the average plus this pass's
+            # average; with sharded state .grad holds the rank's own sums, reduced anew.
+            if not (self.op == "mean" or self.shards is not None or self._grads_reset()):
+                self.poisoned = RuntimeError(
+                    f"DistributedOptimizer(op={self.op!r}): a second backward pass reached parameter {s.name} "
+                    f"before step(), adding to a gradient already reduced over the ranks: reducing it again "
+                    f"would reduce the first pass's result {self.op!r}-wise once more. Zero the gradients "
+                    f"between the passes (module.zero_grad() or opt.zero_grad()), call step() after every "
+                    f"backward pass, or accumulate with DistributedOptimizer(opt, backward_passes_per_step=k)")
+                raise self.poisoned
+            self._reset()
+            s = self.by_index[index]
+        elif s.ready:
             self.poisoned = RuntimeError(
-                f"DistributedOptimizer: a second backward pass reached parameter {s.name} before step(): its "
-                f"gradient {'was already averaged' if self.finished else 'is already being averaged'} over "
-                f"the ranks (its bucket left during the previous backward pass), so this pass's gradient "
-                f"cannot join it. Call step() after every backward pass, or zero_grad() to drop this step's "
-                f"gradients (needed now before training on); to accumulate several backward passes per "
-                f"update, pass DistributedOptimizer(opt, backward_passes_per_step=k)")
+                f"DistributedOptimizer: parameter {s.name} got a second gradient in one backward pass after its "
+                f"bucket had left (its post-accumulate-grad hook ran twice: a reentrant backward, as "
+                f"torch.utils.checkpoint(use_reentrant=True) of a parameter also used outside the checkpointed "
+                f"part), so that gradient cannot join the average. Use use_reentrant=False, or overlap=False; "
+                f"zero_grad() drops this step's gradients (needed now before training on)")
             raise self.poisoned
+        if not self.checked:  # the first hook of the round: the parameters as laid out?
+            self.checked = True
+            self.stale = self._stale()
+        if self.stale:  # laid out anew in finish(), on the caller's thread; nothing leaves before
+            if not self.queued:
+                self.queued = True
+                _queue_callback(self._ref)
+            s.ready = True
+            return
         if not self.queued:  # finish() at the end of this backward pass (as DDP does): .grad is then
             self.queued = True  # the average when backward() returns, safe to read or clip
             _queue_callback(self._ref)
@@ -420,6 +482,11 @@ class Buckets:
         if self.finished:
             return
         torch = _torch()
+        if not self.checked:
+            self.checked = True
+            self.stale = self._stale()
+        if self.stale:
+            self._relayout()
         for b in self.buckets[self.next:]:
             self._leave(b)
         self.next = len(self.buckets)
@@ -449,7 +516,14 @@ class Buckets:
         if self.shards is not None:
             self.shards.take_gradients(skipped)
             self.shards.agree_finite()
+        elif self.op != "mean":  # what this round left in .grad: a later backward pass must not add to it
+            self.left = [weakref.ref(s.param.grad) for s in self.slots if s.param.grad is not None]
         self.finished = True
+
+    def _grads_reset(self) -> bool:
+        """Whether every gradient this round left was replaced since (``zero_grad(set_to_none=True)``)."""
+        now = {id(s.param.grad) for s in self.slots if s.param.grad is not None}
+        return not any(r() is not None and id(r()) in now for r in self.left)
 
     def _settle_missing(self) -> set:
         """Some rank lacks some gradient: who lacks which (one object allgather, every rank takes this

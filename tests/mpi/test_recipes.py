@@ -193,3 +193,87 @@ def test_amp_unscale_then_clip(comm, gloo, mode):
             scaler.update()
         out[m] = params(net.module if m == "ddp" else net)
     same(comm, out[mode], out["ddp"], f"AMP clip {mode}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# a GAN: two models, two optimizers, module.zero_grad(), the generator's loss through the discriminator
+
+
+def gan_train(mode, comm, gloo, steps=4, once=False):
+    """The DCGAN tutorial's loop: D steps on a real and a fake batch (two backward passes), then G on D's
+    verdict of the fake batch (its backward passes through D, whose gradients D's next zero_grad drops).
+    ``once``: DDP reduces D's two passes once (the first under no_sync)."""
+    torch.manual_seed(0)
+    netG = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 6))
+    netD = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.LeakyReLU(0.2), torch.nn.Linear(8, 1))
+    adam = lambda ps: torch.optim.Adam(ps, lr=2e-3, betas=(0.5, 0.999))  # noqa: E731
+    G, optG = wrap(netG, mode, comm, gloo, adam)
+    D, optD = wrap(netD, mode, comm, gloo, adam)
+    bce = torch.nn.BCEWithLogitsLoss()
+    for step in range(steps):
+        real, _ = data(step, comm.rank)
+        noise = torch.randn(4, 3, generator=torch.Generator().manual_seed(7 * step + comm.rank))
+        D.zero_grad()
+        with D.no_sync() if once else contextlib.nullcontext():
+            bce(D(real), torch.ones(4, 1)).backward()
+        fake = G(noise)
+        bce(D(fake.detach()), torch.zeros(4, 1)).backward()
+        optD.step()
+        G.zero_grad()
+        bce(D(fake), torch.ones(4, 1)).backward()
+        optG.step()
+    unwrap = (lambda m: m.module) if mode == "ddp" else (lambda m: m)
+    return params(unwrap(G)) + params(unwrap(D))
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_gan_two_optimizers_module_zero_grad(comm, gloo, mode):
+    """With overlap each backward pass is reduced, as DDP does: D's two passes add up (the second reduces
+    the first's average plus its own gradients), G's pass through D is reduced and dropped by D's next
+    zero_grad. overlap=False and sharded state reduce D's accumulated sum once: DDP with no_sync for
+    D's first pass."""
+    want = gan_train("ddp", comm, gloo, once=mode != "overlap")
+    same(comm, gan_train(mode, comm, gloo), want, f"GAN {mode}")
+
+
+def test_second_backward_with_op_sum_needs_zeroed_grads(comm):
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = coll.DistributedOptimizer(torch.optim.SGD([p], lr=1.0), comm=comm, op="sum")
+    (p * 2).sum().backward()
+    with pytest.raises(RuntimeError, match="second backward pass .* op='sum'|op='sum'.*second backward"):
+        (p * 2).sum().backward()
+    opt.zero_grad()
+    (p * 2).sum().backward()
+    p.grad = None  # zeroed between the passes: reduced anew
+    (p * 3).sum().backward()
+    opt.step()
+    assert p.detach().tolist() == [1.0 - 3.0 * comm.size] * 3
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the model cast after wrapping
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("cast", ["double", "bfloat16"])
+def test_model_cast_after_wrapping(comm, gloo, mode, cast):
+    """model.double() (or .to(dtype)) after DistributedOptimizer was made: the buckets follow (laid out
+    anew at the next round), and the parameters are those of DDP made on the cast model."""
+    dtype = {"double": torch.float64, "bfloat16": torch.bfloat16}[cast]
+    out = {}
+    for m in ("ddp", mode):
+        model = mlp().to(dtype) if m == "ddp" else mlp()  # DDP: cast before wrapping (its buckets are fixed)
+        net, opt = wrap(model, m, comm, gloo, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+        net.to(dtype)
+        for step in range(3):
+            opt.zero_grad()
+            x, y = data(step, comm.rank)
+            F.cross_entropy(net(x.to(dtype)), y).backward()
+            opt.step()
+        out[m] = params(net.module if m == "ddp" else net)
+    assert all(p.dtype == dtype for p in out[mode])
+    if mode == "sharded" and dtype == torch.bfloat16:  # CPU kernels' vector body and scalar tail (guide)
+        for a, b in zip(out[mode], out["ddp"]):
+            torch.testing.assert_close(a, b, rtol=2 ** -7, atol=2 ** -9)
+    else:
+        same(comm, out[mode], out["ddp"], f"{cast} {mode}")
