@@ -15,13 +15,14 @@ from . import _dtypes
 from ._backends import closed as _closed
 from ._comm import _resolve, allreduce_tree
 from ._errors import BackendUnavailableError
-from ._overlap import MISSING_GRADS, amp_step
+from ._overlap import COMPRESSIONS, MISSING_GRADS, amp_step
 from ._tree import WRAPPER_ATTRIBUTE, is_array, map_leaves
 
 
 def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_step: int = 1,
                          bucket_bytes: int | None = None, comm=None, overlap: bool = True,
-                         grad_views: bool = True, missing_grads: str = "error", shard_state: bool = False):
+                         grad_views: bool = True, missing_grads: str = "error", shard_state: bool = False,
+                         compression: str | None = None):
     """Wrap an optimizer so that every update uses gradients averaged over all ranks.
 
     Two kinds of optimizer are accepted:
@@ -152,6 +153,10 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
     for name, value in (("overlap", overlap), ("grad_views", grad_views), ("shard_state", shard_state)):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    if compression is not None and compression not in COMPRESSIONS:
+        raise ValueError(f"compression must be None or one of {', '.join(map(repr, COMPRESSIONS))}, got {compression!r}")
+    if compression is not None and op not in ("mean", "sum"):
+        raise ValueError(f"compression averages or sums (in float32); op={op!r} is not supported with it")
     if missing_grads not in MISSING_GRADS:
         raise ValueError(f"missing_grads must be one of {', '.join(map(repr, MISSING_GRADS))}, got {missing_grads!r}")
     if isinstance(optimizer, TorchDistributedOptimizer) or getattr(getattr(optimizer, "update", None),
@@ -168,12 +173,12 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
         return TorchDistributedOptimizer(optimizer, op=op, backward_passes_per_step=backward_passes_per_step,
                                          bucket_bytes=bucket_bytes, comm=c, overlap=overlap,
                                          grad_views=grad_views, missing_grads=missing_grads,
-                                         shard_state=shard_state)
+                                         shard_state=shard_state, compression=compression)
     if callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None)):
-        if shard_state or missing_grads != "error":
+        if shard_state or missing_grads != "error" or compression is not None:
             raise ValueError(
                 "an optax-like optimizer supports op, backward_passes_per_step, bucket_bytes and comm; "
-                "shard_state and missing_grads are for torch optimizers (an optax update gets the whole "
+                "shard_state, missing_grads and compression are for torch optimizers (an optax update gets the whole "
                 "gradient tree, and its gradients are never missing). overlap and grad_views have no effect "
                 "(the gradients exist only once the whole backward pass has run)")
         return _transformation(optimizer, op, backward_passes_per_step, bucket_bytes, c)
@@ -220,8 +225,9 @@ class TorchDistributedOptimizer:
 
     def __init__(self, optimizer, *, op: str = "mean", backward_passes_per_step: int = 1,
                  bucket_bytes: int | None = None, comm=None, overlap: bool = True, grad_views: bool = True,
-                 missing_grads: str = "error", shard_state: bool = False):
+                 missing_grads: str = "error", shard_state: bool = False, compression: str | None = None):
         self.inner = optimizer
+        self.compression = compression
         self.comm = _resolve(comm)
         self.op = op
         self.backward_passes_per_step = backward_passes_per_step
@@ -236,14 +242,15 @@ class TorchDistributedOptimizer:
         self._engine = self._make_engine()
 
     def _make_engine(self):
-        if not (self.overlap or self.shard_state):
+        if not (self.overlap or self.shard_state or self.compression):
             return None
         from . import _overlap
 
         nbytes = _overlap_bucket_bytes(self.bucket_bytes)
         return _overlap.Buckets(self.inner, _overlap.grad_comm(self.comm), op=self.op, bucket_bytes=nbytes,
                                 hooks=self.overlap, views=self.grad_views, missing=self.missing_grads,
-                                shard=self.shard_state, communicating=self.backward_passes_per_step == 1)
+                                shard=self.shard_state, communicating=self.backward_passes_per_step == 1,
+                                compression=_overlap.compression_dtype(self.compression))
 
     def close(self) -> None:
         """Remove the gradient hooks now (dropping the wrapper does it too). Not collective.
@@ -399,6 +406,15 @@ class TorchDistributedOptimizer:
                 engine.communicating = self._passes == k - 1
             return None
         self._passes = 0
+        if amp is not None and not self._averaged and (engine is None or not engine.with_hooks):
+            self._averaged = False
+            _amp_done(self)
+            raise RuntimeError(
+                "DistributedOptimizer(overlap=False) under torch.amp.GradScaler: GradScaler looked at .grad "
+                "before step() averaged it, so its inf/NaN check saw this rank's own gradients (ranks would "
+                "skip different steps and scale differently). Call opt.average_gradients() before "
+                "scaler.unscale_(opt) / scaler.step(opt) (Horovod's optimizer.synchronize()), or use "
+                "overlap=True (the default: .grad is averaged when backward() returns)")
         if engine is not None:
             try:
                 if closure is None:
@@ -418,15 +434,6 @@ class TorchDistributedOptimizer:
                 engine.communicating = k == 1
                 engine.new_round()
         if closure is None:
-            if amp is not None and not self._averaged:
-                self._averaged = False
-                _amp_done(self)
-                raise RuntimeError(
-                    "DistributedOptimizer(overlap=False) under torch.amp.GradScaler: GradScaler looked at .grad "
-                    "before step() averaged it, so its inf/NaN check saw this rank's own gradients (ranks would "
-                    "skip different steps and scale differently). Call opt.average_gradients() before "
-                    "scaler.unscale_(opt) / scaler.step(opt) (Horovod's optimizer.synchronize()), or use "
-                    "overlap=True (the default: .grad is averaged when backward() returns)")
             if not self._averaged:
                 self.average_gradients()
             self._averaged = False

@@ -87,6 +87,23 @@ def _torch():
     return sys.modules["torch"]
 
 
+def COMPRESSIBLE() -> tuple:  # noqa: N802 - a constant of torch's dtypes, made when torch is there
+    """The gradient dtypes compression narrows (wider than the narrow types)."""
+    torch = _torch()
+    return (torch.float32, torch.float64)
+
+
+COMPRESSIONS = ("fp16", "bf16")
+
+
+def compression_dtype(name):
+    """The torch dtype of a ``compression`` name (``None``: none)."""
+    if name is None:
+        return None
+    torch = _torch()
+    return {"fp16": torch.float16, "bf16": torch.bfloat16}[name]
+
+
 def _desc(p) -> str:
     return f"{str(p.dtype).replace('torch.', '')} {tuple(p.shape)}"
 
@@ -118,7 +135,7 @@ class _Slot:
 
 
 class _Bucket:
-    __slots__ = ("block", "blocking", "flat", "group", "handle", "key", "last", "lo", "numel", "padded",
+    __slots__ = ("block", "blocking", "flat", "group", "handle", "key", "last", "lo", "narrow", "numel", "padded",
                  "pending", "shard_k", "shard_off", "slots", "solo")
 
     def __init__(self, key, group):
@@ -136,6 +153,7 @@ class _Bucket:
         self.shard_off = 0
         self.shard_k = 0
         self.solo = False
+        self.narrow = None  # compression: the dtype its gradients travel in
         self.blocking = False  # reduced by the blocking allreduce when it leaves (see Buckets._reduce)
 
 
@@ -170,8 +188,9 @@ class Buckets:
     """The gradient buckets of one torch optimizer (see the module docstring)."""
 
     def __init__(self, inner, comm, *, op: str, bucket_bytes: int, hooks: bool, views: bool, missing: str,
-                 shard: bool, communicating: bool):
+                 shard: bool, communicating: bool, compression=None):
         self.inner = inner
+        self.compression = compression  # the torch dtype gradients travel in (see _reduce), or None
         self.comm = comm
         self.op = op
         self.views = views
@@ -210,7 +229,8 @@ class Buckets:
         buckets: list[_Bucket] = []
         open_: dict = {}
         self.slots: list[_Slot] = []
-        solo_at = solo_bytes(bucket_bytes) if not shard else None
+        narrow = self.compression
+        solo_at = solo_bytes(bucket_bytes) if not (shard or narrow) else None
         for order, (index, name, g, p) in enumerate(reversed(entries)):
             key = (g, p.dtype, p.device)
             b = open_.get(key)
@@ -231,9 +251,10 @@ class Buckets:
         self.buckets = buckets
         self.by_index = {s.index: s for s in self.slots}
         for b in buckets:
-            b.padded = -(-b.numel // size) * size if shard else b.numel
-            b.solo = not shard and len(b.slots) == 1
-            b.blocking = not shard and (b is buckets[-1] or (
+            b.narrow = narrow if narrow is not None and b.key[1] in COMPRESSIBLE() else None
+            b.padded = -(-b.numel // size) * size if shard or b.narrow is not None else b.numel
+            b.solo = not shard and b.narrow is None and len(b.slots) == 1
+            b.blocking = not shard and b.narrow is None and (b is buckets[-1] or (
                 b.key[2].type == "cpu" and engine_of(comm).reduces_on_the_callers_cpus(b.numel * b.slots[0].param.element_size())))
             if not b.solo:  # a solo parameter's buffer is made only if ever needed (see _leave)
                 self._flat(b)
@@ -243,7 +264,8 @@ class Buckets:
         where = {id(b): i for i, b in enumerate(buckets)}
         layout = tuple((s.name, f"{_desc(s.param)} {s.param.device.type} in bucket {where[id(s.bucket)]}")
                        for s in self.slots)
-        header = (("op", op), ("bucket_bytes", int(bucket_bytes)), ("shard_state", bool(shard)))
+        header = (("op", op), ("bucket_bytes", int(bucket_bytes)), ("shard_state", bool(shard)),
+                  ("compression", str(narrow)))
         _agree.agree(engine_of(comm).host, "DistributedOptimizer", header, layout, checked=False)
         self.shapes = [(s.param, s.param.dtype, s.param.device, s.param.shape) for s in self.slots]
 
@@ -446,7 +468,13 @@ class Buckets:
 
     def _reduce(self, b: _Bucket, buf) -> None:
         """Start the reduction of bucket ``b`` held in ``buf`` (its flat buffer, or a solo .grad)."""
-        if self.shards is not None:
+        if b.narrow is not None:
+            # Compression: every rank sends block j of its gradients, in the narrow dtype, to rank j
+            # (alltoall); rank j adds the blocks in float32 and divides (finish(): _compressed), rounds the
+            # average to the narrow dtype once, and the averages come back by allgather (or, with sharded
+            # state, rank j keeps its block): half the bytes of a float32 allreduce each way.
+            b.handle = self.comm.alltoall(buf.to(b.narrow), async_op=True)
+        elif self.shards is not None:
             b.handle = self.comm.reduce_scatter(buf, self.op, async_op=True)
         elif b.blocking:
             # The blocking call, which may take the node-shared-memory allreduce, where nothing could
@@ -457,6 +485,15 @@ class Buckets:
             b.handle = Handle.completed("allreduce", self.comm.allreduce(buf, self.op))
         else:
             b.handle = self.comm.allreduce(buf, self.op, async_op=True)
+
+    def _compressed(self, b: _Bucket, blocks):
+        """This rank's block of a compressed bucket: every rank's narrow block added in float32 (in rank
+        order), divided by the number of ranks for a mean, rounded to the narrow dtype once."""
+        torch = _torch()
+        acc = blocks.reshape(self.comm.size, -1).to(torch.float32).sum(0)
+        if self.op == "mean":
+            acc = acc / self.comm.size
+        return acc.to(b.narrow)
 
     def _send_flag(self) -> None:
         """One small allreduce (max) that tells whether the ranks agree on the missing gradients: element 0
@@ -492,11 +529,20 @@ class Buckets:
         self.next = len(self.buckets)
         if self.flag_handle is None:
             self._send_flag()
+        gathers = []
         for b in self.buckets:
             out = b.handle.wait()
             b.handle = None
+            if b.narrow is not None:
+                out = self._compressed(b, out)
+                if self.shards is None:
+                    gathers.append((b, self.comm.allgather(out, async_op=True)))
+                    continue
+                out = out.to(b.key[1])
             if self.shards is not None:
                 b.block = out
+        for b, h in gathers:  # the averages, in the narrow dtype, back into the bucket's dtype
+            b.flat.copy_(h.wait().reshape(-1))
         flag, self.flag_handle = self.flag_handle, None
         assert flag is not None  # started with the buckets (above)
         flag.wait()

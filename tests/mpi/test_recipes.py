@@ -148,10 +148,12 @@ def test_amp_fused_adam(comm, gloo, mode):
         same(comm, got, want, f"AMP fused Adam {mode}")
 
 
-def test_amp_overlap_false_needs_average_gradients(comm):
+@pytest.mark.parametrize("options", [dict(), dict(shard_state=True), dict(compression="bf16")])
+def test_amp_overlap_false_needs_average_gradients(comm, options):
     """overlap=False: GradScaler would look at un-averaged .grad; a clear error on every rank."""
     model = mlp()
-    opt = coll.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm=comm, overlap=False)
+    opt = coll.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm=comm, overlap=False,
+                                    **options)
     scaler = torch.amp.GradScaler("cpu")
     x, y = data(0, comm.rank)
     scaler.scale(F.cross_entropy(model(x), y)).backward()
@@ -450,3 +452,69 @@ def test_compiled_model(comm, gloo, mode):
         pytest.skip("torch.compile is not available on this build")
     same(comm, fit(mode, comm, gloo, compiled=True, steps=3), fit("ddp", comm, gloo, compiled=True, steps=3),
          f"compiled, {mode}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# compression: gradients travel in float16 / bfloat16, averaged in float32
+
+
+@pytest.mark.parametrize("compression", ["fp16", "bf16"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_compression_rule(comm, mode, compression):
+    """The average is round_narrow(sum over ranks, in float32, of round_narrow(g_r) / size), then cast
+    back: the same on every rank and in every mode."""
+    narrow = {"fp16": torch.float16, "bf16": torch.bfloat16}[compression]
+    shapes = [(5, 3), (7,), (1,)]
+    ps = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    opt = coll.DistributedOptimizer(torch.optim.SGD(ps, lr=1.0), comm=comm, compression=compression, **MODES[mode])
+
+    def grad(r, i):
+        return torch.randn(shapes[i], generator=torch.Generator().manual_seed(10 * r + i)) * 1.001
+
+    if mode == "overlap":
+        sum((p * grad(comm.rank, i)).sum() for i, p in enumerate(ps)).backward()
+    else:
+        for i, p in enumerate(ps):
+            p.grad = grad(comm.rank, i)
+    opt.step()
+    for i, p in enumerate(ps):
+        acc = sum(grad(r, i).to(narrow).float() for r in range(comm.size)) / comm.size
+        want = -acc.to(narrow).float()
+        assert torch.equal(p.detach(), want), f"parameter {i}"
+    assert not torch.equal(ps[0].detach(), -sum(grad(r, 0) for r in range(comm.size)) / comm.size), "narrowed"
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_compression_as_ddp_fp16_hook(comm, gloo, mode):
+    """Against DDP with fp16_compress_hook (which divides in float16 before a float16 sum): within float16
+    roundings of the gradients."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    out = {}
+    for m in ("ddp", mode):
+        torch.manual_seed(0)
+        model = mlp()
+        if m == "ddp":
+            net = torch.nn.parallel.DistributedDataParallel(model, process_group=gloo)
+            net.register_comm_hook(gloo, default_hooks.fp16_compress_hook)
+            opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        else:
+            net = model
+            opt = coll.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm=comm,
+                                            compression="fp16", **MODES[m])
+        for step in range(3):
+            opt.zero_grad()
+            x, y = data(step, comm.rank)
+            F.cross_entropy(net(x), y).backward()
+            opt.step()
+        out[m] = params(model)
+    for a, b in zip(out[mode], out["ddp"]):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+
+
+def test_compression_arguments(comm):
+    p = torch.nn.Parameter(torch.zeros(2))
+    with pytest.raises(ValueError, match="compression must be"):
+        coll.DistributedOptimizer(torch.optim.SGD([p], lr=1.0), comm=comm, compression="int8")
+    with pytest.raises(ValueError, match="op='max'"):
+        coll.DistributedOptimizer(torch.optim.SGD([p], lr=1.0), comm=comm, compression="fp16", op="max")
