@@ -490,9 +490,12 @@ class Buckets:
         """This rank's block of a compressed bucket: every rank's narrow block added in float32 (in rank
         order), divided by the number of ranks for a mean, rounded to the narrow dtype once."""
         torch = _torch()
-        acc = blocks.reshape(self.comm.size, -1).to(torch.float32).sum(0)
+        blocks = blocks.reshape(self.comm.size, -1)
+        acc = blocks[0].to(torch.float32)
+        for r in range(1, self.comm.size):
+            acc.add_(blocks[r])  # float32 += the narrow block, widened
         if self.op == "mean":
-            acc = acc / self.comm.size
+            acc.div_(self.comm.size)
         return acc.to(b.narrow)
 
     def _send_flag(self) -> None:
