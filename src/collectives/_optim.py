@@ -54,10 +54,20 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
       in (one copy; your tensor is not changed, and ``p.grad`` is the view again). Use
       ``zero_grad(set_to_none=False)`` for no copy at all. ``grad_views=False`` copies every gradient in
       and the result back out, and leaves ``p.grad`` the tensor torch made.
-    - **A second backward pass before** ``step()`` (with ``backward_passes_per_step=1``, or in the k-th
-      micro-batch) is a RuntimeError raised by that backward on every rank that runs it: its gradients
-      would be added to buckets already on their way. ``zero_grad()`` drops the round (every rank
-      completes what it started) and training goes on.
+    - **Several backward passes before** ``step()`` are each reduced, as DDP reduces every backward pass
+      (a GAN's generator loss through the discriminator): a backward pass after the round completed starts
+      a new one over ``.grad`` as torch accumulated it, giving the sum of the passes' averages. With an op
+      other than ``"mean"`` a second pass must follow ``zero_grad(set_to_none=True)`` (module or
+      optimizer), else it is a RuntimeError on every rank; ``zero_grad()`` drops the round.
+    - **Casts after wrapping** (``model.double()``, ``.to(dtype or device)``): the buckets are laid out
+      anew at the next round (collective: every rank casts alike).
+    - **AMP**: ``torch.amp.GradScaler`` works in every mode: ``scaler.step(opt)`` hands the wrapper the scale
+      and the inf/NaN flag (``_step_supports_amp_scaling``), and it unscales what the step uses (the averaged
+      gradients, or the sharded share) and skips alike on every rank. With ``overlap=False`` call
+      ``average_gradients()`` before ``scaler.unscale_``/``scaler.step`` (else a RuntimeError on every rank).
+    - **Compression** (``compression="fp16"`` or ``"bf16"``, as Horovod's ``Compression.fp16``): float32 and
+      float64 gradients travel in the narrow type (alltoall of the blocks, each rank adds its block in
+      float32 and divides, one rounding to the narrow type, allgather), then are cast back.
     - **Missing gradients**: a parameter whose ``.grad`` is ``None`` at ``step()`` on every rank is
       skipped (its ``.grad`` stays ``None``, as torch optimizers skip it). One that has a gradient on some
       ranks only is a :class:`MismatchError` on every rank naming it and the ranks (no update happens);
@@ -75,7 +85,8 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
       work); ``state_dict()`` is collective and gives the full, unsharded state on every rank (save it on
       rank 0); ``load_state_dict`` takes a full state (of a sharded or an unsharded optimizer). ``p.grad``
       keeps this rank's own gradients (only the blocks were averaged, and changing ``.grad`` before
-      ``step()`` has no effect) unless ``average_gradients()`` gathered the average into it (for clipping). A parameter without gradient on every rank keeps its value
+      ``step()`` has no effect; when some rank's averaged share is not finite, every rank's ``.grad`` gets
+      an inf, so that GradScaler skips alike) unless ``average_gradients()`` gathered the average into it (for clipping). A parameter without gradient on every rank keeps its value
       and state, but shares the group's step count (Adam's bias correction counts the group's steps).
     - **optax-like** (has ``init`` and ``update``, pure functions, e.g. an ``optax.GradientTransformation``):
       returns a :class:`DistributedTransformation` ``(init, update)``; ``update(grads, state, params=None)``
@@ -108,6 +119,7 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
         missing_grads: torch: ``"error"`` (default) or ``"zero"``: what a gradient missing on some ranks
             only is (see above).
         shard_state: torch: shard the optimizer state over the ranks (see above).
+        compression: torch: ``None`` (default), ``"fp16"`` or ``"bf16"``: the type gradients travel in.
 
     Returns:
         A :class:`TorchDistributedOptimizer` or a :class:`DistributedTransformation`.
@@ -116,8 +128,9 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
         TypeError: ``optimizer`` is neither torch-like nor optax-like; ``shard_state=True`` for an optimizer
             that is not element-wise; a switch that is not a bool.
         ValueError: ``backward_passes_per_step`` is not a positive integer, the optimizer is already
-            distributed, ``missing_grads`` is unknown, or ``shard_state``/``missing_grads`` for an
-            optax-like optimizer.
+            distributed, ``missing_grads`` or ``compression`` is unknown, ``compression`` with an op other
+            than mean or sum, or ``shard_state``/``missing_grads``/``compression`` for an optax-like
+            optimizer.
 
     Example:
         >>> import numpy as np, collectives as coll
@@ -178,8 +191,8 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
         if shard_state or missing_grads != "error" or compression is not None:
             raise ValueError(
                 "an optax-like optimizer supports op, backward_passes_per_step, bucket_bytes and comm; "
-                "shard_state, missing_grads and compression are for torch optimizers (an optax update gets the whole "
-                "gradient tree, and its gradients are never missing). overlap and grad_views have no effect "
+                "shard_state and missing_grads are for torch optimizers (an optax update gets the whole "
+                "gradient tree, and its gradients are never missing), and so is compression. overlap and grad_views have no effect "
                 "(the gradients exist only once the whole backward pass has run)")
         return _transformation(optimizer, op, backward_passes_per_step, bucket_bytes, c)
     raise TypeError(

@@ -87,7 +87,7 @@ def _torch():
     return sys.modules["torch"]
 
 
-def COMPRESSIBLE() -> tuple:  # noqa: N802 - a constant of torch's dtypes, made when torch is there
+def COMPRESSIBLE() -> tuple:
     """The gradient dtypes compression narrows (wider than the narrow types)."""
     torch = _torch()
     return (torch.float32, torch.float64)
@@ -334,7 +334,7 @@ class Buckets:
         if self.shards is not None:
             self.shards.from_grads = False
         if self.op != "mean":
-            self.left = []
+            self.left: list = []
 
     def _drain(self) -> None:
         for b in self.buckets:

@@ -13,7 +13,6 @@ import contextlib
 import os
 import tempfile
 
-import numpy as np
 import pytest
 
 import collectives as coll
@@ -212,7 +211,7 @@ def gan_train(mode, comm, gloo, steps=4, once=False):
     torch.manual_seed(0)
     netG = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 6))
     netD = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.LeakyReLU(0.2), torch.nn.Linear(8, 1))
-    adam = lambda ps: torch.optim.Adam(ps, lr=2e-3, betas=(0.5, 0.999))  # noqa: E731
+    adam = lambda ps: torch.optim.Adam(ps, lr=2e-3, betas=(0.5, 0.999))
     G, optG = wrap(netG, mode, comm, gloo, adam)
     D, optD = wrap(netD, mode, comm, gloo, adam)
     bce = torch.nn.BCEWithLogitsLoss()
