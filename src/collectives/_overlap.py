@@ -43,6 +43,17 @@
   user's class and hyper-parameters, one flat tensor per (group, dtype, device) holding its blocks, and
   the parameters come back by one allgather per bucket.
 
+- **rounds**: a backward pass after a round completed (before ``step()``) starts a new round over ``.grad`` as
+  torch accumulated it (as DDP reduces every backward pass); the first hook of a round checks that the
+  parameters' dtype, device and shape are those of the layout, else the buckets are laid out anew in
+  ``finish()`` (``model.double()`` after wrapping);
+- **compression** (a narrow dtype): a float32/float64 bucket is padded to a multiple of the number of ranks
+  and leaves as an alltoall of its narrow blocks; ``finish()`` adds each rank's block in float32, divides,
+  rounds once to the narrow dtype and allgathers (sharded state keeps the block);
+- **AMP**: :func:`amp_step` runs the step as torch.amp.GradScaler would over the gradients the step uses;
+  with sharded state the end of backward agrees whether any rank's averaged share is not finite
+  (:meth:`Shards.agree_finite`), so that every rank's scaler decides alike.
+
 The gradient collectives run on a communicator of their own (one ``split`` of the optimizer's, made once
 per communicator), so a collective the user calls between backward and ``step()`` never meets a bucket
 that another rank has not sent yet.
