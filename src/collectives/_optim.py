@@ -15,13 +15,14 @@ from . import _dtypes
 from ._backends import closed as _closed
 from ._comm import _resolve, allreduce_tree
 from ._errors import BackendUnavailableError
-from ._overlap import MISSING_GRADS
+from ._overlap import COMPRESSIONS, MISSING_GRADS, amp_step
 from ._tree import WRAPPER_ATTRIBUTE, is_array, map_leaves
 
 
 def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_step: int = 1,
                          bucket_bytes: int | None = None, comm=None, overlap: bool = True,
-                         grad_views: bool = True, missing_grads: str = "error", shard_state: bool = False):
+                         grad_views: bool = True, missing_grads: str = "error", shard_state: bool = False,
+                         compression: str | None = None):
     """Wrap an optimizer so that every update uses gradients averaged over all ranks.
 
     Two kinds of optimizer are accepted:
@@ -53,10 +54,20 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
       in (one copy; your tensor is not changed, and ``p.grad`` is the view again). Use
       ``zero_grad(set_to_none=False)`` for no copy at all. ``grad_views=False`` copies every gradient in
       and the result back out, and leaves ``p.grad`` the tensor torch made.
-    - **A second backward pass before** ``step()`` (with ``backward_passes_per_step=1``, or in the k-th
-      micro-batch) is a RuntimeError raised by that backward on every rank that runs it: its gradients
-      would be added to buckets already on their way. ``zero_grad()`` drops the round (every rank
-      completes what it started) and training goes on.
+    - **Several backward passes before** ``step()`` are each reduced, as DDP reduces every backward pass
+      (a GAN's generator loss through the discriminator): a backward pass after the round completed starts
+      a new one over ``.grad`` as torch accumulated it, giving the sum of the passes' averages. With an op
+      other than ``"mean"`` a second pass must follow ``zero_grad(set_to_none=True)`` (module or
+      optimizer), else it is a RuntimeError on every rank; ``zero_grad()`` drops the round.
+    - **Casts after wrapping** (``model.double()``, ``.to(dtype or device)``): the buckets are laid out
+      anew at the next round (collective: every rank casts alike).
+    - **AMP**: ``torch.amp.GradScaler`` works in every mode: ``scaler.step(opt)`` hands the wrapper the scale
+      and the inf/NaN flag (``_step_supports_amp_scaling``), and it unscales what the step uses (the averaged
+      gradients, or the sharded share) and skips alike on every rank. With ``overlap=False`` call
+      ``average_gradients()`` before ``scaler.unscale_``/``scaler.step`` (else a RuntimeError on every rank).
+    - **Compression** (``compression="fp16"`` or ``"bf16"``, as Horovod's ``Compression.fp16``): float32 and
+      float64 gradients travel in the narrow type (alltoall of the blocks, each rank adds its block in
+      float32 and divides, one rounding to the narrow type, allgather), then are cast back.
     - **Missing gradients**: a parameter whose ``.grad`` is ``None`` at ``step()`` on every rank is
       skipped (its ``.grad`` stays ``None``, as torch optimizers skip it). One that has a gradient on some
       ranks only is a :class:`MismatchError` on every rank naming it and the ranks (no update happens);
@@ -74,7 +85,8 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
       work); ``state_dict()`` is collective and gives the full, unsharded state on every rank (save it on
       rank 0); ``load_state_dict`` takes a full state (of a sharded or an unsharded optimizer). ``p.grad``
       keeps this rank's own gradients (only the blocks were averaged, and changing ``.grad`` before
-      ``step()`` has no effect) unless ``average_gradients()`` gathered the average into it (for clipping). A parameter without gradient on every rank keeps its value
+      ``step()`` has no effect; when some rank's averaged share is not finite, every rank's ``.grad`` gets
+      an inf, so that GradScaler skips alike) unless ``average_gradients()`` gathered the average into it (for clipping). A parameter without gradient on every rank keeps its value
       and state, but shares the group's step count (Adam's bias correction counts the group's steps).
     - **optax-like** (has ``init`` and ``update``, pure functions, e.g. an ``optax.GradientTransformation``):
       returns a :class:`DistributedTransformation` ``(init, update)``; ``update(grads, state, params=None)``
@@ -107,6 +119,7 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
         missing_grads: torch: ``"error"`` (default) or ``"zero"``: what a gradient missing on some ranks
             only is (see above).
         shard_state: torch: shard the optimizer state over the ranks (see above).
+        compression: torch: ``None`` (default), ``"fp16"`` or ``"bf16"``: the type gradients travel in.
 
     Returns:
         A :class:`TorchDistributedOptimizer` or a :class:`DistributedTransformation`.
@@ -115,8 +128,9 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
         TypeError: ``optimizer`` is neither torch-like nor optax-like; ``shard_state=True`` for an optimizer
             that is not element-wise; a switch that is not a bool.
         ValueError: ``backward_passes_per_step`` is not a positive integer, the optimizer is already
-            distributed, ``missing_grads`` is unknown, or ``shard_state``/``missing_grads`` for an
-            optax-like optimizer.
+            distributed, ``missing_grads`` or ``compression`` is unknown, ``compression`` with an op other
+            than mean or sum, or ``shard_state``/``missing_grads``/``compression`` for an optax-like
+            optimizer.
 
     Example:
         >>> import numpy as np, collectives as coll
@@ -152,6 +166,10 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
     for name, value in (("overlap", overlap), ("grad_views", grad_views), ("shard_state", shard_state)):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    if compression is not None and compression not in COMPRESSIONS:
+        raise ValueError(f"compression must be None or one of {', '.join(map(repr, COMPRESSIONS))}, got {compression!r}")
+    if compression is not None and op not in ("mean", "sum"):
+        raise ValueError(f"compression averages or sums (in float32); op={op!r} is not supported with it")
     if missing_grads not in MISSING_GRADS:
         raise ValueError(f"missing_grads must be one of {', '.join(map(repr, MISSING_GRADS))}, got {missing_grads!r}")
     if isinstance(optimizer, TorchDistributedOptimizer) or getattr(getattr(optimizer, "update", None),
@@ -168,13 +186,13 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
         return TorchDistributedOptimizer(optimizer, op=op, backward_passes_per_step=backward_passes_per_step,
                                          bucket_bytes=bucket_bytes, comm=c, overlap=overlap,
                                          grad_views=grad_views, missing_grads=missing_grads,
-                                         shard_state=shard_state)
+                                         shard_state=shard_state, compression=compression)
     if callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None)):
-        if shard_state or missing_grads != "error":
+        if shard_state or missing_grads != "error" or compression is not None:
             raise ValueError(
                 "an optax-like optimizer supports op, backward_passes_per_step, bucket_bytes and comm; "
                 "shard_state and missing_grads are for torch optimizers (an optax update gets the whole "
-                "gradient tree, and its gradients are never missing). overlap and grad_views have no effect "
+                "gradient tree, and its gradients are never missing), and so is compression. overlap and grad_views have no effect "
                 "(the gradients exist only once the whole backward pass has run)")
         return _transformation(optimizer, op, backward_passes_per_step, bucket_bytes, c)
     raise TypeError(
@@ -213,11 +231,16 @@ class TorchDistributedOptimizer:
     """
 
     _collectives_distributed = True
+    # torch.amp.GradScaler: an optimizer with this attribute gets the scale and the inf/NaN flag as its
+    # attributes grad_scale and found_inf, and its step() is always called: the wrapper unscales what the
+    # step uses (after the averaging) and skips the update itself, on every rank alike (see _amp_step)
+    _step_supports_amp_scaling = True
 
     def __init__(self, optimizer, *, op: str = "mean", backward_passes_per_step: int = 1,
                  bucket_bytes: int | None = None, comm=None, overlap: bool = True, grad_views: bool = True,
-                 missing_grads: str = "error", shard_state: bool = False):
+                 missing_grads: str = "error", shard_state: bool = False, compression: str | None = None):
         self.inner = optimizer
+        self.compression = compression
         self.comm = _resolve(comm)
         self.op = op
         self.backward_passes_per_step = backward_passes_per_step
@@ -232,14 +255,15 @@ class TorchDistributedOptimizer:
         self._engine = self._make_engine()
 
     def _make_engine(self):
-        if not (self.overlap or self.shard_state):
+        if not (self.overlap or self.shard_state or self.compression):
             return None
         from . import _overlap
 
         nbytes = _overlap_bucket_bytes(self.bucket_bytes)
         return _overlap.Buckets(self.inner, _overlap.grad_comm(self.comm), op=self.op, bucket_bytes=nbytes,
                                 hooks=self.overlap, views=self.grad_views, missing=self.missing_grads,
-                                shard=self.shard_state, communicating=self.backward_passes_per_step == 1)
+                                shard=self.shard_state, communicating=self.backward_passes_per_step == 1,
+                                compression=_overlap.compression_dtype(self.compression))
 
     def close(self) -> None:
         """Remove the gradient hooks now (dropping the wrapper does it too). Not collective.
@@ -384,6 +408,7 @@ class TorchDistributedOptimizer:
                 :func:`DistributedOptimizer`).
         """
         k = self.backward_passes_per_step
+        amp = _amp_call(self)
         if closure is not None and k > 1:
             raise ValueError("step(closure) is not supported with backward_passes_per_step > 1: the closure "
                              "would run one backward pass more than the k accumulated ones")
@@ -394,12 +419,21 @@ class TorchDistributedOptimizer:
                 engine.communicating = self._passes == k - 1
             return None
         self._passes = 0
+        if amp is not None and not self._averaged and (engine is None or not engine.with_hooks):
+            self._averaged = False
+            _amp_done(self)
+            raise RuntimeError(
+                "DistributedOptimizer(overlap=False) under torch.amp.GradScaler: GradScaler looked at .grad "
+                "before step() averaged it, so its inf/NaN check saw this rank's own gradients (ranks would "
+                "skip different steps and scale differently). Call opt.average_gradients() before "
+                "scaler.unscale_(opt) / scaler.step(opt) (Horovod's optimizer.synchronize()), or use "
+                "overlap=True (the default: .grad is averaged when backward() returns)")
         if engine is not None:
             try:
                 if closure is None:
                     if not self._averaged:
                         engine.finish()
-                    return engine.step()
+                    return engine.step(amp=amp)
 
                 def reduced_closure():
                     engine.new_round()
@@ -416,7 +450,7 @@ class TorchDistributedOptimizer:
             if not self._averaged:
                 self.average_gradients()
             self._averaged = False
-            return self.inner.step()
+            return amp_step(self.inner, amp, self._grads)
 
         def averaged_closure():
             loss = closure()
@@ -425,6 +459,9 @@ class TorchDistributedOptimizer:
 
         self._averaged = False
         return self.inner.step(averaged_closure)
+
+    def _grads(self) -> list:
+        return [p.grad for group in self.inner.param_groups for p in group["params"] if p.grad is not None]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The inner ``zero_grad``, skipped while accumulating (so the k backward passes add up).
@@ -533,6 +570,23 @@ class TorchDistributedOptimizer:
             assert self._engine is not None  # shard_state=True: there is always an engine, holding the shards
             total += nbytes(self._engine.shards.opt)
         return total
+
+
+def _amp_call(opt):
+    """``(grad_scale, found_inf)`` when torch.amp.GradScaler.step() is calling ``opt.step()`` (it sets both as
+    attributes of an optimizer with ``_step_supports_amp_scaling``), else ``None``. ``grad_scale`` is ``None``
+    when ``scaler.unscale_(opt)`` already unscaled ``.grad``; ``found_inf`` is the scaler's inf/NaN flag
+    over ``.grad``."""
+    d = opt.__dict__
+    if "found_inf" not in d:
+        return None
+    return d.get("grad_scale"), d["found_inf"]
+
+
+def _amp_done(opt) -> None:
+    """Remove GradScaler's attributes (a step that raises: the scaler removes them only after a step)."""
+    opt.__dict__.pop("grad_scale", None)
+    opt.__dict__.pop("found_inf", None)
 
 
 def _overlap_bucket_bytes(bucket_bytes) -> int:

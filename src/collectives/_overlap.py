@@ -43,6 +43,17 @@
   user's class and hyper-parameters, one flat tensor per (group, dtype, device) holding its blocks, and
   the parameters come back by one allgather per bucket.
 
+- **rounds**: a backward pass after a round completed (before ``step()``) starts a new round over ``.grad`` as
+  torch accumulated it (as DDP reduces every backward pass); the first hook of a round checks that the
+  parameters' dtype, device and shape are those of the layout, else the buckets are laid out anew in
+  ``finish()`` (``model.double()`` after wrapping);
+- **compression** (a narrow dtype): a float32/float64 bucket is padded to a multiple of the number of ranks
+  and leaves as an alltoall of its narrow blocks; ``finish()`` adds each rank's block in float32, divides,
+  rounds once to the narrow dtype and allgathers (sharded state keeps the block);
+- **AMP**: :func:`amp_step` runs the step as torch.amp.GradScaler would over the gradients the step uses;
+  with sharded state the end of backward agrees whether any rank's averaged share is not finite
+  (:meth:`Shards.agree_finite`), so that every rank's scaler decides alike.
+
 The gradient collectives run on a communicator of their own (one ``split`` of the optimizer's, made once
 per communicator), so a collective the user calls between backward and ``step()`` never meets a bucket
 that another rank has not sent yet.
@@ -53,6 +64,7 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
+from collections.abc import Callable
 
 import numpy as np
 
@@ -86,6 +98,23 @@ def _torch():
     return sys.modules["torch"]
 
 
+def COMPRESSIBLE() -> tuple:
+    """The gradient dtypes compression narrows (wider than the narrow types)."""
+    torch = _torch()
+    return (torch.float32, torch.float64)
+
+
+COMPRESSIONS = ("fp16", "bf16")
+
+
+def compression_dtype(name):
+    """The torch dtype of a ``compression`` name (``None``: none)."""
+    if name is None:
+        return None
+    torch = _torch()
+    return {"fp16": torch.float16, "bf16": torch.bfloat16}[name]
+
+
 def _desc(p) -> str:
     return f"{str(p.dtype).replace('torch.', '')} {tuple(p.shape)}"
 
@@ -117,7 +146,7 @@ class _Slot:
 
 
 class _Bucket:
-    __slots__ = ("block", "blocking", "flat", "group", "handle", "key", "last", "lo", "numel", "padded",
+    __slots__ = ("block", "blocking", "flat", "group", "handle", "key", "last", "lo", "narrow", "numel", "padded",
                  "pending", "shard_k", "shard_off", "slots", "solo")
 
     def __init__(self, key, group):
@@ -135,6 +164,7 @@ class _Bucket:
         self.shard_off = 0
         self.shard_k = 0
         self.solo = False
+        self.narrow = None  # compression: the dtype its gradients travel in
         self.blocking = False  # reduced by the blocking allreduce when it leaves (see Buckets._reduce)
 
 
@@ -169,8 +199,9 @@ class Buckets:
     """The gradient buckets of one torch optimizer (see the module docstring)."""
 
     def __init__(self, inner, comm, *, op: str, bucket_bytes: int, hooks: bool, views: bool, missing: str,
-                 shard: bool, communicating: bool):
+                 shard: bool, communicating: bool, compression=None):
         self.inner = inner
+        self.compression = compression  # the torch dtype gradients travel in (see _reduce), or None
         self.comm = comm
         self.op = op
         self.views = views
@@ -178,6 +209,25 @@ class Buckets:
         self.communicating = communicating  # False in the accumulating passes (k-1 of every k)
         self.poisoned: BaseException | None = None
         self.deferred: BaseException | None = None  # a MismatchError of the end of backward, for step()
+        self.bucket_bytes = bucket_bytes
+        self.shard = shard
+        self._layout()
+        self.flag = np.zeros(3, np.int64)
+        self.flag_handle = None
+        self.next = 0
+        self.finished = False
+        self.shards = Shards(self) if shard else None
+        self.with_hooks = hooks
+        self.hooks: list = []
+        self._ref = weakref.ref(self)
+        # Hooks leave with the engine (the wrapper dropped): they hold it only weakly.
+        self._finalizer = weakref.finalize(self, _remove_hooks, self.hooks)
+        self._reset()
+
+    def _layout(self) -> None:
+        """The buckets and slots of the parameters as they are now (their dtype, device and shape), agreed
+        by every rank (collective)."""
+        comm, op, bucket_bytes, shard, inner = self.comm, self.op, self.bucket_bytes, self.shard, self.inner
         entries = []
         index = 0
         for g, group in enumerate(inner.param_groups):
@@ -190,7 +240,8 @@ class Buckets:
         buckets: list[_Bucket] = []
         open_: dict = {}
         self.slots: list[_Slot] = []
-        solo_at = solo_bytes(bucket_bytes) if not shard else None
+        narrow = self.compression
+        solo_at = solo_bytes(bucket_bytes) if not (shard or narrow) else None
         for order, (index, name, g, p) in enumerate(reversed(entries)):
             key = (g, p.dtype, p.device)
             b = open_.get(key)
@@ -211,9 +262,10 @@ class Buckets:
         self.buckets = buckets
         self.by_index = {s.index: s for s in self.slots}
         for b in buckets:
-            b.padded = -(-b.numel // size) * size if shard else b.numel
-            b.solo = not shard and len(b.slots) == 1
-            b.blocking = not shard and (b is buckets[-1] or (
+            b.narrow = narrow if narrow is not None and b.key[1] in COMPRESSIBLE() else None
+            b.padded = -(-b.numel // size) * size if shard or b.narrow is not None else b.numel
+            b.solo = not shard and b.narrow is None and len(b.slots) == 1
+            b.blocking = not shard and b.narrow is None and (b is buckets[-1] or (
                 b.key[2].type == "cpu" and engine_of(comm).reduces_on_the_callers_cpus(b.numel * b.slots[0].param.element_size())))
             if not b.solo:  # a solo parameter's buffer is made only if ever needed (see _leave)
                 self._flat(b)
@@ -223,18 +275,33 @@ class Buckets:
         where = {id(b): i for i, b in enumerate(buckets)}
         layout = tuple((s.name, f"{_desc(s.param)} {s.param.device.type} in bucket {where[id(s.bucket)]}")
                        for s in self.slots)
-        header = (("op", op), ("bucket_bytes", int(bucket_bytes)), ("shard_state", bool(shard)))
+        header = (("op", op), ("bucket_bytes", int(bucket_bytes)), ("shard_state", bool(shard)),
+                  ("compression", str(narrow)))
         _agree.agree(engine_of(comm).host, "DistributedOptimizer", header, layout, checked=False)
-        self.flag = np.zeros(3, np.int64)
-        self.flag_handle = None
-        self.next = 0
-        self.finished = False
-        self.shards = Shards(self) if shard else None
-        self.with_hooks = hooks
-        self.hooks: list = []
-        self._ref = weakref.ref(self)
-        # Hooks leave with the engine (the wrapper dropped): they hold it only weakly.
-        self._finalizer = weakref.finalize(self, _remove_hooks, self.hooks)
+        self.shapes = [(s.param, s.param.dtype, s.param.device, s.param.shape) for s in self.slots]
+
+    def _stale(self) -> bool:
+        """Whether a parameter's dtype, device or shape changed since the layout (``model.double()``,
+        ``.to(...)`` after wrapping)."""
+        for p, dtype, device, shape in self.shapes:
+            if p.dtype is not dtype or p.shape != shape or p.device != device:
+                return True
+        return False
+
+    def _relayout(self) -> None:
+        """The parameters changed dtype, device or shape: buckets laid out anew (collective, in ``finish()``,
+        where every rank comes alike), the sharded state carried over in the parameters' new dtype."""
+        full = self.shards.full_state() if self.shards is not None else None
+        self._drain()
+        hooked = {s.index for s in self.slots if s.hooked}
+        self._layout()
+        for s in self.slots:
+            s.hooked = s.index in hooked
+        if full is not None:
+            self.shards = Shards(self)
+            sd = self.inner.state_dict()
+            sd["state"] = full
+            self.shards.load_full(sd)
         self._reset()
 
     def _hook(self, s: _Slot) -> None:
@@ -274,6 +341,11 @@ class Buckets:
         self.flag_handle = None
         self.finished = False
         self.queued = False
+        self.checked = self.stale = False
+        if self.shards is not None:
+            self.shards.from_grads = False
+        if self.op != "mean":
+            self.left: list = []
 
     def _drain(self) -> None:
         for b in self.buckets:
@@ -303,15 +375,39 @@ class Buckets:
         if self.poisoned is not None:
             raise self.poisoned
         s = self.by_index[index]
-        if s.ready or self.finished:
+        if self.finished:
+            # Another backward pass after the round completed, before step() (a GAN's generator loss through
+            # the discriminator after module.zero_grad(), a second loss): a new round, as DDP reduces every
+            # backward pass. .grad now holds what torch accumulated: the average plus this pass's own
+            # gradients (or only the latter after a zero_grad), whose mean is the average plus this pass's
+            # average; with sharded state .grad holds the rank's own sums, reduced anew.
+            if not (self.op == "mean" or self.shards is not None or self._grads_reset()):
+                self.poisoned = RuntimeError(
+                    f"DistributedOptimizer(op={self.op!r}): a second backward pass reached parameter {s.name} "
+                    f"before step(), adding to a gradient already reduced over the ranks: reducing it again "
+                    f"would reduce the first pass's result {self.op!r}-wise once more. Zero the gradients "
+                    f"between the passes (module.zero_grad() or opt.zero_grad()), call step() after every "
+                    f"backward pass, or accumulate with DistributedOptimizer(opt, backward_passes_per_step=k)")
+                raise self.poisoned
+            self._reset()
+            s = self.by_index[index]
+        elif s.ready:
             self.poisoned = RuntimeError(
-                f"DistributedOptimizer: a second backward pass reached parameter {s.name} before step(): its "
-                f"gradient {'was already averaged' if self.finished else 'is already being averaged'} over "
-                f"the ranks (its bucket left during the previous backward pass), so this pass's gradient "
-                f"cannot join it. Call step() after every backward pass, or zero_grad() to drop this step's "
-                f"gradients (needed now before training on); to accumulate several backward passes per "
-                f"update, pass DistributedOptimizer(opt, backward_passes_per_step=k)")
+                f"DistributedOptimizer: parameter {s.name} got a second gradient in one backward pass after its "
+                f"bucket had left (its post-accumulate-grad hook ran twice: a reentrant backward, as "
+                f"torch.utils.checkpoint(use_reentrant=True) of a parameter also used outside the checkpointed "
+                f"part), so that gradient cannot join the average. Use use_reentrant=False, or overlap=False; "
+                f"zero_grad() drops this step's gradients (needed now before training on)")
             raise self.poisoned
+        if not self.checked:  # the first hook of the round: the parameters as laid out?
+            self.checked = True
+            self.stale = self._stale()
+        if self.stale:  # laid out anew in finish(), on the caller's thread; nothing leaves before
+            if not self.queued:
+                self.queued = True
+                _queue_callback(self._ref)
+            s.ready = True
+            return
         if not self.queued:  # finish() at the end of this backward pass (as DDP does): .grad is then
             self.queued = True  # the average when backward() returns, safe to read or clip
             _queue_callback(self._ref)
@@ -383,7 +479,13 @@ class Buckets:
 
     def _reduce(self, b: _Bucket, buf) -> None:
         """Start the reduction of bucket ``b`` held in ``buf`` (its flat buffer, or a solo .grad)."""
-        if self.shards is not None:
+        if b.narrow is not None:
+            # Compression: every rank sends block j of its gradients, in the narrow dtype, to rank j
+            # (alltoall); rank j adds the blocks in float32 and divides (finish(): _compressed), rounds the
+            # average to the narrow dtype once, and the averages come back by allgather (or, with sharded
+            # state, rank j keeps its block): half the bytes of a float32 allreduce each way.
+            b.handle = self.comm.alltoall(buf.to(b.narrow), async_op=True)
+        elif self.shards is not None:
             b.handle = self.comm.reduce_scatter(buf, self.op, async_op=True)
         elif b.blocking:
             # The blocking call, which may take the node-shared-memory allreduce, where nothing could
@@ -394,6 +496,18 @@ class Buckets:
             b.handle = Handle.completed("allreduce", self.comm.allreduce(buf, self.op))
         else:
             b.handle = self.comm.allreduce(buf, self.op, async_op=True)
+
+    def _compressed(self, b: _Bucket, blocks):
+        """This rank's block of a compressed bucket: every rank's narrow block added in float32 (in rank
+        order), divided by the number of ranks for a mean, rounded to the narrow dtype once."""
+        torch = _torch()
+        blocks = blocks.reshape(self.comm.size, -1)
+        acc = blocks[0].to(torch.float32)
+        for r in range(1, self.comm.size):
+            acc.add_(blocks[r])  # float32 += the narrow block, widened
+        if self.op == "mean":
+            acc.div_(self.comm.size)
+        return acc.to(b.narrow)
 
     def _send_flag(self) -> None:
         """One small allreduce (max) that tells whether the ranks agree on the missing gradients: element 0
@@ -419,16 +533,30 @@ class Buckets:
         if self.finished:
             return
         torch = _torch()
+        if not self.checked:
+            self.checked = True
+            self.stale = self._stale()
+        if self.stale:
+            self._relayout()
         for b in self.buckets[self.next:]:
             self._leave(b)
         self.next = len(self.buckets)
         if self.flag_handle is None:
             self._send_flag()
+        gathers = []
         for b in self.buckets:
             out = b.handle.wait()
             b.handle = None
+            if b.narrow is not None:
+                out = self._compressed(b, out)
+                if self.shards is None:
+                    gathers.append((b, self.comm.allgather(out, async_op=True)))
+                    continue
+                out = out.to(b.key[1])
             if self.shards is not None:
                 b.block = out
+        for b, h in gathers:  # the averages, in the narrow dtype, back into the bucket's dtype
+            b.flat.copy_(h.wait().reshape(-1))
         flag, self.flag_handle = self.flag_handle, None
         assert flag is not None  # started with the buckets (above)
         flag.wait()
@@ -447,7 +575,15 @@ class Buckets:
                         g.copy_(s.view)
         if self.shards is not None:
             self.shards.take_gradients(skipped)
+            self.shards.agree_finite()
+        elif self.op != "mean":  # what this round left in .grad: a later backward pass must not add to it
+            self.left = [weakref.ref(s.param.grad) for s in self.slots if s.param.grad is not None]
         self.finished = True
+
+    def _grads_reset(self) -> bool:
+        """Whether every gradient this round left was replaced since (``zero_grad(set_to_none=True)``)."""
+        now = {id(s.param.grad) for s in self.slots if s.param.grad is not None}
+        return not any(r() is not None and id(r()) in now for r in self.left)
 
     def _settle_missing(self) -> set:
         """Some rank lacks some gradient: who lacks which (one object allgather, every rank takes this
@@ -484,11 +620,47 @@ class Buckets:
                 s.missing = False
         return {i for i, rs in lacking.items() if len(rs) == size}
 
-    def step(self, closure=None):
-        """The inner step over the reduced gradients (:meth:`finish` done), or the sharded step."""
+    def step(self, closure=None, amp=None):
+        """The inner step over the reduced gradients (:meth:`finish` done), or the sharded step; ``amp``:
+        GradScaler's ``(grad_scale, found_inf)`` (see :func:`amp_step`)."""
         if self.shards is not None:
-            return self.shards.step(closure)
-        return self.inner.step() if closure is None else self.inner.step(closure)
+            return self.shards.step(closure, amp)
+        if closure is not None:
+            return self.inner.step(closure)
+        return amp_step(self.inner, amp, lambda: [s.param.grad for s in self.slots if s.param.grad is not None])
+
+
+def amp_step(opt, amp, grads_of: Callable, step: Callable | None = None):
+    """``opt.step()`` as torch.amp.GradScaler would run it on a plain optimizer whose gradients are what
+    ``grads_of()`` gives (the averaged ones: the same on every rank, so every rank decides alike).
+
+    An optimizer that unscales itself (fused Adam: ``_step_supports_amp_scaling``) gets ``grad_scale`` and
+    ``found_inf`` as the scaler hands them; for any other, the gradients are unscaled with the scaler's own
+    reciprocal and kernel (unless ``scaler.unscale_`` did it), and the step is skipped when ``found_inf``
+    is set. ``step`` replaces ``opt.step`` (the sharded step, which also gathers the parameters)."""
+    run = opt.step if step is None else step
+    if amp is None:
+        return run()
+    torch = _torch()
+    scale, found_inf = amp
+    if getattr(opt, "_step_supports_amp_scaling", False):
+        opt.grad_scale, opt.found_inf = scale, found_inf
+        try:
+            return run()
+        finally:
+            del opt.grad_scale, opt.found_inf
+    if scale is not None:
+        inv = scale.double().reciprocal().float()  # GradScaler.unscale_'s reciprocal, in float64
+        groups: dict = {}
+        for g in grads_of():
+            groups.setdefault((g.device, g.dtype), []).append(g)
+        with torch.no_grad():
+            for (device, _), grads in groups.items():
+                flag = torch.zeros((), dtype=torch.float32, device=device)
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv.to(device))
+    if found_inf.item():
+        return None
+    return run()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -581,6 +753,34 @@ class Shards:
                 self.tensors[b.shard_k].grad[b.shard_off:b.shard_off + c].copy_(b.block.reshape(-1))
                 b.block = None
 
+    def agree_finite(self) -> None:
+        """The inf/NaN decision alike on every rank (one 8-byte allreduce): GradScaler looks for inf/NaN
+        in ``.grad``, which holds this rank's own gradients, while the step uses the averaged share. When
+        the averaged gradient is not finite on some rank's share, every rank's ``.grad`` gets an inf (in its first
+        element: the sharded step reads its averaged share, never ``.grad``), as the averaged ``.grad`` of DDP
+        would hold one on every rank: every rank's GradScaler then skips the step and backs off alike.
+        (A rank whose own gradients hold an inf or a NaN puts it in the average of some rank's share.)"""
+        if self.size == 1:
+            return
+        torch = _torch()
+        bad = 0
+        for t in self.tensors:
+            g = t.grad
+            # a sum is not finite when an element is not (or when the sum overflows: then look closer)
+            if not bool(torch.isfinite(g.sum())) and not bool(torch.isfinite(g).all()):
+                bad = 1
+                break
+        flag = np.array([bad], np.int64)
+        self.engine.comm.allreduce(flag, "max")
+        if not flag[0]:
+            return
+        with torch.no_grad():
+            for s in self.engine.slots:  # (the sharded step reads its share, never .grad)
+                g = s.param.grad
+                if g is not None and g.numel() and s.index not in self.skipped:
+                    g[(0,) * g.dim()] = float("inf")
+                    return
+
     def gather_gradients(self) -> None:
         """average_gradients(): the reduced blocks back into every ``.grad`` (one allgather per bucket);
         the next step takes this rank's blocks from ``.grad`` again (after the user's clipping)."""
@@ -605,8 +805,14 @@ class Shards:
         c = b.padded // self.size
         return self.tensors[b.shard_k].grad[b.shard_off:b.shard_off + c]
 
-    def step(self, closure=None):
+    def step(self, closure=None, amp=None):
         torch = _torch()
+        if amp is not None and amp[0] is None and not self.from_grads:
+            raise RuntimeError(
+                "DistributedOptimizer(shard_state=True): scaler.unscale_(opt) unscaled .grad, which holds this "
+                "rank's own gradients, not the averaged share the sharded step uses. Call "
+                "opt.average_gradients() before scaler.unscale_(opt) (it gathers the average into .grad, for "
+                "clipping), or leave the unscaling to scaler.step(opt)")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -632,6 +838,15 @@ class Shards:
                     kept = {key: v[pos:pos + n].clone() for key, v in state.items()
                             if torch.is_tensor(v) and v.shape == t.shape}
                     saved.append((k, pos, n, kept))
+        amp_step(self.opt, amp, lambda: [t.grad for t in self.tensors], step=lambda: self._step_and_gather(saved))
+        self.skipped = set()
+        return loss
+
+    def _step_and_gather(self, saved: list) -> None:
+        """The shard optimizer's step, then the parameters back from every rank's share (one allgather per
+        bucket); ``saved``: the state of parameters without gradient anywhere, put back."""
+        torch = _torch()
+        skipped = self.skipped
         self.opt.step()
         self.engine.inner._opt_called = True  # an LR scheduler given inner: its step() counts as stepped
         with torch.no_grad():
@@ -652,8 +867,6 @@ class Shards:
                 for s in b.slots:
                     if s.index not in skipped:
                         s.param.detach().copy_(full[s.offset:s.offset + s.numel].view(s.param.shape))
-        self.skipped = set()
-        return loss
 
     # ---- state dicts ----
     def full_state(self) -> dict:
