@@ -25,9 +25,9 @@ Optional capabilities, declared here with their defaults (a transport overrides 
 
 Every rank must call every operation, in the same order (they are collective), except the two
 point-to-point operations, :meth:`send` and :meth:`recv`, which only the two ranks concerned call. Each
-point-to-point message carries a header (:func:`p2p_header`: the element count, the bytes, the dtype's
+point-to-point message carries a header (``collectives._p2p.header``: the element count, the bytes, the dtype's
 name) so that a receiver whose buffer differs from what was sent raises a clear error
-(:func:`p2p_mismatch`) instead of truncating or reading garbage; the message is then received into a
+(``collectives._p2p.mismatch``) instead of truncating or reading garbage; the message is then received into a
 scratch buffer and dropped, the receiver's buffer untouched and the transport usable.
 """
 
@@ -56,46 +56,6 @@ class Request:
 DONE = Request()
 OPERATIONS = ("allreduce", "reduce", "broadcast", "allgather", "reduce_scatter", "alltoall", "send", "recv")
 P2P_OPERATIONS = ("send", "recv")
-
-# ---- point-to-point messages: the header that travels before the data ----
-HEADER_WORDS = 6  # int64: bytes, elements, sequence number (the data's tag), piece size, dtype name (16 bytes)
-_NAME_BYTES = 16
-
-
-def p2p_header(count: int, nbytes: int, name: str, seq: int, piece: int) -> np.ndarray:
-    """The header of a message of ``count`` elements (``nbytes`` bytes) of the dtype called ``name``;
-    ``seq``: the tag its data travels under; ``piece``: the largest message the data is cut into.
-
-    Example:
-        >>> from collectives._backends.base import p2p_header, p2p_fields
-        >>> p2p_fields(p2p_header(3, 24, "float64", 7, 2**31 - 1))
-        (24, 3, 7, 2147483647, 'float64')
-    """
-    h = np.zeros(HEADER_WORDS, dtype=np.int64)
-    h[:4] = (nbytes, count, seq, piece)
-    h[4:].view(np.uint8)[:] = np.frombuffer(name.encode()[:_NAME_BYTES].ljust(_NAME_BYTES, b"\0"), np.uint8)
-    return h
-
-
-def p2p_fields(header: np.ndarray) -> tuple[int, int, int, int, str]:
-    """``(nbytes, count, seq, piece, dtype name)`` of a header made by :func:`p2p_header`."""
-    name = header[4:].tobytes().rstrip(b"\0").decode(errors="replace")
-    return int(header[0]), int(header[1]), int(header[2]), int(header[3]), name
-
-
-def p2p_mismatch(header: np.ndarray, count: int, nbytes: int, name: str, source: int, tag: int,
-                 rank: int) -> Exception | None:
-    """The error a receive raises when the message described by ``header`` (from ``source``) does not fit
-    its buffer of ``count`` elements of ``name`` (``nbytes`` bytes), or None when it fits: a TypeError for
-    another dtype, a ValueError for another number of elements."""
-    s_bytes, s_count, _, _, s_name = p2p_fields(header)
-    if s_name == name and s_count == count and s_bytes == nbytes:
-        return None
-    kind = TypeError if s_name != name else ValueError
-    return kind(f"recv on rank {rank}: rank {source} sent {s_count} x {s_name} (tag {tag}), but the receive "
-                f"buffer holds {count} x {name}: pass a buffer of the sender's dtype and number of elements. The "
-                f"message was received and dropped (the buffer is unchanged); the communicator stays usable")
-
 
 class HostTransport(abc.ABC):
     name: str = "abstract"
@@ -184,7 +144,7 @@ class HostTransport(abc.ABC):
 
     def recv(self, buf: np.ndarray, name: str, src: int | None, tag: int, box: list) -> None:
         """Receive into the contiguous writable ``buf`` the message with ``tag`` from rank ``src`` (None:
-        any rank); ``box[0]`` becomes the sender's rank. A message that does not fit (:func:`p2p_mismatch`)
+        any rank); ``box[0]`` becomes the sender's rank. A message that does not fit (``collectives._p2p.mismatch``)
         raises that error, ``buf`` unchanged."""
         raise CollectiveError(f"the {self.name} transport has no point-to-point operations")
 

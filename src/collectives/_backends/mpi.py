@@ -26,7 +26,8 @@ from .._dtypes import divide
 from .._errors import BackendUnavailableError, CollectiveError, CollectiveTimeoutError, MismatchError
 from .._poll import poll
 from . import shm  # large allreduces through a node-shared window (made at first use), issue 7
-from .base import DONE, HEADER_WORDS, P2P_OPERATIONS, HostTransport, Request, p2p_fields, p2p_header, p2p_mismatch
+from .._p2p import HEADER_WORDS, p2p_fields, p2p_header, p2p_mismatch
+from .base import DONE, P2P_OPERATIONS, HostTransport, Request
 
 
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))

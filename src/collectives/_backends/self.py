@@ -8,7 +8,8 @@ import numpy as np
 
 from .. import _config
 from .._errors import CollectiveError
-from .base import HostTransport, Request, p2p_header, p2p_mismatch
+from .._p2p import p2p_header, p2p_mismatch
+from .base import HostTransport, Request
 
 
 class SelfTransport(HostTransport):
