@@ -45,6 +45,7 @@ _torch_tensor = None  # torch.Tensor, once a torch tensor's call has been cached
 MAX_OUTSTANDING = 64  # asynchronous calls in flight per communicator before the oldest is completed (_sweep)
 _NONE: dict = {}  # read-only by convention: what the hot path looks in for an op with no cached calls
 _UNSET = object()  # "argument not part of this collective" (None is a value users may pass by mistake)
+_P2P = ("send", "recv")  # the handles of point-to-point calls (only two ranks make each: see _sweep)
 
 
 def _traced(collective: str, path: str = "blocking", root_at: int | None = None):
@@ -615,7 +616,12 @@ class Communicator:
         outstanding = self._outstanding
         while outstanding:
             h = next(iter(outstanding.values()))
-            if len(outstanding) > MAX_OUTSTANDING:
+            if len(outstanding) > MAX_OUTSTANDING and not h._progress():
+                if h.what in _P2P:  # a message may wait for its peer's later call: never waited here; the
+                    # oldest collective instead (every rank issued the collectives in the same order)
+                    h = next((o for o in outstanding.values() if o.what not in _P2P), None)
+                    if h is None:
+                        break
                 try:
                     h.wait()
                 except Exception:  # noqa: BLE001 - the handle keeps it: its own wait() raises it

@@ -106,6 +106,19 @@ def test_asynchronous_receives_waited_in_any_order(c):
         h.wait()
 
 
+def test_more_receives_posted_first_than_handles_are_kept(c):
+    """Past the 64 asynchronous calls a communicator keeps in flight it completes the oldest collective,
+    never a receive (its message comes with a later call of the peer): 80 receives, then the sends."""
+    right, left = neighbours(c)
+    outs = [np.empty(2) for _ in range(80)]
+    recvs = [c.recv(o, left, 13, async_op=True) for o in outs]
+    sends = [c.send(np.array([float(c.rank), k]), right, 13, async_op=True) for k in range(80)]
+    assert [h.wait() for h in recvs] == [left] * 80
+    assert all(o.tolist() == [float(left), k] for k, o in enumerate(outs))
+    for h in sends:
+        h.wait()
+
+
 def test_any_source_asynchronous_from_the_left(c):
     right, left = neighbours(c)
     x = np.empty(4)
