@@ -26,8 +26,8 @@ class SelfTransport(HostTransport):
 
     def recv(self, buf, name, src, tag, box):
         if not _Taken(self, buf, name, tag, box).test():
-            raise CollectiveError(f"recv from rank 0 (this process) with tag {tag}: no message with that tag was "
-                                  f"sent; with one process, send(async_op=True) to itself first")
+            raise CollectiveError(f"recv from rank 0 (this rank, the one process) with tag {tag}: no message with "
+                                  f"that tag was sent; with one process, send(async_op=True) to itself first")
 
     def start(self, operation, *args):
         if operation == "recv":  # (buf, name, src, tag, box): completes once the message is in the mailbox
@@ -90,5 +90,5 @@ class _Taken(Request):
 
     def wait(self) -> None:
         if not self.test():
-            raise CollectiveError(f"recv from rank 0 (this process) with tag {self._tag}: no message with that "
-                                  f"tag was sent (one process: nothing else can send it)")
+            raise CollectiveError(f"recv from rank 0 (this rank, the one process) with tag {self._tag}: no message "
+                                  f"with that tag was sent (one process: nothing else can send it)")
