@@ -274,3 +274,8 @@ def test_flight_recorder_keeps_point_to_point_apart(comm):
         right, left = neighbours(d)
         assert f"dst={right}, tag=4" in p2p[-2]["path"] and f"src={left}, tag=4" in p2p[-1]["path"]
         assert all(r["state"] == "completed" for r in p2p)
+        from collectives._tracetool import timeline  # the Chrome trace: point-to-point on a row of its own
+
+        rows = {(e["name"], e["tid"]) for e in timeline({d.rank: {"communicators": [snap]}})["traceEvents"]
+                if e["ph"] == "X"}
+        assert {("send", f"{snap['name']} p2p"), ("recv", f"{snap['name']} p2p"), ("allreduce", snap["name"])} <= rows
