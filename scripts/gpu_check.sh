@@ -7,7 +7,9 @@
 #   3. tests/gpu, 2 ranks, COLLECTIVES_DISABLE_NCCL=1 (host staging)
 #   4. benchmarks/bench_nccl.py: ours / raw NCCL, 1 rank and (if step 2 could run) 2 ranks
 #   (tests/gpu includes test_torch_backend_cuda.py: DDP with CUDA tensors over the torch.distributed backend
-#    "collectives", equal to one process, and dist.* collectives on CUDA, in steps 1-3)
+#    "collectives", equal to one process, and dist.* collectives on CUDA, in steps 1-3; and test_p2p_cuda.py:
+#    coll.send/recv and dist.send/recv/batch_isend_irecv of CUDA arrays, ncclSend/ncclRecv in steps 1-2,
+#    host staging in step 3)
 #   5. benchmarks/bench_training.py --device cuda: the training step with the gradient buckets (overlap,
 #      views, sharded state) on CUDA tensors, 1 rank and (if step 2 could run) 2 ranks over NCCL
 #

@@ -4,7 +4,10 @@ Every mpiexec runs under a timeout; a multi-rank run that collected or passed ze
 Exit status 0 only if everything passed.
 
     python tests/run_all.py               # everything
-    python tests/run_all.py --sizes 2     # only the 2-rank MPI runs (plus unit tests)
+    python tests/run_all.py --sizes 2     # only the 2-rank MPI runs (plus unit tests; torch's suite at 4 too)
+
+Then torch's own suite (tests/torch_suite) at 2, 3 and 4 ranks, and the client scripts (tests/clients: the
+software that calls torch.distributed, each at 2 ranks, compared with gloo).
 """
 
 from __future__ import annotations
@@ -90,6 +93,9 @@ def mpi_run(target: str, n: int, timeout: int, extra=()) -> tuple[int, int, bool
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1,2,3", help="world sizes for the MPI runs (default 1,2,3)")
+    ap.add_argument("--torch-suite-sizes", default=None,
+                    help="world sizes of torch's own suite (default: those of --sizes from 2, and 4, where torch's "
+                         "group tests run; 4 ranks oversubscribe 2 cores, fine for correctness)")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per mpiexec run")
     ap.add_argument("--skip-unit", action="store_true")
     args = ap.parse_args()
@@ -97,12 +103,16 @@ def main() -> int:
     # the flight recorder's dumps (every MismatchError and timeout the suites provoke writes one) go with
     # the logs, not into the working directory; one directory for every rank of a job
     os.environ.setdefault("COLLECTIVES_TRACE_DIR", str(LOGS / "trace"))
-    if max(int(s) for s in args.sizes.split(",") if s) > (os.cpu_count() or 1):
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    if args.torch_suite_sizes is None:
+        torch_sizes = sorted({s for s in sizes if s >= 2} | {4})
+    else:
+        torch_sizes = [int(s) for s in args.torch_suite_sizes.split(",") if s]
+    if max(sizes + torch_sizes) > (os.cpu_count() or 1):
         # More ranks than cores: MPICH's busy polling then costs milliseconds per collective (5.3 ms vs
         # 25 us for an 8 B allreduce at 3 ranks on 2 cores); let it sleep when nothing progresses.
         os.environ.setdefault("MPIR_CVAR_CH4_PROGRESS_THROTTLE", "1")
         os.environ.setdefault("MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT", "16")
-    sizes = [int(s) for s in args.sizes.split(",") if s]
     total_passed = total_failed = 0
     results = []
 
@@ -140,8 +150,9 @@ def main() -> int:
             results.append((f"{target} -n {n}", ok))
 
     # torch's own distributed test suite against the backend "collectives" (tests/torch_suite/run.py; about
-    # half a minute per size): expected failures are listed, with their reason, in expected_failures.txt
-    for n in (s for s in sizes if s >= 2):
+    # half a minute per size, a minute and a half at 4 ranks): expected failures are listed, with their
+    # reason, in expected_failures.txt
+    for n in torch_sizes:
         suite = ROOT / "tests" / "torch_suite"
         cmd = job_command(n, [sys.executable, "-W", "ignore", str(suite / "run.py"), "--expected",
                               str(suite / "expected_failures.txt")])
@@ -151,6 +162,16 @@ def main() -> int:
         total_passed += int(m.group(1)) if m else 0
         total_failed += (int(m.group(2)) if m else 0) or (0 if ok else 1)
         results.append((f"torch suite -n {n}", ok))
+
+    # The clients (tests/clients/README.md): one script per piece of software that calls torch.distributed,
+    # each under mpiexec at 2 ranks, comparing its run on "collectives" with the same run on gloo; it prints
+    # "PASS <name>" and exits 0.
+    for script in sorted((ROOT / "tests" / "clients").glob("*.py")):
+        rc, out = run(job_command(2, [sys.executable, "-W", "ignore", str(script)]), 600)
+        ok = rc == 0 and f"PASS {script.stem}" in out
+        total_passed += ok
+        total_failed += not ok
+        results.append((f"client {script.stem} -n 2", ok))
 
     print("\nsummary:")
     for name, ok in results:

@@ -21,7 +21,7 @@ import pickle
 import sys
 import threading
 from time import time as _time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -45,6 +45,7 @@ _torch_tensor = None  # torch.Tensor, once a torch tensor's call has been cached
 MAX_OUTSTANDING = 64  # asynchronous calls in flight per communicator before the oldest is completed (_sweep)
 _NONE: dict = {}  # read-only by convention: what the hot path looks in for an op with no cached calls
 _UNSET = object()  # "argument not part of this collective" (None is a value users may pass by mistake)
+_P2P = ("send", "recv")  # the handles of point-to-point calls (only two ranks make each: see _sweep)
 
 
 def _traced(collective: str, path: str = "blocking", root_at: int | None = None):
@@ -121,6 +122,10 @@ class Communicator:
         self._mask = len(self._ring) - 1 if self._ring is not None else 0
         self._seq = 0  # calls made on this communicator (the last one's sequence number)
         self._kept = capacity  # how many of the ring's entries a dump shows
+        # point-to-point calls have a ring of their own (only two ranks make each: in the collectives'
+        # sequence they would make the ranks' records differ where nothing diverged)
+        self._p2p_ring: deque | None = deque(maxlen=capacity) if capacity else None
+        self._p2p_seq = 0
         self._hot_names: dict = {}  # a hot-path cached call -> (collective, op, dtype name)
         self._current = None  # the record of the call being validated (for its driver)
         self._last_activity = 0.0  # when the sequence number last moved (the stall inspector's choice)
@@ -473,6 +478,93 @@ class Communicator:
         size = self._size
         return lambda send, out: transport.alltoall(send.reshape(size, -1), out.reshape(size, -1))
 
+    # ---- point-to-point: send and recv (only the two ranks concerned call them) ----
+    @collective("send")
+    def send(self, x, dst: int, tag: int = 0, *, async_op: bool = False):
+        """Send ``x`` to rank ``dst``. See :func:`collectives.send`."""
+        if async_op:
+            return self._async("send", self._send, x, dst, tag)
+        return self._blocking(self._send(x, dst, tag, False))
+
+    @collective("recv")
+    def recv(self, x, src: int | None = None, tag: int = 0, *, async_op: bool = False):
+        """Receive into ``x`` from rank ``src`` (None: any rank); the sender's rank. See
+        :func:`collectives.recv`."""
+        if async_op:
+            return self._async("recv", self._recv, x, src, tag)
+        return self._blocking(self._recv(x, src, tag, False))
+
+    def _send(self, x, dst, tag, asynchronous: bool):
+        a, transport, view, info, dst, tag = self._prepare_p2p("send", x, dst, tag, asynchronous)
+        if transport.array_level:
+            yield _Step(transport, "send", (x, a, dst, tag), device=True)
+            return None
+        yield _Step(transport, "send", (_contiguous(view), info.name, dst, tag))
+        return None
+
+    def _recv(self, x, src, tag, asynchronous: bool):
+        a, transport, view, info, src, tag = self._prepare_p2p("recv", x, src, tag, asynchronous)
+        box: list = [None]  # the sender's rank, written by the transport
+        if transport.array_level:
+            yield _Step(transport, "recv", (x, a, src, tag, box), device=True)
+            return box[0]
+        buf, place = self._placing(x, a, view, info)
+        yield _Step(transport, "recv", (buf, info.name, src, tag, box))
+        place()
+        return box[0]
+
+    def _prepare_p2p(self, what: str, x, peer, tag, asynchronous: bool):
+        """Validate a send or recv before anything is sent: the array, the peer (``recv``: None is any
+        rank), the tag, a writable receive buffer; ``(adapter, transport, view, info, peer, tag)``. No
+        agreement step, checked mode or not: only two ranks take part."""
+        side = "dst" if what == "send" else "src"
+        self._current = rec = self._begin_p2p_record(what, x, asynchronous)
+        a = _arrays.adapter(x)
+        device = a.device(x)
+        if isinstance(tag, (bool, np.bool_)) or not isinstance(tag, (int, np.integer)):
+            raise TypeError(f"{what}: tag must be an integer, got {type(tag).__name__} {tag!r}")
+        if peer is None and what == "recv":
+            pass  # any rank
+        elif isinstance(peer, (bool, np.bool_)) or not isinstance(peer, (int, np.integer)):
+            raise TypeError(f"{what}: {side} must be an integer rank{' or None (any rank)' if what == 'recv' else ''}, "
+                            f"got {type(peer).__name__} {peer!r}")
+        elif not 0 <= int(peer) < self.size:
+            raise ValueError(f"{what}: {side}={int(peer)} is out of range for a communicator of size {self.size} "
+                             f"(valid: 0..{self.size - 1})")
+        peer = None if peer is None else int(peer)
+        transport = self._transport_for(device)
+        tag = int(tag)
+        if not 0 <= tag <= transport.max_tag:
+            raise ValueError(f"{what}: tag={tag} is out of range (valid: 0..{transport.max_tag}, this MPI's "
+                             f"MPI_TAG_UB)")
+        if what == "send" and peer == self.rank and not asynchronous:
+            raise ValueError(f"send: dst={peer} is this rank: a blocking send to itself cannot complete before "
+                             f"its receive is posted; use send(..., async_op=True) and then recv")
+        view = info = None
+        if not transport.array_level:
+            view, info = a.host_view(x)
+            if what == "recv" and not a.writable(x, view):
+                raise ValueError(f"recv needs a writable array to receive into, got a read-only "
+                                 f"{type(x).__module__}.{type(x).__qualname__}; pass a writable NumPy array or "
+                                 f"torch tensor")
+        if rec is not None:
+            rec.path = (f"{rec.path}, {transport.name}, {side}={'any' if peer is None else peer}, tag={tag}")
+        return a, transport, view, info, peer, tag
+
+    def _begin_p2p_record(self, what: str, x, asynchronous: bool):
+        """The flight recorder's record of a point-to-point call, in the communicator's p2p ring (numbered
+        apart from the collectives), or None when the record is off."""
+        ring = self._p2p_ring
+        if ring is None:
+            return None
+        n = self._p2p_seq = self._p2p_seq + 1
+        self._last_activity = _time()
+        rec = _trace.Record(n, what, None, None, getattr(x, "dtype", None), getattr(x, "shape", None),
+                            getattr(x, "nbytes", None), "point-to-point, " + ("asynchronous" if asynchronous
+                                                                              else "blocking"))
+        ring.append(rec)
+        return rec
+
     def _reduction(self, transport, operation: str, buf, info, op: str, asynchronous: bool, extra: tuple = (), *,
                    receives: bool = True, out=None) -> _Step:
         """The step of a reduction of ``buf`` under the host rules (``_reduction``). Blocking: the call the
@@ -540,7 +632,12 @@ class Communicator:
         outstanding = self._outstanding
         while outstanding:
             h = next(iter(outstanding.values()))
-            if len(outstanding) > MAX_OUTSTANDING:
+            if len(outstanding) > MAX_OUTSTANDING and not h._progress():
+                if h.what in _P2P:  # a message may wait for its peer's later call: never waited here; the
+                    # oldest collective instead (every rank issued the collectives in the same order)
+                    h = next((o for o in outstanding.values() if o.what not in _P2P), None)
+                    if h is None:
+                        break
                 try:
                     h.wait()
                 except Exception:  # noqa: BLE001 - the handle keeps it: its own wait() raises it
@@ -1261,7 +1358,8 @@ class Engine:
             return {"name": c._name, "seq": None}
         return {"name": c._name, "rank": c.rank, "size": c.size, "seq": c._seq,
                 "world_ranks": getattr(c._host, "world_ranks", None),
-                "records": self.trace_entries(inside)}
+                "records": self.trace_entries(inside),
+                "p2p": [r.as_dict() for r in (c._p2p_ring or ())]}
 
     def trace_last(self) -> tuple:
         """``(name, last entry as a dict, when the sequence number last moved on the general path)``."""
@@ -1596,6 +1694,83 @@ def alltoall(x, *, comm=None, async_op: bool = False):
         True
     """
     return _resolve(comm).alltoall(x, async_op=async_op)
+
+
+def send(x, dst: int, tag: int = 0, *, comm=None, async_op: bool = False):
+    """Send ``x`` to rank ``dst`` of ``comm`` (point-to-point: only this rank and ``dst`` take part).
+
+    ``dst`` must post a matching :func:`recv` (this rank, or any rank, as ``src``; the same ``tag``) with
+    an array of x's dtype and number of elements. Messages from one rank to another with the same tag
+    arrive in the order they were sent. Any dtype, bit for bit; host arrays travel over MPI, CUDA arrays
+    of torch and CuPy over NCCL (else the communicator's CUDA transport).
+
+    Args:
+        x: the array to send (left unchanged; with ``async_op=True`` leave it alone until ``wait()``).
+        dst: the destination rank, ``0 <= dst < size``. A blocking send to this rank itself is refused
+            (it could not complete); with ``async_op=True`` it is allowed.
+        tag: a non-negative integer up to MPI's ``MPI_TAG_UB`` (at least 32767), matched by the receive.
+        comm: a :class:`Communicator` or an mpi4py communicator (default: :func:`world`).
+        async_op: return a :class:`Handle` at once; ``wait()`` returns None once ``x`` may be reused.
+
+    Returns:
+        None once ``x`` may be reused (the receiver may not have it yet), or a :class:`Handle`.
+
+    Raises:
+        TypeError, ValueError: ``x`` is not an array, ``dst`` is not a rank, ``tag`` out of range (before
+            anything is sent).
+        CollectiveTimeoutError: with ``COLLECTIVES_TIMEOUT``, the receiver did not take the message in
+            time (the communicator is then unusable, as after a collective's timeout).
+
+    Example:
+        >>> import numpy as np, collectives as coll
+        >>> comm = coll.world()
+        >>> right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+        >>> h = coll.send(np.full(3, float(comm.rank)), right, tag=5, async_op=True)   # a ring
+        >>> got = np.empty(3)
+        >>> coll.recv(got, left, tag=5) == left and got.tolist() == [float(left)] * 3
+        True
+        >>> h.wait()
+    """
+    return _resolve(comm).send(x, dst, tag, async_op=async_op)
+
+
+def recv(x, src: int | None = None, tag: int = 0, *, comm=None, async_op: bool = False):
+    """Receive into ``x`` the message with ``tag`` from rank ``src`` (None: from any rank).
+
+    The message must hold x's dtype and number of elements (its shape may differ): a message of another
+    dtype raises ``TypeError``, of another size ``ValueError``, on this rank, with ``x`` unchanged (the
+    message is received and dropped, the communicator stays usable); it is never truncated. The sender is
+    told nothing: its send completed.
+
+    Args:
+        x: a writable array (NumPy, torch; also a non-contiguous view, a tensor that requires grad).
+        src: the source rank, or None for any rank (the first matching message).
+        tag: the tag the sender used.
+        comm: a :class:`Communicator` or an mpi4py communicator (default: :func:`world`).
+        async_op: return a :class:`Handle` at once; ``wait()`` returns the sender's rank once ``x`` holds
+            the message.
+
+    Returns:
+        The sender's rank (``src`` itself, or the rank an any-source receive matched), or a
+        :class:`Handle` whose ``wait()`` returns it.
+
+    Raises:
+        TypeError, ValueError: ``x`` is not an array or is read-only (array-api-strict, JAX, a read-only
+            NumPy array), ``src`` is not a rank, ``tag`` out of range (before anything is received); the
+            message does not fit ``x`` (see above).
+        CollectiveTimeoutError: with ``COLLECTIVES_TIMEOUT``, no matching message came in time.
+
+    Example:
+        >>> import numpy as np, collectives as coll
+        >>> comm = coll.world()
+        >>> h = coll.send(np.arange(4) + 10 * comm.rank, (comm.rank + 1) % comm.size, async_op=True)
+        >>> x = np.empty(4, dtype=np.int64)
+        >>> sender = coll.recv(x, src=None)                  # from any rank: here, the left neighbour
+        >>> sender == (comm.rank - 1) % comm.size and x.tolist() == [10 * sender + i for i in range(4)]
+        True
+        >>> h.wait()
+    """
+    return _resolve(comm).recv(x, src, tag, async_op=async_op)
 
 
 def broadcast_object(obj, root: int = 0, *, comm=None):

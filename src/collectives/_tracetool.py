@@ -155,12 +155,14 @@ def timeline(dumps: dict[int, dict]) -> dict:
     for rank, d in sorted(dumps.items()):
         events.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
         for c in d.get("communicators", []):
-            for e in c.get("records", []):
+            # the collectives' records, then the point-to-point ones (a row of their own per communicator)
+            for e, tid in [(e, c["name"]) for e in c.get("records", [])] + \
+                    [(e, f"{c['name']} p2p") for e in c.get("p2p", [])]:
                 if not e.get("start"):
                     continue
                 end = e.get("end") or d.get("time") or e["start"]
                 events.append({"name": e["collective"], "cat": e.get("path") or "", "ph": "X", "pid": rank,
-                               "tid": c["name"], "ts": (e["start"] - t0) * 1e6,
+                               "tid": tid, "ts": (e["start"] - t0) * 1e6,
                                "dur": max(0.0, (end - e["start"]) * 1e6),
                                "args": {k: e.get(k) for k in ("seq", "op", "root", "dtype", "shape", "state",
                                                               "site", "error")}})

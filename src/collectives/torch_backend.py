@@ -256,9 +256,9 @@ class ProcessGroupCollectives(dist.ProcessGroup):
     ``broadcast``, ``reduce``, ``allgather``, ``all_gather_single`` (``all_gather_into_tensor``),
     ``allgather_into_tensor_coalesced``, ``reduce_scatter``, ``reduce_scatter_single``
     (``reduce_scatter_tensor``), ``reduce_scatter_tensor_coalesced``, ``alltoall``, ``all_to_all_single``
-    (equal splits), ``gather``, ``scatter``, ``barrier``; torch's object collectives run on these. Not
-    offered: ``send``/``recv`` (the library has no point-to-point operations) and uneven splits or
-    blocks (a clear ``ValueError`` before any communication).
+    (equal splits), ``gather``, ``scatter``, ``barrier``; torch's object collectives run on these; ``send``,
+    ``recv`` and ``recv_anysource`` (``dist.send``/``recv``/``isend``/``irecv``, ``batch_isend_irecv``, with
+    tags). Not offered: uneven splits or blocks (a clear ``ValueError`` before any communication).
 
     Example:
         >>> import torch, torch.distributed as dist
@@ -540,15 +540,44 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         flag = torch.zeros(1, dtype=torch.uint8)
         return self._work("barrier", [self._comm.allreduce(flag, "max", async_op=True)], result=[])
 
+    # ---- point-to-point (dist.send/recv/isend/irecv, batch_isend_irecv, pipelining) ----
+    # torch calls these for dist.isend/irecv (dist.send/recv wait on the Work they return) and, one after
+    # another, for batch_isend_irecv (coalescing is NCCL's ProcessGroup's alone); complex tensors arrive as
+    # their real views. Host tensors over MPI, CUDA tensors over NCCL: coll.send/coll.recv.
     def send(self, tensors, dst, tag=0):
-        raise RuntimeError("the collectives backend has no point-to-point operations (send/recv/isend/irecv); "
-                           "use collectives (broadcast, all_to_all) or a second group with a backend that has them")
+        """Start sending the tensor to ``dst`` (this group's rank; this rank itself too, as gloo allows)."""
+        t = _one(tensors, "send")
+        return self._work("send", [self._comm.send(t, dst, tag, async_op=True)], result=[t])
 
     def recv(self, tensors, src, tag=0):
-        self.send(tensors, src, tag)
+        """Start receiving the tensor from ``src``; the Work's ``source_rank()`` is ``src``."""
+        t = _one(tensors, "recv")
+        return _ReceiveWork("recv", self._comm.recv(t, src, tag, async_op=True), [t], self._timeout_s)
 
     def recv_anysource(self, tensors, tag=0):
-        self.send(tensors, -1, tag)
+        """Start receiving the tensor from any rank; the Work's ``source_rank()`` is the sender's rank."""
+        t = _one(tensors, "recv")
+        return _ReceiveWork("recv_anysource", self._comm.recv(t, None, tag, async_op=True), [t], self._timeout_s)
+
+
+class _ReceiveWork(Work):
+    """The Work of a receive: ``source_rank()`` (torch's ``_source_rank()``, which ``dist.recv`` reads) is
+    the sender's rank in the group, once the receive has completed (it waits for it), as gloo's."""
+
+    _source: int | None = None
+
+    def __init__(self, what, handle, result, timeout_s):
+        super().__init__(what, [handle], self._received, result, timeout_s)
+
+    def _received(self, results) -> None:
+        self._source = results[0]
+
+    def source_rank(self) -> int:
+        self.wait()
+        assert self._source is not None
+        return self._source
+
+    _source_rank = source_rank
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -280,9 +280,7 @@ def test_coalesced_and_object_collectives(pg, comm):
     assert out == [f"o{comm.rank}"]
 
 
-def test_point_to_point_refused(pg):
-    with pytest.raises(RuntimeError, match="point-to-point"):
-        pg.send([torch.ones(1)], 0, 0)
+# (point-to-point, offered since issue 24: tests/mpi/test_torch_p2p.py)
 
 
 # ---------------------------------------------------------------------------------------------------------

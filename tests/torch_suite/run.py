@@ -56,6 +56,27 @@ def _reason(exc_text: str) -> str:
     return ((found or lines or ["?"])[-1])[:300]
 
 
+def _run_group_tests_from(n: int, world, skips) -> None:
+    """torch skips the tests marked ``skip_if_small_worldsize`` (groups of some ranks, ``_init_group_test``)
+    below 8 ranks for every backend but "mpi", which it runs at any size; "collectives" runs in an MPI job
+    as "mpi" does, so here they run from ``n`` ranks (they need 3: the group [1, 2]). Before the suite is
+    imported: it takes the decorator by name."""
+    import functools
+
+    from torch.testing._internal import common_distributed
+
+    def skip_if_small_worldsize(func):
+        @functools.wraps(func)
+        def wrapper(*args, **kwargs):
+            if world.size < n:
+                sys.exit(skips["small_worldsize"].exit_code)
+            return func(*args, **kwargs)
+
+        return wrapper
+
+    common_distributed.skip_if_small_worldsize = skip_if_small_worldsize
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("-k", action="append", default=[], help="run tests whose name contains this (repeatable)")
@@ -76,6 +97,7 @@ def main() -> int:
 
     for feature in ("ddp", "subgroup", "plugin"):  # before the suite is imported: its skip decorators read these
         DistTestCases.backend_feature[feature].add("collectives")
+    _run_group_tests_from(4, world, TEST_SKIPS)
     from torch.testing._internal.distributed import distributed_test as dt
     skip_codes = {s.exit_code: s.message for s in TEST_SKIPS.values()}
 

@@ -23,7 +23,12 @@ Optional capabilities, declared here with their defaults (a transport overrides 
 - :meth:`start`: begin an operation and return a :class:`Request` (default: run the blocking operation
   now and return a completed request); the asynchronous collectives (``async_op=True``) use it.
 
-Every rank must call every operation, in the same order (they are collective).
+Every rank must call every operation, in the same order (they are collective), except the two
+point-to-point operations, :meth:`send` and :meth:`recv`, which only the two ranks concerned call. Each
+point-to-point message carries a header (``collectives._p2p.header``: the element count, the bytes, the dtype's
+name) so that a receiver whose buffer differs from what was sent raises a clear error
+(``collectives._p2p.mismatch``) instead of truncating or reading garbage; the message is then received into a
+scratch buffer and dropped, the receiver's buffer untouched and the transport usable.
 """
 
 from __future__ import annotations
@@ -49,7 +54,9 @@ class Request:
 
 
 DONE = Request()
-OPERATIONS = ("allreduce", "reduce", "broadcast", "allgather", "gather", "reduce_scatter", "alltoall")
+OPERATIONS = ("allreduce", "reduce", "broadcast", "allgather", "gather", "reduce_scatter", "alltoall", "send",
+              "recv")
+P2P_OPERATIONS = ("send", "recv")
 
 
 class HostTransport(abc.ABC):
@@ -127,6 +134,21 @@ class HostTransport(abc.ABC):
         Default: run the blocking operation now and return a completed request."""
         getattr(self, operation)(*args)
         return DONE
+
+    # ---- point-to-point (only the two ranks concerned call these) ----
+    max_tag: int = 2**31 - 1  # the largest tag a message may carry (MPI: MPI_TAG_UB)
+
+    def send(self, buf: np.ndarray, name: str, dst: int, tag: int) -> None:
+        """Send the contiguous ``buf`` (of the dtype called ``name``) to rank ``dst`` with ``tag``; returns
+        once ``buf`` may be reused. Validated by the Communicator (``dst`` a rank, ``tag`` within
+        :attr:`max_tag`)."""
+        raise CollectiveError(f"the {self.name} transport has no point-to-point operations")
+
+    def recv(self, buf: np.ndarray, name: str, src: int | None, tag: int, box: list) -> None:
+        """Receive into the contiguous writable ``buf`` the message with ``tag`` from rank ``src`` (None:
+        any rank); ``box[0]`` becomes the sender's rank. A message that does not fit (``collectives._p2p.mismatch``)
+        raises that error, ``buf`` unchanged."""
+        raise CollectiveError(f"the {self.name} transport has no point-to-point operations")
 
     @abc.abstractmethod
     def allreduce(self, buf: np.ndarray, op: str) -> None:

@@ -128,6 +128,21 @@ class DeviceTransport(abc.ABC):
             return
         xp.wait_event(xp.current_stream(x), event)
 
+    # ---- point-to-point: the default stages through host memory and the host path ----
+    def send(self, x, a, dst: int, tag: int) -> None:
+        """Send ``x`` to ``dst`` (validated by the Communicator). Default: a host copy, sent by the host
+        path (``coll.send``: its header, its deadline), complete when this returns."""
+        xp, _ = self._prepare(x)
+        self._comm.send(xp.to_host(x), dst, tag)
+
+    def recv(self, x, a, src, tag: int, box: list) -> None:
+        """Receive into ``x`` from ``src`` (None: any rank); ``box[0]`` becomes the sender. Default: into a
+        host copy by the host path (its check of the message against the buffer), then into ``x``."""
+        xp, _ = self._prepare(x)
+        host = xp.to_host(x)
+        box[0] = self._comm.recv(host, src, tag)
+        xp.from_host(x, host)
+
     def allreduce_many(self, arrays, a, op: str):
         """Reduce each array of ``arrays`` in place (fused where :attr:`fuses`)."""
         for x in arrays:

@@ -23,10 +23,11 @@ import numpy as np
 
 from .. import _config, _trace
 from .._dtypes import divide
-from .._errors import BackendUnavailableError, CollectiveTimeoutError, MismatchError
+from .._errors import BackendUnavailableError, CollectiveError, CollectiveTimeoutError, MismatchError
 from .._poll import poll
 from . import shm  # large allreduces through a node-shared window (made at first use), issue 7
-from .base import DONE, HostTransport, Request
+from .._p2p import HEADER_WORDS, p2p_fields, p2p_header, p2p_mismatch
+from .base import DONE, P2P_OPERATIONS, HostTransport, Request
 
 
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
@@ -34,7 +35,7 @@ _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
 # The lanes: one MPI communicator per kind of collective (see MPITransport.__init__), and one for the
 # fingerprints the non-blocking paths reduce beside each call (see _fingerprint).
 LANES = ("allreduce", "reduce", "broadcast", "allgather", "gather", "reduce_scatter", "alltoall", "barrier", "objects",
-         "fingerprint")
+         "fingerprint", "p2p", "p2p_data")  # p2p: the headers of send/recv; p2p_data: their data (see send)
 # The fields of a call's fingerprint: which collective, how many elements of which dtype, op, root.
 FIELDS = ("collective", "count", "dtype", "op", "root")
 _KINDS = ("allreduce", "reduce", "broadcast", "allgather", "reduce_scatter", "alltoall", "barrier", "gather")
@@ -255,6 +256,10 @@ class MPITransport(HostTransport):
         self._pipe_ring = None  # broadcast_many's pack buffers (root only, made at first use)
         self._pipe_plans: dict = {}  # (lengths, message size) -> messages
         self._pipe_typesets: dict = {}  # (addresses, plan key) -> (datatypes, spares), least recently used first
+        tag_ub = self.comm.Get_attr(MPI.TAG_UB)
+        self.max_tag = int(tag_ub) if tag_ub else 32767  # MPI guarantees at least 32767
+        self._p2p_seq: dict = {}  # destination rank -> the tag of the next message's data (see send)
+        self._to_itself: dict = {}  # tag -> messages this rank sent itself not yet received (_from_itself)
 
     def reduces(self, dtype: np.dtype, op: str) -> bool:
         """True if this MPI reduces ``dtype`` with ``op`` right: not a pair :func:`faulty_ops` caught on
@@ -440,8 +445,11 @@ class MPITransport(HostTransport):
         it (:meth:`_begin`), and return its request. Never the shared-memory allreduce (synchronous by
         design: it would finish here, with nothing to overlap; see docs/semantics.md). Counts past the limit
         of one MPI call run blocking now (a completed request): the piecewise loops need each piece's result
-        before the next."""
+        before the next. ``send`` and ``recv`` start their point-to-point messages (no fingerprint: only two
+        ranks take part)."""
         self.usable()
+        if operation in P2P_OPERATIONS:
+            return self._start_send(*args) if operation == "send" else _Receive(self, *args)
         if not self._fits(operation, *args):
             getattr(self, operation)(*args)
             return DONE
@@ -552,6 +560,68 @@ class MPITransport(HostTransport):
     def abandon(self, req) -> None:
         """Keep a request that a failure left pending (and with it its buffers) to the end of the process."""
         self.__dict__.setdefault("_abandoned", []).append(req)
+
+    # ---- point-to-point: send/recv ----
+    # A message is two: its header (p2p_header: bytes, elements, dtype name, the data's tag, the piece size)
+    # on the "p2p" lane under the user's tag, then its data on the "p2p_data" lane, from the sender
+    # only, under a tag of its own (the sender's count of messages to that rank, modulo max_tag + 1). The
+    # receiver takes the header first (from src, or from any rank), checks it against its buffer, then
+    # receives the data from the header's sender under the data's tag: a receive matched by any source
+    # can only meet the data of its own header, whatever other receives are pending, and a message that
+    # does not fit is received into scratch memory and dropped (p2p_mismatch), never truncated.
+    def _header(self, buf: np.ndarray, name: str, dst: int, tag: int) -> np.ndarray:
+        if dst == self.rank:
+            self._to_itself[tag] = self._to_itself.get(tag, 0) + 1
+        seq = self._p2p_seq.get(dst, 0)
+        self._p2p_seq[dst] = seq + 1 if seq < self.max_tag else 0
+        return p2p_header(buf.size, buf.nbytes, name, seq, self._max_count)
+
+    @staticmethod
+    def _pieces(raw: np.ndarray, piece: int):
+        """``raw`` (1-d uint8) in the messages of at most ``piece`` bytes its data travels in (one for
+        an empty buffer)."""
+        if raw.size <= piece:
+            return [raw]
+        return [raw[lo:lo + piece] for lo in range(0, raw.size, piece)]
+
+    def send(self, buf, name, dst, tag):
+        """MPI_Send of the header, then of the data (in pieces past ``COLLECTIVES_MAX_COUNT`` bytes)."""
+        header = self._header(buf, name, dst, tag)
+        self._lanes["p2p"].Send([header, self.MPI.INT64_T], dst, tag)
+        data, byte, seq = self._lanes["p2p_data"], self.MPI.BYTE, int(header[2])
+        for piece in self._pieces(buf.reshape(-1).view(np.uint8), self._max_count):
+            data.Send([piece, byte], dst, seq)
+
+    def recv(self, buf, name, src, tag, box):
+        """MPI_Recv of a header (from ``src`` or any rank), checked, then of its data."""
+        MPI = self.MPI
+        header, status = np.empty(HEADER_WORDS, dtype=np.int64), MPI.Status()
+        self._from_itself(src, tag)
+        self._lanes["p2p"].Recv([header, MPI.INT64_T], MPI.ANY_SOURCE if src is None else src, tag, status)
+        source = status.Get_source()
+        target, error = _receiving(self, buf, name, header, source, tag)
+        data, byte, seq, piece = self._lanes["p2p_data"], MPI.BYTE, int(header[2]), int(header[3])
+        for part in self._pieces(target, piece):
+            data.Recv([part, byte], source, seq)
+        if error is not None:
+            raise error
+        box[0] = source
+
+    def _from_itself(self, src, tag) -> None:
+        """A blocking receive that only this rank could send to (src is this rank, or any rank of one):
+        refused unless the message is already there (this rank is blocked here: it could never come)."""
+        if (src == self.rank or (src is None and self.size == 1)) and not self._to_itself.get(tag):
+            raise CollectiveError(f"recv from rank {self.rank} (this rank) with tag {tag}: no message with that tag "
+                                  f"was sent, and none can come while this rank waits; send(..., async_op=True) to "
+                                  f"itself first")
+
+    def _start_send(self, buf, name, dst, tag) -> _Sending:
+        header = self._header(buf, name, dst, tag)
+        data, byte, seq = self._lanes["p2p_data"], self.MPI.BYTE, int(header[2])
+        reqs = [self._lanes["p2p"].Isend([header, self.MPI.INT64_T], dst, tag)]
+        reqs += [data.Isend([piece, byte], dst, seq) for piece in self._pieces(buf.reshape(-1).view(np.uint8),
+                                                                              self._max_count)]
+        return _Sending(self, reqs, ("send", buf, f"dst={dst}, tag={tag}"), (header, buf))
 
     # ---- many buffers, one broadcast (synchronize) ----
     PIPE_CHUNK = 1 << 20  # bytes per message of broadcast_many
@@ -885,6 +955,108 @@ class _MPIRequest(Request):
             self._done = True
 
 
+class _Status:
+    """An MPI request tested and waited with a status (the source of a header received from any rank):
+    what :meth:`MPITransport._wait` and the deadline's polling take."""
+
+    __slots__ = ("_req", "_status")
+
+    def __init__(self, req, status):
+        self._req, self._status = req, status
+
+    def Test(self) -> bool:
+        return self._req.Test(self._status)
+
+    def Wait(self) -> None:
+        self._req.Wait(self._status)
+
+
+def _receiving(transport, buf, name, header, source, tag):
+    """``(where the data goes, error)``: ``buf``'s bytes and None when the message fits it, else scratch
+    bytes of the sender's size and the error to raise once they are received (``p2p_mismatch``)."""
+    if source == transport.rank:
+        transport._to_itself[tag] -= 1
+    error = p2p_mismatch(header, buf.size, buf.nbytes, name, source, tag, transport.rank)
+    if error is None:
+        return buf.reshape(-1).view(np.uint8), None
+    return np.empty(p2p_fields(header)[0], dtype=np.uint8), error
+
+
+class _Sending(Request):
+    """A started send: its header's and its data's MPI requests (the buffers kept alive with them)."""
+
+    def __init__(self, transport, reqs, what, keep):
+        self._transport, self._reqs, self._what, self._keep = transport, reqs, what, keep
+        self._done = False
+
+    def test(self) -> bool:
+        if not self._done:
+            self._done = self._transport.MPI.Request.Testall(self._reqs)
+        return self._done
+
+    def wait(self) -> None:
+        if not self._done:
+            for req in self._reqs:
+                self._transport._wait(self._what, req)  # bounded on the deadline transport (it fails it)
+            self._done = True
+
+
+class _Receive(Request):
+    """A started receive: the header's receive first; once it has arrived (in :meth:`test` or
+    :meth:`wait`), checked against the buffer, the data's receives from its sender."""
+
+    def __init__(self, transport, buf, name, src, tag, box):
+        MPI = transport.MPI
+        self._transport, self._buf, self._name, self._tag, self._box = transport, buf, name, tag, box
+        self._header = np.empty(HEADER_WORDS, dtype=np.int64)
+        self._status = MPI.Status()
+        self._what = ("recv", buf, f"src={'any' if src is None else src}, tag={tag}")
+        self._head = _Status(transport._lanes["p2p"].Irecv([self._header, MPI.INT64_T],
+                                                           MPI.ANY_SOURCE if src is None else src, tag),
+                             self._status)
+        self._data: list | None = None
+        self._error: Exception | None = None
+        self._done = False
+
+    def _arrived(self) -> None:
+        t = self._transport
+        source = self._status.Get_source()
+        target, self._error = _receiving(t, self._buf, self._name, self._header, source, self._tag)
+        seq, piece = int(self._header[2]), int(self._header[3])
+        lane, byte = t._lanes["p2p_data"], t.MPI.BYTE
+        self._scratch = target
+        self._data = [lane.Irecv([part, byte], source, seq) for part in t._pieces(target, piece)]
+        self._box[0] = source
+
+    def _finish(self) -> None:
+        self._done = True
+        if self._error is not None:
+            raise self._error
+
+    def test(self) -> bool:
+        if self._done:
+            return True
+        if self._data is None:
+            if not self._head.Test():
+                return False
+            self._arrived()
+        if not self._transport.MPI.Request.Testall(self._data):
+            return False
+        self._finish()
+        return True
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        t = self._transport
+        if self._data is None:
+            t._wait(self._what, self._head)
+            self._arrived()
+        for req in self._data or ():
+            t._wait(self._what, req)
+        self._finish()
+
+
 def _fields(operation: str, args: tuple) -> list[int]:
     """The fingerprint fields (:data:`FIELDS`) of one MPI call of ``operation`` with ``args``."""
     kind = _KINDS.index(operation)
@@ -1112,6 +1284,15 @@ class DeadlineMPITransport(MPITransport):
 
     def barrier(self):
         self._now("barrier")
+
+    def send(self, buf, name, dst, tag):
+        self.usable()
+        self._start_send(buf, name, dst, tag).wait()
+
+    def recv(self, buf, name, src, tag, box):
+        self.usable()
+        self._from_itself(src, tag)
+        _Receive(self, buf, name, src, tag, box).wait()
 
     # ---- objects and agreement: bounded too (no fingerprint: pickled sizes differ by design) ----
     def _allgather_bytes(self, comm, data: np.ndarray, what) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -31,7 +31,10 @@ import time
 
 from .. import _agree, _dtypes
 from .._errors import BackendUnavailableError, CollectiveTimeoutError, NcclError
+import numpy as np
+
 from . import _libnccl
+from .._p2p import HEADER_WORDS, p2p_fields, p2p_header, p2p_mismatch
 from .device import NCCL, DeviceTransport
 
 CLOSE_TIMEOUT = 30.0  # seconds close() waits for ncclCommFinalize before aborting (never hangs at exit)
@@ -71,6 +74,7 @@ class NCCLTransport(DeviceTransport):
         self._handle = 0
         self._dead: str | None = None  # why the communicator can no longer be used
         self._rules: dict = {}
+        self._described: list = []  # the host handles of the descriptions of sends, until sent
         self._create(api)
 
     # ---- life cycle ----
@@ -327,6 +331,56 @@ class NCCLTransport(DeviceTransport):
 
             self._group(issue)
         return out
+
+    # ---- point-to-point: the data by ncclSend/ncclRecv, its description over the host path first ----
+    # NCCL cannot tell a receive that the message is of another size or dtype (it would hang or write past
+    # the buffer), nor receive from any rank. So each send first sends a description (p2p_header) by the
+    # host path (coll.send, asynchronous: it never waits for the receiver), then enqueues ncclSend; the
+    # receiver receives the description (bounded by COLLECTIVES_TIMEOUT: it waits for the sender to have
+    # *called* send, not for its data), checks it, then enqueues ncclRecv from that rank: into the array,
+    # or, for a message that does not fit, into scratch memory of the sender's size (so the sender's stream
+    # completes) before raising the host path's TypeError/ValueError, the array untouched.
+    def send(self, x, a, dst, tag):
+        self._not_itself("send", dst)
+        xp, info = self._prepare(x)
+        buf, _ = xp.contiguous(x)
+        nbytes = xp.numel(x) * xp.itemsize(x)
+        header = p2p_header(xp.numel(x), nbytes, info.name, 0, nbytes)
+        self._described = [h for h in self._described if not h.done()]
+        self._described.append(self._comm.send(header, dst, tag, async_op=True))
+        if nbytes:
+            lib, handle, stream, p = self._lib, self._handle, xp.stream(x), xp.ptr(buf)
+            self._group(lambda: lib.send(p, nbytes, _libnccl.ncclUint8, dst, handle, stream))
+
+    def recv(self, x, a, src, tag, box):
+        if src is None:
+            raise ValueError("recv of a CUDA array from any rank: NCCL has no any-source receive (nor has "
+                             "torch's NCCL backend); pass src, or receive into a host array")
+        self._not_itself("recv", src)
+        xp, info = self._prepare(x)
+        header = np.empty(HEADER_WORDS, dtype=np.int64)
+        self._comm.recv(header, src, tag)
+        nbytes = xp.numel(x) * xp.itemsize(x)
+        error = p2p_mismatch(header, xp.numel(x), nbytes, info.name, src, tag, self.rank)
+        if error is None:
+            buf, in_place = xp.contiguous(x, copy=False)
+            count = nbytes
+        else:  # scratch of at least the sender's bytes, on x's device
+            count = p2p_fields(header)[0]
+            buf, in_place = xp.empty((-(-count // max(xp.itemsize(x), 1)) or 1,), like=x), True
+        if count:
+            lib, handle, stream, p = self._lib, self._handle, xp.stream(x), xp.ptr(buf)
+            self._group(lambda: lib.recv(p, count, _libnccl.ncclUint8, src, handle, stream))
+        if error is not None:
+            raise error
+        if not in_place:
+            xp.copy_back(x, buf)
+        box[0] = src
+
+    def _not_itself(self, what: str, peer: int) -> None:
+        if peer == self.rank:
+            raise ValueError(f"{what} of a CUDA array to or from this rank itself: a lone ncclSend/ncclRecv to "
+                             f"itself never completes; copy the array on the device instead")
 
     def _group(self, issue) -> None:
         """Run ``issue()`` (NCCL calls) between ``ncclGroupStart`` and ``ncclGroupEnd``; settle the group."""

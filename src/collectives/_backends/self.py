@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+from collections import deque
+
+import numpy as np
+
 from .. import _config
-from .base import HostTransport
+from .._errors import CollectiveError
+from .._p2p import p2p_header, p2p_mismatch
+from .base import HostTransport, Request
 
 
 class SelfTransport(HostTransport):
@@ -11,6 +17,23 @@ class SelfTransport(HostTransport):
 
     def __init__(self):
         _config.refuse_malformed()  # a malformed variable is refused at init, as with MPI (alone here)
+        self._mail: dict = {}  # tag -> the messages this process sent itself, oldest first: (header, bytes)
+
+    # ---- point-to-point: to itself, through a mailbox (the Communicator refuses a blocking send to itself)
+    def send(self, buf, name, dst, tag):
+        data = buf.reshape(-1).view(np.uint8).copy()
+        self._mail.setdefault(tag, deque()).append((p2p_header(buf.size, buf.nbytes, name, 0, data.size), data))
+
+    def recv(self, buf, name, src, tag, box):
+        if not _Taken(self, buf, name, tag, box).test():
+            raise CollectiveError(f"recv from rank 0 (this rank, the one process) with tag {tag}: no message with "
+                                  f"that tag was sent; with one process, send(async_op=True) to itself first")
+
+    def start(self, operation, *args):
+        if operation == "recv":  # (buf, name, src, tag, box): completes once the message is in the mailbox
+            buf, name, _, tag, box = args
+            return _Taken(self, buf, name, tag, box)
+        return super().start(operation, *args)
 
     def allreduce(self, buf, op):
         pass
@@ -44,3 +67,31 @@ class SelfTransport(HostTransport):
 
     def split(self, color, key):
         return None if color is None else SelfTransport()
+
+
+class _Taken(Request):
+    """A receive from the mailbox: complete once a message with its tag is there (checked as MPI's are)."""
+
+    def __init__(self, transport, buf, name, tag, box):
+        self._t, self._buf, self._name, self._tag, self._box = transport, buf, name, tag, box
+        self._done = False
+
+    def test(self) -> bool:
+        if self._done:
+            return True
+        queue = self._t._mail.get(self._tag)
+        if not queue:
+            return False
+        header, data = queue.popleft()
+        self._done = True
+        self._box[0] = 0
+        error = p2p_mismatch(header, self._buf.size, self._buf.nbytes, self._name, 0, self._tag, 0)
+        if error is not None:
+            raise error
+        self._buf.reshape(-1).view(np.uint8)[...] = data
+        return True
+
+    def wait(self) -> None:
+        if not self.test():
+            raise CollectiveError(f"recv from rank 0 (this rank, the one process) with tag {self._tag}: no message "
+                                  f"with that tag was sent (one process: nothing else can send it)")
