@@ -29,6 +29,8 @@ page, visible in the source):
 ``<!-- snippet: cheap="mpiexec -n 2 python examples/demo.py" reason="..." -->``
     A block too long to run in CI (it installs, or is the whole test suite), checked in a cheap form: the
     command given, which must be part of what the block runs; ``reason`` says what is left out.
+``<!-- snippet: requires=lightning -->``
+    Runs where the modules named (comma list) import; elsewhere reported as not runnable, saying why.
 ``<!-- snippet: ranks=3 exit=nonzero timeout=60 continue save=train.py in=scratch ignore="regex" unordered -->``
     ``ranks``: processes (python blocks; 1 is a plain ``python``). ``exit``: the documented exit status
     (a number, or ``nonzero``). ``timeout``: seconds (default 180). ``continue``: a python block that
@@ -55,6 +57,7 @@ The report names each failing snippet by page and line and shows the tail of its
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import shlex
@@ -103,7 +106,7 @@ def parse_options(text: str, where: str) -> dict:
     opts: dict = {}
     for token in shlex.split(text):
         key, eq, value = token.partition("=")
-        if key not in {"skip", "cheap", "reason", "ranks", "exit", "timeout", "continue", "save", "in", "ignore", "unordered"}:
+        if key not in {"skip", "cheap", "reason", "requires", "ranks", "exit", "timeout", "continue", "save", "in", "ignore", "unordered"}:
             raise DocError(f"{where}: unknown snippet option {key!r}")
         opts[key] = value if eq else True
     if "skip" in opts and (opts["skip"] is True or not opts["skip"].strip()):
@@ -385,6 +388,9 @@ def run_snippet(snip: Snippet, page: Page, env: dict) -> tuple[str, str]:
     opts = snip.options
     if "skip" in opts:
         return "skip", opts["skip"]
+    missing = [m for m in str(opts.get("requires", "")).split(",") if m and importlib.util.find_spec(m) is None]
+    if missing:
+        return "skip", f"needs {', '.join(missing)}, not installed here (it runs where it is)"
     try:
         if "cheap" in opts:  # a command too long for CI, checked by a cheaper one it contains
             if opts["cheap"] not in snip.code or not opts.get("reason"):
