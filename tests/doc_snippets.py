@@ -212,6 +212,8 @@ def command_line(text: str) -> tuple[list[str] | str, dict, bool]:
     if any(t in {"&&", "||", "|", ";", ">", "<", ">>", "2>&1"} or t.startswith(("$", "`")) for t in tokens) \
             or any(c in text for c in "|;&><`$("):
         return text, {}, True
+    if tokens[0] in {"export", "cd", "source", ".", "set", "unset"}:  # shell builtins
+        return text, {}, True
     env = {}
     while tokens and re.fullmatch(r"[A-Za-z_]\w*=.*", tokens[0]):
         k, _, v = tokens.pop(0).partition("=")
