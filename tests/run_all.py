@@ -5,6 +5,7 @@ Exit status 0 only if everything passed.
 
     python tests/run_all.py               # everything
     python tests/run_all.py --sizes 2     # only the 2-rank MPI runs (plus unit tests; torch's suite at 4 too)
+    python tests/run_all.py --docs        # only the code blocks of README.md and docs/ (tests/doc_snippets.py)
 
 Then torch's own suite (tests/torch_suite) at 2, 3 and 4 ranks, and the client scripts (tests/clients: the
 software that calls torch.distributed, each at 2 ranks, compared with gloo).
@@ -97,7 +98,10 @@ def main() -> int:
                     help="world sizes of torch's own suite (default: those of --sizes from 2, and 4, where torch's "
                          "group tests run; 4 ranks oversubscribe 2 cores, fine for correctness)")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per mpiexec run")
-    ap.add_argument("--skip-unit", action="store_true")
+    ap.add_argument("--skip-unit", action="store_true",
+                    help="skip the unit tests, the doctests and the docs' code blocks")
+    ap.add_argument("--docs", action="store_true",
+                    help="run only the code blocks of README.md and docs/*.md (exit 0 only if all pass)")
     args = ap.parse_args()
     LOGS.mkdir(exist_ok=True)
     # the flight recorder's dumps (every MismatchError and timeout the suites provoke writes one) go with
@@ -116,6 +120,20 @@ def main() -> int:
     total_passed = total_failed = 0
     results = []
 
+    def docs_snippets():
+        # every code block of README.md and docs/*.md, run as a reader pastes it (tests/doc_snippets.py)
+        rc, out = run([sys.executable, str(ROOT / "tests" / "doc_snippets.py")], 1800)
+        m = re.search(r"(\d+) passed, (\d+) failed", out[-3000:])
+        ok = rc == 0 and m is not None and int(m.group(1)) > 0
+        p = int(m.group(1)) if m else 0
+        f = int(m.group(2)) if m else 0
+        return p, (f if f or ok else 1), ok
+
+    if args.docs:
+        p, f, ok = docs_snippets()
+        print(f"\nsummary:\n  {'ok  ' if ok else 'FAIL'} docs snippets\n{p} passed, {f} failed")
+        return 0 if ok else 1
+
     if not args.skip_unit:
         rc, out = run([sys.executable, "-m", "pytest", "tests/unit", "-q"], 1800)
         p, f = pytest_counts(out)
@@ -129,6 +147,10 @@ def main() -> int:
         total_passed += p
         total_failed += f if f or ok else 1
         results.append(("doctests", ok))
+        p, f, ok = docs_snippets()
+        total_passed += p
+        total_failed += f
+        results.append(("docs snippets", ok))
 
     # The crash suite: one process of pytest that launches each failure scenario under mpiexec itself
     # (exception, SIGKILL, mismatch, deadline, clean exit at 2 and 3 ranks) and times how the job ends.

@@ -1,9 +1,12 @@
 """``python -m collectives info``: what this installation can use, for bug reports.
 
-``python -m collectives info`` prints the library and Python versions, the array libraries found, the
-MPI implementation (MPICH, Open MPI, ...) with its version, the launcher that started this process
-(Hydra, PRRTE, Slurm) and the ``mpiexec`` found with its kind, rank and size, and the NCCL library
-(path, where it came from, version). ``--json`` prints the same as JSON.
+``python -m collectives info`` starts with what is available and what is not, one line each (MPI, the
+torch.distributed backend, a GPU, NCCL, the array libraries), then the details: the library and Python
+versions, the array libraries found, the MPI implementation (MPICH, Open MPI, ...) with its version, the
+launcher that started this process (Hydra, PRRTE, Slurm) and the ``mpiexec`` found with its kind, rank and
+size, and the NCCL library (path, where it came from, version). How to get NCCL working is printed only
+for ``--gpu`` or on a machine with an NVIDIA GPU: elsewhere no CUDA array needs it. ``--json`` prints the
+same as JSON.
 
 ``mpiexec -n 2 python -m collectives bench`` times the collectives (nccl-tests style; see
 ``python -m collectives bench --help``).
@@ -18,6 +21,7 @@ import argparse
 import importlib.metadata
 import importlib.util
 import json
+import os
 import platform
 import sys
 
@@ -29,7 +33,17 @@ def _dist_version(name: str) -> str | None:
         return None
 
 
-def gather_info(start_mpi: bool = True) -> dict:
+def gpu_present() -> bool:
+    """Whether this machine has an NVIDIA GPU, from the driver's files (no CUDA library is loaded)."""
+    try:
+        return bool(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return os.path.exists("/dev/nvidia0")
+
+
+def gather_info(start_mpi: bool = True, gpu: bool = False) -> dict:
+    """Everything ``info`` prints. ``gpu``: also say how to fix what CUDA arrays would need (NCCL, a CUDA
+    build of torch), as when this machine has a GPU."""
     from . import _config, _launcher, __version__
 
     info: dict = {
@@ -85,12 +99,62 @@ def gather_info(start_mpi: bool = True) -> dict:
 
         info["nccl"] = _libnccl.info()
     except Exception as exc:  # noqa: BLE001 - report, never fail
-        info["nccl"] = {"error": f"{type(exc).__name__}: {exc}"}
-    return info
+        info["nccl"] = {"available": False, "error": f"{type(exc).__name__}: {exc}"}
+    has_gpu = gpu_present()
+    asked = gpu or has_gpu
+    nccl = info["nccl"]
+    if not nccl.get("available"):
+        # the loader's message: a first line, then what was tried and how to fix it (for whoever needs NCCL)
+        first, _, rest = str(nccl.get("error", "")).partition("\n")
+        head, sep, fix = first.partition("To fix:")
+        nccl["error"] = head.strip()
+        details = (rest + (" To fix:" + fix if sep else "")).strip()
+        if asked and details:
+            nccl["fix"] = details
+    info["available"] = _available(info, has_gpu, asked)
+    return {"available": info.pop("available"), **info}
+
+
+def _available(info: dict, has_gpu: bool, asked: bool) -> dict:
+    """One line per capability: "yes: ..." or "no: ...", with the fix only where it matters here."""
+    libs = info["array_libraries"]
+    mpi = info["mpi"]
+    out: dict = {}
+    if "implementation" in mpi:
+        version = mpi["library"].split("Version:")[-1].strip() if "Version:" in mpi["library"] else ""
+        out["MPI"] = (f"yes: {mpi['implementation']} {version}".rstrip() +
+                      f" through mpi4py {mpi['mpi4py']}, {info.get('size', 1)} process(es) in this job")
+    elif mpi.get("mpi4py") is None:
+        out["MPI"] = "no: mpi4py is not installed (one process only; pip install -e \".[mpi]\" brings mpi4py and MPICH)"
+    else:
+        out["MPI"] = f"no: {mpi.get('error', 'MPI did not start')}"
+    out["torch.distributed"] = (f"yes: backend \"collectives\" (import collectives.torch_backend; torch {libs['torch']})"
+                                if "torch" in libs else "no: torch is not installed")
+    if has_gpu:
+        out["GPU"] = "yes: an NVIDIA GPU (CUDA arrays of torch or CuPy go through NCCL, else staging)"
+        if "torch" in libs and "+cpu" in str(libs["torch"]):
+            out["GPU"] += ("; but this torch is a CPU-only build: install a CUDA build of torch "
+                           "(pip install torch --index-url for your CUDA version) for torch CUDA tensors")
+    else:
+        out["GPU"] = "no: no NVIDIA GPU on this machine (host arrays only)" + (
+            ": CUDA arrays need a GPU with its driver (check nvidia-smi)" if asked else "")
+    nccl = info["nccl"]
+    if nccl.get("available"):
+        out["NCCL"] = f"yes: {nccl['version']} ({nccl['source']})"
+    else:
+        why = nccl["error"].split(": ", 1)[-1]
+        if not asked:
+            why = why.split("; ")[0].removesuffix("Tried:").strip()
+            why += " (only CUDA arrays need NCCL; --gpu says how to install it)"
+        out["NCCL"] = "no: " + why
+    found = [f"{k} {v}" for k, v in libs.items()]
+    absent = [k for k in ("torch", "jax", "cupy", "array_api_strict") if k not in libs]
+    out["array libraries"] = ", ".join(found) + (f" (not installed: {', '.join(absent)})" if absent else "")
+    return out
 
 
 def _print_info(info: dict) -> None:
-    width = 18
+    width = 20
     for key, value in info.items():
         if isinstance(value, dict):
             print(f"{key}:")
@@ -106,6 +170,8 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command")
     p_info = sub.add_parser("info", help="show versions, MPI, NCCL and array libraries")
     p_info.add_argument("--json", action="store_true", help="print JSON")
+    p_info.add_argument("--gpu", action="store_true",
+                        help="also say how to make CUDA arrays work (NCCL, the GPU), as on a machine with a GPU")
     sub.add_parser("bench", add_help=False, help="time the collectives (bench --help for its options)")
     sub.add_parser("trace", add_help=False, help="read the flight recorder's dumps: where the ranks diverged")
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -119,7 +185,7 @@ def main(argv=None) -> int:
         return _tracetool.main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "info":
-        info = gather_info()
+        info = gather_info(gpu=args.gpu)
         rank = info.get("rank", 0)
         if rank == 0:  # under mpiexec, one report
             print(json.dumps(info, indent=2)) if args.json else _print_info(info)

@@ -164,6 +164,35 @@ def test_info_command_text_and_json():
     assert "implementation" in text.stdout and "started_by" in text.stdout
 
 
+def test_info_says_what_is_available_one_line_each_and_the_nccl_fix_only_when_asked(tmp_path):
+    from collectives.__main__ import gpu_present
+
+    not_a_library = tmp_path / "libnccl.so.2"
+    not_a_library.write_text("not a shared library")  # NCCL found but unloadable: the loader's To fix text
+    env = {**os.environ, "COLLECTIVES_NCCL_LIBRARY": str(not_a_library)}
+    env.pop("COLLECTIVES_DISABLE_NCCL", None)
+
+    def info(*flags):
+        proc = subprocess.run([sys.executable, "-m", "collectives", "info", *flags], capture_output=True,
+                              text=True, timeout=120, env=env)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    text = info()
+    summary = text.split("\n")[:7]
+    assert summary[0] == "available:"
+    for name in ("MPI", "torch.distributed", "GPU", "NCCL", "array libraries"):
+        line = next(x for x in summary if x.startswith(f"  {name} "))
+        assert line.split(None, len(name.split()))[-1].startswith(("yes", "no", "numpy")), line
+    assert next(x for x in summary if x.startswith("  NCCL ")).split()[1] == "no:"
+    if not gpu_present():  # no GPU, not asked: NCCL's absence is one line, no "To fix" block
+        assert "To fix" not in text and "Tried" not in text, text
+    gpu = info("--gpu")
+    assert "To fix" in gpu and "nvidia-nccl-cu12" in gpu
+    as_json = json.loads(info("--gpu", "--json"))
+    assert as_json["available"]["NCCL"].startswith("no:") and "To fix" in as_json["nccl"]["fix"]
+
+
 def test_info_names_the_launcher_that_started_the_job():
     mpiexec = find_mpiexec()
     if mpiexec is None:
