@@ -13,17 +13,19 @@ and no listening socket. Outside a launcher it is a group of one process, like :
 How it fits torch:
 
 - **Rendezvous.** ``init_process_group`` without ``init_method`` asks torch's ``env://`` handler for a
-  store, a rank and a size; that handler needs ``MASTER_ADDR``/``MASTER_PORT`` and opens a TCP server
-  (``TCPStore``) on rank 0. This module wraps the ``env://`` handler: where ``MASTER_ADDR`` is unset (where
-  torch's handler would fail) the rank and the size come from MPI (:func:`collectives.init`) and the store
-  is one that needs no server (below); where it is set, torch's handler runs unchanged. The scheme
-  ``collectives://`` (``init_method="collectives://"``) always takes the MPI way.
+  store, a rank and a size; that handler needs ``MASTER_ADDR``/``MASTER_PORT`` (and ``RANK``) and opens a
+  TCP server (``TCPStore``) on rank 0. This module wraps it; first match wins:
+  ``init_method="collectives://"``: MPI's ranks, the store below; ``MASTER_ADDR``/``MASTER_PORT`` set and
+  the rank known (``RANK`` or ``rank=``): torch's handler unchanged (torchrun, Lightning); ``MASTER_ADDR``/
+  ``MASTER_PORT`` set, no rank, under an MPI launcher (``accelerate launch --mpirun_hostfile``): MPI's ranks
+  with torch's ``TCPStore`` at ``MASTER_ADDR``; ``MASTER_ADDR`` unset: MPI's ranks, the store below.
 - **The store.** The ``"collectives"`` backend never uses it: its collectives travel over MPI/NCCL.
   torch itself touches it only for its optional store-based barrier (``TORCH_DIST_INIT_BARRIER=1``) and to
   set up other backends on the same group (gloo, NCCL). So: one process: torch's in-memory ``HashStore``;
-  every rank on one node: torch's ``FileStore`` on a file in the temporary directory whose name rank 0
-  broadcasts over MPI (a real shared store, no socket); ranks on several nodes: a store that raises a
-  clear error on use (pass ``init_method`` or ``store=`` if you need one).
+  every rank on one node: torch's ``FileStore`` on a file rank 0 keeps open and whose name it removes once
+  every rank reaches it through ``/proc/<pid>/fd`` (no file outlives the job, even killed); ranks on
+  several nodes: a store that raises a clear error on use (pass ``init_method`` or ``store=`` if you need
+  one).
 - **The process group** (:class:`ProcessGroupCollectives`, a Python ``ProcessGroup`` as torch's own
   threaded test group is) runs every operation through the public collectives of its
   :class:`~collectives.Communicator` with ``async_op=True``: same validation, same dtype rules (an illegal
@@ -258,9 +260,21 @@ class ProcessGroupCollectives(dist.ProcessGroup):
     ``broadcast``, ``reduce``, ``allgather``, ``all_gather_single`` (``all_gather_into_tensor``),
     ``allgather_into_tensor_coalesced``, ``reduce_scatter``, ``reduce_scatter_single``
     (``reduce_scatter_tensor``), ``reduce_scatter_tensor_coalesced``, ``alltoall``, ``all_to_all_single``
-    (equal splits), ``gather``, ``scatter``, ``barrier``; torch's object collectives run on these. Not
-    offered: ``send``/``recv`` (the library has no point-to-point operations) and uneven splits or
-    blocks (a clear ``ValueError`` before any communication).
+    (any split sizes), ``gather``, ``scatter``, ``barrier``; torch's object collectives run on these.
+    ``allgather`` (different sizes per rank) and ``alltoall``/``all_to_all_single`` (any sizes) agree the
+    sizes first, in one small allgather: ranks that disagree get a ``MismatchError`` on every rank before
+    the data moves. ``_device_types`` lists CPU and CUDA, as DCP expects of a group.
+
+    Example (uneven all_gather):
+        >>> import torch, torch.distributed as dist
+        >>> import collectives.torch_backend
+        >>> dist.init_process_group("collectives")
+        >>> n, me = dist.get_world_size(), dist.get_rank()
+        >>> outs = [torch.empty(r + 1) for r in range(n)]
+        >>> dist.all_gather(outs, torch.full((me + 1,), float(me)))
+        >>> [o.tolist() for o in outs][:1]
+        [[0.0]]
+        >>> dist.destroy_process_group()
 
     Example:
         >>> import torch, torch.distributed as dist
