@@ -272,8 +272,8 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         >>> n, me = dist.get_world_size(), dist.get_rank()
         >>> outs = [torch.empty(r + 1) for r in range(n)]
         >>> dist.all_gather(outs, torch.full((me + 1,), float(me)))
-        >>> [o.tolist() for o in outs][:1]
-        [[0.0]]
+        >>> outs[0].tolist(), outs[-1].shape == (n,)
+        ([0.0], True)
         >>> dist.destroy_process_group()
 
     Example:
