@@ -13,17 +13,19 @@ and no listening socket. Outside a launcher it is a group of one process, like :
 How it fits torch:
 
 - **Rendezvous.** ``init_process_group`` without ``init_method`` asks torch's ``env://`` handler for a
-  store, a rank and a size; that handler needs ``MASTER_ADDR``/``MASTER_PORT`` and opens a TCP server
-  (``TCPStore``) on rank 0. This module wraps the ``env://`` handler: where ``MASTER_ADDR`` is unset (where
-  torch's handler would fail) the rank and the size come from MPI (:func:`collectives.init`) and the store
-  is one that needs no server (below); where it is set, torch's handler runs unchanged. The scheme
-  ``collectives://`` (``init_method="collectives://"``) always takes the MPI way.
+  store, a rank and a size; that handler needs ``MASTER_ADDR``/``MASTER_PORT`` (and ``RANK``) and opens a
+  TCP server (``TCPStore``) on rank 0. This module wraps it; first match wins:
+  ``init_method="collectives://"``: MPI's ranks, the store below; ``MASTER_ADDR``/``MASTER_PORT`` set and
+  the rank known (``RANK`` or ``rank=``): torch's handler unchanged (torchrun, Lightning); ``MASTER_ADDR``/
+  ``MASTER_PORT`` set, no rank, under an MPI launcher (``accelerate launch --mpirun_hostfile``): MPI's ranks
+  with torch's ``TCPStore`` at ``MASTER_ADDR``; ``MASTER_ADDR`` unset: MPI's ranks, the store below.
 - **The store.** The ``"collectives"`` backend never uses it: its collectives travel over MPI/NCCL.
   torch itself touches it only for its optional store-based barrier (``TORCH_DIST_INIT_BARRIER=1``) and to
   set up other backends on the same group (gloo, NCCL). So: one process: torch's in-memory ``HashStore``;
-  every rank on one node: torch's ``FileStore`` on a file in the temporary directory whose name rank 0
-  broadcasts over MPI (a real shared store, no socket); ranks on several nodes: a store that raises a
-  clear error on use (pass ``init_method`` or ``store=`` if you need one).
+  every rank on one node: torch's ``FileStore`` on a file rank 0 keeps open and whose name it removes once
+  every rank reaches it through ``/proc/<pid>/fd`` (no file outlives the job, even killed); ranks on
+  several nodes: a store that raises a clear error on use (pass ``init_method`` or ``store=`` if you need
+  one).
 - **The process group** (:class:`ProcessGroupCollectives`, a Python ``ProcessGroup`` as torch's own
   threaded test group is) runs every operation through the public collectives of its
   :class:`~collectives.Communicator` with ``async_op=True``: same validation, same dtype rules (an illegal
@@ -51,25 +53,27 @@ from __future__ import annotations
 import atexit
 import contextlib
 import importlib
+import math
 import os
 import tempfile
 import time
-import uuid
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlparse
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 import collectives as _coll
 
-from . import _config
-from ._errors import CollectiveTimeoutError
+from . import _config, _launcher
+from ._errors import CollectiveTimeoutError, MismatchError
 
 __all__ = ["BACKEND", "ProcessGroupCollectives", "Work", "register"]
 
 BACKEND = "collectives"
+DEVICES = ("cpu", "cuda")  # the devices the backend is registered for (host tensors over MPI, CUDA over NCCL)
 SCHEME = "collectives"
 
 _R: Any = dist.ReduceOp.RedOpType  # Any: torch's stubs do not list its members (SUM, ..., PREMUL_SUM)
@@ -256,9 +260,23 @@ class ProcessGroupCollectives(dist.ProcessGroup):
     ``broadcast``, ``reduce``, ``allgather``, ``all_gather_single`` (``all_gather_into_tensor``),
     ``allgather_into_tensor_coalesced``, ``reduce_scatter``, ``reduce_scatter_single``
     (``reduce_scatter_tensor``), ``reduce_scatter_tensor_coalesced``, ``alltoall``, ``all_to_all_single``
-    (equal splits), ``gather``, ``scatter``, ``barrier``; torch's object collectives run on these; ``send``,
+    (any split sizes), ``gather``, ``scatter``, ``barrier``; torch's object collectives run on these; ``send``,
     ``recv`` and ``recv_anysource`` (``dist.send``/``recv``/``isend``/``irecv``, ``batch_isend_irecv``, with
-    tags). Not offered: uneven splits or blocks (a clear ``ValueError`` before any communication).
+    tags).
+    ``allgather`` (different sizes per rank) and ``alltoall``/``all_to_all_single`` (any sizes) agree the
+    sizes first, in one small allgather: ranks that disagree get a ``MismatchError`` on every rank before
+    the data moves. ``_device_types`` lists CPU and CUDA, as DCP expects of a group.
+
+    Example (uneven all_gather):
+        >>> import torch, torch.distributed as dist
+        >>> import collectives.torch_backend
+        >>> dist.init_process_group("collectives")
+        >>> n, me = dist.get_world_size(), dist.get_rank()
+        >>> outs = [torch.empty(r + 1) for r in range(n)]
+        >>> dist.all_gather(outs, torch.full((me + 1,), float(me)))
+        >>> outs[0].tolist(), outs[-1].shape == (n,)
+        ([0.0], True)
+        >>> dist.destroy_process_group()
 
     Example:
         >>> import torch, torch.distributed as dist
@@ -285,6 +303,15 @@ class ProcessGroupCollectives(dist.ProcessGroup):
 
     def getBackendName(self) -> str:
         return BACKEND
+
+    @property
+    def _device_types(self) -> list:
+        """The devices the group runs collectives on, as torch's ``ProcessGroup._device_types`` lists those
+        of its registered backends (the backend's ``devices``, CPU first). torch's C++ group would learn
+        them from ``_register_backend``, which a Python group has no backend object for; DCP reads them
+        (``async_save`` needs the CPU, ``set_model_state_dict(broadcast_from_rank0=True)`` picks its
+        device from them) and so does ``_get_pg_default_device`` (object collectives stay on the CPU)."""
+        return [torch.device(d) for d in DEVICES]
 
     def shutdown(self) -> None:
         """Release the group's communicator (``dist.destroy_process_group`` calls it on every member)."""
@@ -434,6 +461,8 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         t = _one(inputs, "allgather")
         if len(outs) != self.size():
             raise ValueError(f"allgather: tensor_list must hold one tensor per rank ({self.size()}), got {len(outs)}")
+        if any(o.shape != t.shape for o in outs):  # uneven, as torch's NCCL backend takes them (gloo refuses)
+            return self._allgather_uneven(outs, t)
         _same_shapes("allgather", t, outs, "output tensor")
         h = self._comm.allgather(t, async_op=True)
 
@@ -442,6 +471,71 @@ class ProcessGroupCollectives(dist.ProcessGroup):
                 o.copy_(g)
 
         return self._work("allgather", [h], finish, [list(outs)])
+
+    def _allgather_uneven(self, outs, t) -> Work:
+        """all_gather of tensors of different sizes: every rank's input padded to the largest, one allgather,
+        each block cut to its size. The sizes are agreed first (one small allgather): each rank gives its
+        input's size and the sizes its tensor_list expects, and any difference is a MismatchError on every
+        rank before the data moves."""
+        me = self.rank()
+        if outs[me].numel() != t.numel():
+            raise ValueError(f"all_gather: tensor_list[{me}] (this rank's) must have the input's shape "
+                             f"{tuple(t.shape)}, got {tuple(outs[me].shape)}")
+        for o in outs:
+            _same_dtype("all_gather", o, t)
+        counts = self._agreed_counts("all_gather", [t.numel()] + [o.numel() for o in outs])
+        given, expected = counts[:, 0], counts[:, 1:]
+        bad = np.argwhere(expected != given[None, :])
+        if len(bad):
+            i, j = bad[0]
+            raise MismatchError(f"all_gather: rank {i}'s tensor_list expects {expected[i, j]} elements from rank "
+                                f"{j}, whose input has {given[j]}: the ranks disagree about the sizes; nothing was "
+                                f"gathered")
+        block = int(given.max())
+        buf = t.new_zeros(block)
+        buf[:t.numel()] = t.reshape(-1)
+        h = self._comm.allgather(buf, async_op=True)
+
+        def finish(r):
+            for o, g in zip(outs, r[0], strict=True):
+                o.copy_(g[:o.numel()].reshape(o.shape))
+
+        return self._work("all_gather", [h], finish, [list(outs)])
+
+    def _agreed_counts(self, what: str, row: list[int]) -> np.ndarray:
+        """Every rank's ``row`` of integers (one allgather, waited for within the group's timeout), as an
+        ``(size, len(row))`` array, the same on every rank."""
+        got: list = []
+        h = self._comm.allgather(torch.tensor(row, dtype=torch.int64), async_op=True)
+        self._work(f"{what} (the sizes)", [h], lambda r: got.append(r[0].numpy())).wait()
+        return got[0]
+
+    def _alltoallv(self, what: str, sends: list, received: list[int], place, result) -> Work:
+        """Rank j gets ``sends[j]`` (flat), rank i's block arrives as ``received[i]`` elements; ``place(pieces)``
+        puts the blocks (flat, in rank order) into the outputs. The counts are agreed first (one small
+        allgather: what each rank sends and expects; a difference is a MismatchError on every rank before
+        the data moves), then every block padded to the largest travels in one alltoall."""
+        n = self.size()
+        counts = self._agreed_counts(what, [s.numel() for s in sends] + list(received))
+        sent, expected = counts[:, :n], counts[:, n:]
+        bad = np.argwhere(sent != expected.T)
+        if len(bad):
+            i, j = bad[0]
+            raise MismatchError(f"{what}: rank {i} sends {sent[i, j]} elements to rank {j}, which expects "
+                                f"{expected[j, i]} from it: the ranks' split sizes disagree; nothing was exchanged")
+        block = int(sent.max()) if sent.size else 0
+        if block == 0:  # nothing to send anywhere (every rank knows it alike)
+            place([s[:0] for s in sends])
+            return self._work(what, [], result=result)
+        if (sent == block).all():
+            buf = torch.cat(sends).reshape(n, block)
+        else:
+            buf = sends[0].new_zeros((n, block))
+            for j, s in enumerate(sends):
+                buf[j, :s.numel()] = s
+        h = self._comm.alltoall(buf, async_op=True)
+        return self._work(what, [h], lambda r: place([b[:c] for b, c in zip(r[0], received, strict=True)]),
+                          result)
 
     def all_gather_single(self, output, input, opts=None):
         if output.numel() != input.numel() * self.size():
@@ -471,22 +565,39 @@ class ProcessGroupCollectives(dist.ProcessGroup):
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         n = self.size()
-        for name, splits, t in (("input", input_split_sizes, input), ("output", output_split_sizes, output)):
-            if splits and (len(splits) != n or len(set(splits)) != 1):
-                raise ValueError(f"all_to_all_single: the collectives backend exchanges equal blocks; got "
-                                 f"{name}_split_sizes={list(splits)}; pass equal splits (or none)")
-            if t.dim() == 0 or t.shape[0] % n:
-                raise ValueError(f"all_to_all_single: the {name}'s leading dimension must be divisible by the "
-                                 f"group's size {n}, got shape {tuple(t.shape)}")
-            if splits and sum(splits) != t.shape[0]:  # gloo: "Split sizes doesn't match total dim 0 size"
-                raise ValueError(f"all_to_all_single: {name}_split_sizes={list(splits)} add up to {sum(splits)}, "
-                                 f"but the {name}'s dim 0 is {t.shape[0]}")
-        if output.shape != input.shape:
-            raise ValueError(f"all_to_all_single: output shape {tuple(output.shape)} must equal the input's "
-                             f"{tuple(input.shape)}")
         _same_dtype("all_to_all_single", output, input)
-        h = self._comm.alltoall(input, async_op=True)
-        return self._work("all_to_all_single", [h], lambda r: output.copy_(r[0]), [output])
+        rows = []
+        for name, splits, t in (("input", input_split_sizes, input), ("output", output_split_sizes, output)):
+            if t.dim() == 0:
+                raise ValueError(f"all_to_all_single: the {name} must have a leading dimension, got a scalar")
+            if splits:  # gloo's checks, in its words
+                if len(splits) != n:
+                    raise ValueError(f"all_to_all_single: {name}_split_sizes={list(splits)} has {len(splits)} "
+                                     f"entries for a group of {n} ranks (Number of tensor splits not equal to "
+                                     f"group size)")
+                if min(splits) < 0:
+                    raise ValueError(f"all_to_all_single: {name}_split_sizes={list(splits)} has a negative size")
+                if sum(splits) != t.shape[0]:  # gloo: "Split sizes doesn't match total dim 0 size"
+                    raise ValueError(f"all_to_all_single: {name}_split_sizes={list(splits)} add up to "
+                                     f"{sum(splits)}, but the {name}'s dim 0 is {t.shape[0]} (Split sizes doesn't "
+                                     f"match total dim 0 size)")
+                rows.append([int(r) for r in splits])
+            else:
+                if t.shape[0] % n:
+                    raise ValueError(f"all_to_all_single: the {name}'s leading dimension must be divisible by the "
+                                     f"group's size {n} where no {name}_split_sizes are given, got shape "
+                                     f"{tuple(t.shape)}")
+                rows.append([t.shape[0] // n] * n)
+        if output.shape[1:] != input.shape[1:]:
+            raise ValueError(f"all_to_all_single: the output's shape {tuple(output.shape)} must be the input's "
+                             f"{tuple(input.shape)} but for dim 0")
+        per_row = math.prod(input.shape[1:])
+        sends = list(input.reshape(-1).split([r * per_row for r in rows[0]]))
+
+        def place(pieces):
+            output.copy_(torch.cat(pieces).reshape(output.shape))
+
+        return self._alltoallv("all_to_all_single", sends, [r * per_row for r in rows[1]], place, [output])
 
     alltoall_base = all_to_all_single
 
@@ -494,14 +605,15 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         if len(inputs) != self.size() or len(outputs) != self.size():
             raise ValueError(f"all_to_all: input and output lists must hold one tensor per rank ({self.size()}), "
                              f"got {len(inputs)} and {len(outputs)}")
-        _same_shapes("all_to_all", inputs[0], list(inputs) + list(outputs), "tensor")
-        h = self._comm.alltoall(torch.stack(list(inputs)), async_op=True)
+        for t in list(inputs) + list(outputs):  # any sizes (torch's NCCL backend takes them; gloo refuses)
+            _same_dtype("all_to_all", t, inputs[0])
 
-        def finish(r):
-            for o, g in zip(outputs, r[0], strict=True):
-                o.copy_(g)
+        def place(pieces):
+            for o, p in zip(outputs, pieces, strict=True):
+                o.copy_(p.reshape(o.shape))
 
-        return self._work("all_to_all", [h], finish, list(outputs))
+        return self._alltoallv("all_to_all", [t.reshape(-1) for t in inputs], [o.numel() for o in outputs], place,
+                               list(outputs))
 
     def gather(self, outputs, inputs, opts=None):
         t = _one(inputs, "gather")
@@ -598,19 +710,39 @@ class _UnsharedStore(dist.Store):
     set = get = add = compare_set = wait = check = delete_key = num_keys = multi_get = multi_set = _refuse
 
 
+_OPEN: list = []  # rank 0's descriptors of its store files, held to the end of the process
+
+
 def _store(comm, timeout):
     if comm.size == 1:
         return dist.HashStore()
-    if comm.local_size == comm.size:  # one node: a FileStore in the temporary directory, named by rank 0
-        path = None
-        if comm.rank == 0:
-            path = os.path.join(tempfile.gettempdir(), f"collectives-torch-store-{uuid.uuid4().hex}")
-            atexit.register(_unlink, path)  # torch's FileStore leaves its file behind
-        path = comm.broadcast_object(path, root=0)
+    if comm.local_size == comm.size:  # one node: a FileStore rank 0 makes, named over MPI
+        path = _store_file(comm)
         store = dist.FileStore(path, comm.size)
         store.set_timeout(timeout)
         return store
     return _UnsharedStore()
+
+
+def _store_file(comm) -> str:
+    """The path of the job's FileStore, one no crash leaves behind: rank 0 makes a file in the temporary
+    directory, keeps it open and removes its name once every rank can reach it as
+    ``/proc/<rank 0's pid>/fd/<n>``; the kernel frees it when rank 0's process ends, however it ends
+    (exit, ``MPI_Abort``, SIGKILL). Where the other ranks cannot see rank 0's ``/proc`` (another pid
+    namespace, no procfs), the named file is used, removed at exit (not after a kill)."""
+    names = None
+    if comm.rank == 0:
+        fd, name = tempfile.mkstemp(prefix="collectives-torch-store-")
+        _OPEN.append(fd)
+        names = (name, f"/proc/{os.getpid()}/fd/{fd}")
+    name, proc = comm.broadcast_object(names, root=0)
+    if all(comm.allgather_object(os.access(proc, os.R_OK | os.W_OK))):
+        if comm.rank == 0:
+            _unlink(name)  # every rank reaches the file through rank 0's descriptor: no name left
+        return proc
+    if comm.rank == 0:
+        atexit.register(_unlink, name)
+    return name
 
 
 def _unlink(path: str) -> None:
@@ -618,24 +750,61 @@ def _unlink(path: str) -> None:
         os.unlink(path)
 
 
-def _mpi_rendezvous(url: str, timeout: timedelta = timedelta(minutes=30), **kwargs):
-    """A torch rendezvous handler: ``(store, rank, size)`` from MPI (see the module)."""
+def _query(url: str) -> dict:
+    return dict(p.split("=", 1) for p in urlparse(url).query.split("&") if "=" in p)
+
+
+def _mpi_job(url: str):
+    """The world communicator, after checking that a rank or size given to torch (``rank=``/``world_size=``
+    in the URL, or ``WORLD_SIZE`` in the environment) is MPI's."""
     comm = _coll.init()
-    query = dict(p.split("=", 1) for p in urlparse(url).query.split("&") if "=" in p)
+    query = _query(url)
+    given = {"rank": query.get("rank"), "world_size": query.get("world_size", os.environ.get("WORLD_SIZE"))}
     for key, ours in (("rank", comm.rank), ("world_size", comm.size)):
-        given = int(query.get(key, -1))
-        if given not in (-1, ours):
-            raise ValueError(f"init_process_group: {key}={given} was given (argument or environment variable "
+        text = given[key]
+        value = int(text) if text else -1
+        if value not in (-1, ours):
+            raise ValueError(f"init_process_group: {key}={value} was given (argument or environment variable "
                              f"{key.upper()}), but MPI says {ours}: the collectives backend takes ranks from the "
                              f"MPI job; drop {key}= (and {key.upper()}) or launch with mpiexec/srun")
+    return comm
+
+
+def _mpi_rendezvous(url: str, timeout: timedelta = timedelta(minutes=30), **kwargs):
+    """A torch rendezvous handler: ``(store, rank, size)`` from MPI (see the module)."""
+    comm = _mpi_job(url)
     yield _store(comm, timeout), comm.rank, comm.size
     raise RuntimeError("the collectives rendezvous cannot re-rendezvous (the MPI job is fixed)")
 
 
+def _with_mpi_ranks(url: str) -> str:
+    """``url`` with MPI's rank and size in its query, for torch's ``env://`` handler (which then reads
+    only ``MASTER_ADDR``/``MASTER_PORT`` from the environment)."""
+    comm = _mpi_job(url)
+    parts = urlparse(url)
+    query = {**_query(url), "rank": str(comm.rank), "world_size": str(comm.size)}
+    return parts._replace(query="&".join(f"{k}={v}" for k, v in query.items())).geturl()
+
+
+def _rendezvous_kind(url: str) -> str:
+    """Which rendezvous ``env://`` takes (the precedence in the module's docstring): ``"torch"`` (torch's
+    own, unchanged), ``"mpi+tcp"`` (MPI's ranks, torch's TCPStore at MASTER_ADDR) or ``"mpi"``."""
+    master = bool(os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"))
+    rank_known = "rank" in _query(url) or bool(os.environ.get("RANK"))
+    if master and rank_known:
+        return "torch"  # torchrun's form: torch's env:// (a TCPStore), as without this module
+    if master:  # MASTER_ADDR without RANK: ranks from the MPI launcher that started us, if one did
+        return "mpi+tcp" if _launcher.started_by() is not None else "torch"
+    return "mpi"
+
+
 def _wrap_env(original):
     def env_or_mpi(url: str, **kwargs):
-        if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
-            return original(url, **kwargs)  # torch's env:// (a TCPStore), as without this module
+        kind = _rendezvous_kind(url)
+        if kind == "torch":
+            return original(url, **kwargs)
+        if kind == "mpi+tcp":  # e.g. accelerate launch --mpirun_hostfile: MASTER_ADDR/PORT but no RANK
+            return original(_with_mpi_ranks(url), **kwargs)
         return _mpi_rendezvous(url, **kwargs)
 
     env_or_mpi._collectives_wraps = original
@@ -697,7 +866,7 @@ def register() -> None:
         True
     """
     if BACKEND.upper() not in dist.Backend._plugins:
-        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=list(DEVICES))
     rdzv = importlib.import_module("torch.distributed.rendezvous")  # the module (the package's attribute of
     handlers = rdzv._rendezvous_handlers  # that name is its function); torch reads handlers from this dict
     if SCHEME not in handlers:

@@ -185,6 +185,20 @@ def main(name: str) -> None:
             raise ValueError(f"boom from rank {comm.rank}")
         dist.all_reduce(t)
 
+    elif name == "torch-killed":  # rank 0 of a torch group killed outright: nothing of the store may remain
+        import torch as th
+        import torch.distributed as dist
+
+        import collectives.torch_backend
+
+        dist.init_process_group("collectives")
+        t = th.ones(3)
+        dist.all_reduce(t)
+        if comm.rank == 0:
+            mark(name)
+            os.kill(os.getpid(), signal.SIGKILL)
+        dist.all_reduce(t)
+
     elif name == "clean":  # all the collectives, then exit without finalize(): status 0, nothing on stderr
         comm.broadcast(x, root=last)
         comm.reduce(x, op="max", root=last)

@@ -103,6 +103,16 @@ def test_uncaught_exception_under_the_torch_backend_aborts_the_job(n):
     assert "raise ValueError" in job.err, job
 
 
+@pytest.mark.parametrize("scenario", ["torch-exception", "torch-killed"])
+def test_no_store_file_outlives_a_torch_job_that_fails(scenario, tmp_path):
+    """The FileStore of init_process_group("collectives") on one node leaves no file in the temporary
+    directory, whether a rank raises (MPI_Abort) or rank 0, whose process holds the file, is SIGKILLed."""
+    pytest.importorskip("torch")
+    job = run(scenario, 2, TMPDIR=str(tmp_path))
+    assert job.rc != 0 and job.after_failure is not None, job
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("collectives-torch-store")], job
+
+
 @pytest.mark.parametrize("n", SIZES)
 def test_invalid_call_on_one_rank_unchecked_aborts_the_job(n):
     job = run("library-error", n)

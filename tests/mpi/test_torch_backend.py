@@ -243,10 +243,7 @@ def test_all_to_all_forms(pg, comm):
     assert out.tolist() == [10.0 * i + comm.rank for i in range(n)]
     outs = [torch.empty(2) for _ in range(n)]
     dist.all_to_all(outs, [torch.full((2,), 10.0 * comm.rank + j) for j in range(n)])
-    assert [o[0].item() for o in outs] == [10.0 * i + comm.rank for i in range(n)]
-    if n > 1:
-        with pytest.raises(ValueError, match="equal"):
-            dist.all_to_all_single(torch.empty(n + 1), torch.empty(n + 1), [2] + [1] * (n - 1), [2] + [1] * (n - 1))
+    assert [o[0].item() for o in outs] == [10.0 * i + comm.rank for i in range(n)]  # uneven: test_torch_clients
 
 
 def test_gather_scatter(pg, comm):
