@@ -12,12 +12,12 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import warnings
 
 import torch
+from _common import gloo_rendezvous  # (tests/clients is the script's directory)
 
 warnings.filterwarnings("ignore")
 
@@ -77,13 +77,7 @@ def main() -> int:
     results = {}
     for backend in [args.backend] if args.backend else ["collectives", "gloo"]:
         if backend == "gloo":  # gloo needs RANK/WORLD_SIZE and a TCP rendezvous
-            port = None
-            if world.Get_rank() == 0:
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", 0))
-                    port = s.getsockname()[1]
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(world.bcast(port)),
-                              RANK=str(world.Get_rank()), WORLD_SIZE=str(world.Get_size()))
+            os.environ.update(gloo_rendezvous(world))
         results[backend] = run(backend, os.path.join(root, backend))
         for k in ("RANK", "WORLD_SIZE"):
             os.environ.pop(k, None)

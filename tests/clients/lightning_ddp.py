@@ -20,6 +20,7 @@ import tempfile
 import warnings
 
 import torch
+from _common import gloo_rendezvous  # (tests/clients is the script's directory)
 
 warnings.filterwarnings("ignore")
 
@@ -95,15 +96,8 @@ def main() -> int:
     root = world.bcast(tempfile.mkdtemp(prefix="lightning-") if world.Get_rank() == 0 else None)
     results = {}
     for backend in [args.backend] if args.backend else ["collectives", "gloo"]:
-        if backend == "gloo":  # gloo needs a TCP rendezvous: a port from rank 0
-            import socket
-
-            port = None
-            if world.Get_rank() == 0:
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", 0))
-                    port = s.getsockname()[1]
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(world.bcast(port)))
+        if backend == "gloo":  # gloo needs a TCP rendezvous: a port from rank 0 (Lightning sets the ranks)
+            os.environ.update(gloo_rendezvous(world, ranks=False))
         results[backend] = run(backend, args.nodes, os.path.join(root, backend))
         os.environ.pop("MASTER_ADDR", None)
         os.environ.pop("MASTER_PORT", None)
