@@ -209,12 +209,16 @@ class Communicator:
         (``HostTransport.reduces_on_the_callers_cpus``): the gradient buckets then take the blocking call."""
         return self._transport_for(_arrays.HOST).reduces_on_the_callers_cpus(nbytes)
 
-    def _check_root(self, root) -> int:
+    def _check_root(self, root, name: str = "root", what: str = "", also: str = "") -> int:
+        """``root`` as a rank of this communicator, else TypeError/ValueError; ``name`` is the argument's
+        name in the messages (a point-to-point call's ``dst``/``src``, with ``what`` the call and ``also``
+        what else the argument may be)."""
+        prefix = f"{what}: " if what else ""
         if isinstance(root, (bool, np.bool_)) or not isinstance(root, (int, np.integer)):
-            raise TypeError(f"root must be an integer rank, got {type(root).__name__} {root!r}")
+            raise TypeError(f"{prefix}{name} must be an integer rank{also}, got {type(root).__name__} {root!r}")
         root = int(root)
         if not 0 <= root < self.size:
-            raise ValueError(f"root={root} is out of range for a communicator of size {self.size} "
+            raise ValueError(f"{prefix}{name}={root} is out of range for a communicator of size {self.size} "
                              f"(valid: 0..{self.size - 1})")
         return root
 
@@ -523,15 +527,8 @@ class Communicator:
         device = a.device(x)
         if isinstance(tag, (bool, np.bool_)) or not isinstance(tag, (int, np.integer)):
             raise TypeError(f"{what}: tag must be an integer, got {type(tag).__name__} {tag!r}")
-        if peer is None and what == "recv":
-            pass  # any rank
-        elif isinstance(peer, (bool, np.bool_)) or not isinstance(peer, (int, np.integer)):
-            raise TypeError(f"{what}: {side} must be an integer rank{' or None (any rank)' if what == 'recv' else ''}, "
-                            f"got {type(peer).__name__} {peer!r}")
-        elif not 0 <= int(peer) < self.size:
-            raise ValueError(f"{what}: {side}={int(peer)} is out of range for a communicator of size {self.size} "
-                             f"(valid: 0..{self.size - 1})")
-        peer = None if peer is None else int(peer)
+        if peer is not None or what != "recv":  # (recv: None is any rank)
+            peer = self._check_root(peer, side, what, " or None (any rank)" if what == "recv" else "")
         transport = self._transport_for(device)
         tag = int(tag)
         if not 0 <= tag <= transport.max_tag:
