@@ -68,6 +68,7 @@ import torch.distributed as dist
 import collectives as _coll
 
 from . import _config, _launcher
+from ._comm import engine_of
 from ._errors import CollectiveTimeoutError, MismatchError
 
 __all__ = ["BACKEND", "ProcessGroupCollectives", "Work", "register"]
@@ -295,6 +296,10 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         self._comm = comm
         self._timeout_s = _seconds(timeout)
         self._keep = keep  # the mpi4py communicator ours was made from (its lifetime bounds ours)
+        # A large CPU allreduce that the ranks' own CPUs compute (one node: the node-shared window) runs at
+        # the call, bounded by the group's timeout: every Work is waited for at once anyway (get_future,
+        # async_op=False), and MPI's Iallreduce would move it at a fraction of the window's speed
+        engine_of(comm).host.allreduce_at_start(self._timeout_s, "the group's timeout")
 
     @property
     def communicator(self):

@@ -133,6 +133,32 @@ def test_all_reduce_ops(pg, comm, name, ref, dtype):
     assert np.allclose(t.double().numpy(), ref(vals), rtol=1e-2)
 
 
+@pytest.mark.parametrize("op", ["SUM", "AVG", "MIN", "MAX", "PRODUCT"])
+def test_large_all_reduce_same_bits_as_the_library(pg, comm, op):
+    """A CPU all_reduce past the shared-memory threshold (on one node it runs through the node-shared
+    window at the call, its Work complete when the call returns) gives the bits of the library's own
+    blocking allreduce of the same data: NaN, signed zeros and infinities included, and for the
+    coalesced form too."""
+    n = 2**17  # 512 KiB of float32: above the default threshold (256 KiB)
+    g = torch.Generator().manual_seed(comm.rank)
+    x = torch.randn(n, generator=g) * 2.0 ** torch.randint(-8, 8, (n,), generator=g)
+    x[:4] = torch.tensor([float("nan"), -0.0, 0.0, float("inf")]) if comm.rank == 0 else torch.tensor([1.0, 0.0, -0.0, 2.0])
+    ref = x.clone()
+    name = {"SUM": "sum", "AVG": "mean", "MIN": "min", "MAX": "max", "PRODUCT": "prod"}[op]
+    comm.allreduce(ref.numpy(), name)
+    w = dist.all_reduce(x, op=getattr(dist.ReduceOp, op), async_op=True)
+    if comm.local_size == comm.size > 1:
+        assert w.is_completed()  # ran at the call
+    w.wait()
+    assert x.numpy().tobytes() == ref.numpy().tobytes()
+    y, z = torch.ones(n // 2) * (comm.rank + 1), torch.ones(n // 2) * (comm.rank + 2)
+    dist.all_reduce_coalesced([y, z], op=getattr(dist.ReduceOp, op))
+    for t, base in ((y, 1), (z, 2)):
+        r = torch.ones(n // 2) * (comm.rank + base)
+        comm.allreduce(r.numpy(), name)
+        assert torch.equal(t, r)
+
+
 def test_all_reduce_bool(pg, comm):
     t = torch.tensor([comm.rank == 0, True, False])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -317,10 +343,13 @@ def test_works_waited_out_of_order(pg, comm):
 
 @pytest.mark.skipif("coll.world().size < 2", reason="a wait that times out needs a rank that does not call")
 @pytest.mark.parametrize("bound", ["timeout=", "COLLECTIVES_TIMEOUT"])
-def test_wait_timeout_bounds_wait(comm, bound, monkeypatch):
+@pytest.mark.parametrize("n", [2, 2**17], ids=["small", "shared-memory"])
+def test_wait_timeout_bounds_wait(comm, bound, n, monkeypatch):
     """torch's timeout= and COLLECTIVES_TIMEOUT bound wait(): a collective rank 0 alone issues raises
     CollectiveTimeoutError there; the group is failed for good (the same error again, and every later
-    operation raises at the call), and the tensor never receives another call's data."""
+    operation raises at the call), and the tensor never receives another call's data. Also for a
+    512 KiB allreduce, which on one node runs through the node-shared window at the call: its waits are
+    bounded alike."""
     import collectives.torch_backend as ctb
 
     from support.comms import communicator
@@ -333,7 +362,7 @@ def test_wait_timeout_bounds_wait(comm, bound, monkeypatch):
             group = ctb.ProcessGroupCollectives(d)  # no timeout of its own: the variable, read by wait()
             monkeypatch.setenv("COLLECTIVES_TIMEOUT", "0.3")
         if d.rank == 0:
-            t = torch.ones(2)
+            t = torch.ones(n)
             w = group.allreduce([t], None)
             with pytest.raises(coll.CollectiveTimeoutError, match="0.3 s"):
                 w.wait()
@@ -342,11 +371,11 @@ def test_wait_timeout_bounds_wait(comm, bound, monkeypatch):
         comm.barrier()
         if d.rank != 0:  # the matching call, late: rank 0 has given up (it may or may not complete here)
             with contextlib.suppress(coll.CollectiveError):
-                d.allreduce(torch.ones(2), async_op=True).wait(timeout=1.0)
+                d.allreduce(torch.ones(n), async_op=True).wait(timeout=1.0)
         comm.barrier()
         if d.rank == 0:
             with pytest.raises(coll.CollectiveError, match="unusable"):
-                group.allreduce([torch.ones(2)], None)
+                group.allreduce([torch.ones(n)], None)
             # MPI cannot cancel a started collective: t holds its own value or that call's own result
             # (the late ranks' arrival completed it), never another call's data
             assert (t == 1).all() or (t == d.size).all()

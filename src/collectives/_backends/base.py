@@ -107,6 +107,12 @@ class HostTransport(abc.ABC):
         widen it: float16 to float32, small integers to 64 bits)."""
         return dtype != _F16 or self._float16
 
+    def allreduce_at_start(self, seconds: float | None, setting: str) -> None:
+        """Ask that an asynchronous allreduce the ranks' own CPUs compute run at the call, bounded by
+        ``seconds`` (the MPI transport's node-shared window; see ``MPITransport.allreduce_at_start``).
+        Nothing to do on a transport without such a path."""
+        return None
+
     def reduces_on_the_callers_cpus(self, nbytes: int) -> bool:
         """True where a blocking allreduce of ``nbytes`` is computed by the calling processes themselves
         (every rank on one node, through node-shared memory): nothing else advances a non-blocking one

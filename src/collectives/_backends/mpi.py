@@ -450,10 +450,90 @@ class MPITransport(HostTransport):
         self.usable()
         if operation in P2P_OPERATIONS:
             return self._start_send(*args) if operation == "send" else _Receive(self, *args)
+        if self._at_start is not None and operation == "allreduce" and self._allreduce_at_start(*args):
+            return DONE
         if not self._fits(operation, *args):
             getattr(self, operation)(*args)
             return DONE
         return self._begin(operation, *args)
+
+    _at_start: tuple | None = None  # (seconds or None, the bound's name): see allreduce_at_start
+
+    def allreduce_at_start(self, seconds: float | None, setting: str) -> None:
+        """From now on, an asynchronous allreduce that the ranks' own CPUs compute (every rank on one node,
+        from the shared-memory threshold: :meth:`reduces_on_the_callers_cpus`) runs through the node-shared
+        window at the call, its request complete when it returns, each of its waits for the other ranks
+        bounded by ``seconds`` or ``COLLECTIVES_TIMEOUT``, the smaller (None: unbounded; ``setting`` names
+        the bound in the timeout's message).
+        The torch backend's groups ask for it: torch's callers wait for every Work (DDP at once, through
+        ``get_future``), and MPI's ``Iallreduce`` moves large messages at a fraction of the window's speed.
+        Collective in effect: every rank of the transport must ask alike (the group's creation does)."""
+        self._at_start = (seconds, setting)
+
+    def _allreduce_at_start(self, buf, op) -> bool:
+        if buf.nbytes < self._shm_threshold or not self.reduces_on_the_callers_cpus(buf.nbytes):
+            return False
+        seconds, setting = self._at_start  # type: ignore[misc]  # not None: the caller tested it
+        variable = _config.timeout()  # as a torch Work's wait() reads it: at the time of the wait
+        if variable is not None and (seconds is None or variable < seconds):
+            seconds, setting = variable, "COLLECTIVES_TIMEOUT"
+        return self._bounded_shm(buf, op, lambda what, req: self._wait_within(what, req, seconds, setting))
+
+    def _bounded_shm(self, buf, op, wait) -> bool:
+        """On one node, from the shared-memory threshold: ``buf`` reduced through the shared window, each of
+        its barriers an ``MPI_Ibarrier`` completed by ``wait(what, request)`` (the window is made after a
+        rendezvous of every rank waited for the same way). False where that path does not apply. The
+        fingerprint of the call is reduced first (a node barrier cannot tell an allreduce of 4 elements from
+        one of 8)."""
+        if buf.nbytes < self._shm_threshold or not self.reduces_on_the_callers_cpus(buf.nbytes):
+            return False
+        self.usable()
+        what = ("allreduce", buf, f"op={op}, node-shared memory")
+        if self._shm is not None and not self._shm.supports(buf.dtype, op, bounded=True):
+            return False
+        if self.size > 1:
+            req, check = self._fingerprint("allreduce", buf, "sum" if op == "mean" else op)
+            wait(what, req)
+            self._verify(check, what)
+        return self._shm_allreduce(buf, op, lambda req: wait(what, req))
+
+    SPIN_S = 0.25
+    MAX_PAUSE_S = 1e-3
+
+    def _wait_within(self, what, req, seconds: float | None, setting: str) -> None:
+        """Wait for ``req`` until it completes or ``seconds`` from now have passed (then fail the transport
+        and raise :class:`CollectiveTimeoutError`), polling as :func:`collectives._poll.poll` does."""
+        if req.Test():  # already complete (a small call often is): no clock read
+            return
+        t0 = time.monotonic()
+        if not poll(req.Test, seconds, spin_s=self.SPIN_S, max_pause_s=self.MAX_PAUSE_S):
+            self.abandon(req)  # pending for good: it and its buffers live to the end of the process
+            self._expire(what, time.monotonic() - t0, seconds, setting)
+
+    def _expire(self, what, waited: float, seconds, setting: str = "COLLECTIVES_TIMEOUT"):
+        """Declare the collective described by ``what`` (``(name, buffer, detail)``, or a function that
+        makes it: :meth:`_MPIRequest._what`) hung after ``seconds`` (``setting``: the bound's name):
+        record, print, raise."""
+        name, buf, detail = what() if callable(what) else what
+        desc = name
+        if buf is not None:
+            desc += f" of {buf.size} x {buf.dtype}"
+        if detail:
+            desc += f" ({detail})"
+        where = f"rank {self.rank} of {self.size}"
+        self.fail(f"{desc} timed out on {where}")
+        msg = (f"{desc} did not complete on {where} within {setting}={seconds:g} s "
+               f"(waited {waited:.1f} s): some rank never entered it (it failed, exited, is stuck, or "
+               f"called a different collective). The job cannot continue; unless caught, this exception "
+               f"aborts every rank. If the collective is legitimately slow, raise {setting}; "
+               f"to find a divergent rank, run with COLLECTIVES_CHECK=1")
+        try:
+            sys.stderr.write(f"collectives: {self.failed} after {waited:.1f} s ({setting}={seconds:g})\n")
+            sys.stderr.flush()
+        except Exception:  # noqa: BLE001 - a closed stderr must not hide the timeout itself
+            pass
+        _trace.failure(f"CollectiveTimeoutError: {desc} did not complete on {where} within {seconds:g} s")
+        raise CollectiveTimeoutError(msg)
 
     def _fits(self, operation, *args) -> bool:
         """Whether ``operation`` on these buffers is one MPI call (within ``COLLECTIVES_MAX_COUNT``), and
@@ -1151,10 +1231,6 @@ class DeadlineMPITransport(MPITransport):
     Made by ``MPITransport(comm)`` when ``COLLECTIVES_TIMEOUT`` is set; not constructed directly.
     """
 
-    SPIN_S = 0.25
-    MAX_PAUSE_S = 1e-3
-    YIELD_EVERY = 64  # polls between sched_yield() calls while spinning
-
     @property
     def can_broadcast_many(self) -> bool:
         return False  # broadcast_many's blocking pipeline has no deadline: buckets instead
@@ -1180,7 +1256,7 @@ class DeadlineMPITransport(MPITransport):
         n = float(size)
 
         def run_mean(x):
-            if not self._bounded_shm(x, "mean"):
+            if not self._bounded_shm(x, "mean", self._wait):
                 self.allreduce(x, "sum")
                 divide(x, n)
 
@@ -1192,39 +1268,8 @@ class DeadlineMPITransport(MPITransport):
 
     # ---- waiting ----
     def _wait(self, what, req) -> None:
-        """Wait for ``req`` until it completes or ``timeout`` seconds from now have passed (then fail the
-        transport and raise :class:`CollectiveTimeoutError`), polling as :func:`collectives._poll.poll` does."""
-        if req.Test():  # already complete (a small call often is): no clock read
-            return
-        t0 = time.monotonic()
-        if not poll(req.Test, self.timeout, spin_s=self.SPIN_S, max_pause_s=self.MAX_PAUSE_S):
-            self.abandon(req)  # pending for good: it and its buffers live to the end of the process
-            self._expire(what, time.monotonic() - t0)
-
-    def _expire(self, what, waited: float):
-        """Declare the collective described by ``what`` (``(name, buffer, detail)``, or a function that
-        makes it: :meth:`_MPIRequest._what`) hung: record, print, raise."""
-        name, buf, detail = what() if callable(what) else what
-        desc = name
-        if buf is not None:
-            desc += f" of {buf.size} x {buf.dtype}"
-        if detail:
-            desc += f" ({detail})"
-        where = f"rank {self.rank} of {self.size}"
-        self.fail(f"{desc} timed out on {where}")
-        msg = (f"{desc} did not complete on {where} within COLLECTIVES_TIMEOUT={self.timeout:g} s "
-               f"(waited {waited:.1f} s): some rank never entered it (it failed, exited, is stuck, or "
-               f"called a different collective). The job cannot continue; unless caught, this exception "
-               f"aborts every rank. If the collective is legitimately slow, raise COLLECTIVES_TIMEOUT; "
-               f"to find a divergent rank, run with COLLECTIVES_CHECK=1")
-        try:
-            sys.stderr.write(f"collectives: {self.failed} after {waited:.1f} s "
-                             f"(COLLECTIVES_TIMEOUT={self.timeout:g})\n")
-            sys.stderr.flush()
-        except Exception:  # noqa: BLE001 - a closed stderr must not hide the timeout itself
-            pass
-        _trace.failure(f"CollectiveTimeoutError: {desc} did not complete on {where} within {self.timeout:g} s")
-        raise CollectiveTimeoutError(msg)
+        """Wait for ``req`` under the deadline (:meth:`MPITransport._wait_within`)."""
+        self._wait_within(what, req, self.timeout, "COLLECTIVES_TIMEOUT")
 
     def _now(self, operation, *args) -> None:
         """One MPI call of ``operation``, non-blocking with its fingerprint, waited under the deadline."""
@@ -1233,25 +1278,8 @@ class DeadlineMPITransport(MPITransport):
         self._begin(operation, *args).wait()
 
     # ---- data: the blocking operations' MPI calls, each the non-blocking one waited under the deadline ----
-    def _bounded_shm(self, buf, op) -> bool:
-        """On one node, from the shared-memory threshold: ``buf`` reduced through the shared window, each of
-        its barriers an ``MPI_Ibarrier`` waited for under the deadline (the window is made after a bounded
-        rendezvous of every rank). False where that path does not apply. The fingerprint of the call is
-        reduced first (a node barrier cannot tell an allreduce of 4 elements from one of 8)."""
-        if buf.nbytes < self._shm_threshold or not self.reduces_on_the_callers_cpus(buf.nbytes):
-            return False
-        self.usable()
-        what = ("allreduce", buf, f"op={op}, node-shared memory")
-        if self._shm is not None and not self._shm.supports(buf.dtype, op, bounded=True):
-            return False
-        if self.size > 1:
-            req, check = self._fingerprint("allreduce", buf, "sum" if op == "mean" else op)
-            self._wait(what, req)
-            self._verify(check, what)
-        return self._shm_allreduce(buf, op, lambda req: self._wait(what, req))
-
     def allreduce(self, buf, op):
-        if self._bounded_shm(buf, op):
+        if self._bounded_shm(buf, op, self._wait):
             return
         super().allreduce(buf, op)
 
