@@ -471,13 +471,16 @@ class MPITransport(HostTransport):
         self._at_start = (seconds, setting)
 
     def _allreduce_at_start(self, buf, op) -> bool:
-        if buf.nbytes < self._shm_threshold or not self.reduces_on_the_callers_cpus(buf.nbytes):
-            return False
-        seconds, setting = self._at_start  # type: ignore[misc]  # not None: the caller tested it
-        variable = _config.timeout()  # as a torch Work's wait() reads it: at the time of the wait
+        return self._bounded_shm(buf, op, self._wait_at_start)
+
+    def _wait_at_start(self, what, req) -> None:
+        """A wait of :meth:`_allreduce_at_start`: bounded by the smaller of the asked bound and
+        ``COLLECTIVES_TIMEOUT``, read now (as a torch Work's ``wait()`` reads it)."""
+        seconds, setting = self._at_start  # type: ignore[misc]  # set: only _allreduce_at_start waits here
+        variable = _config.timeout()
         if variable is not None and (seconds is None or variable < seconds):
             seconds, setting = variable, "COLLECTIVES_TIMEOUT"
-        return self._bounded_shm(buf, op, lambda what, req: self._wait_within(what, req, seconds, setting))
+        self._wait_within(what, req, seconds, setting)
 
     def _bounded_shm(self, buf, op, wait) -> bool:
         """On one node, from the shared-memory threshold: ``buf`` reduced through the shared window, each of
