@@ -4,8 +4,8 @@
     mpiexec -n 2 python benchmarks/bench_trace.py --sizes 8B,1MiB --json out.json
 
 Every communicator keeps a ring of its last ``COLLECTIVES_TRACE_BUFFER`` calls (docs/troubleshooting.md,
-"My job hangs"); a hot-path call stores its cached call and its shape (two stores), any other call a
-record with its call site and times. Rows:
+"My job hangs"); a hot-path call stores its cached call (one store; a broadcast its root too), any
+other call a record with its call site and times. Rows:
 
 - ``allreduce``: ``comm.allreduce(x, "sum")`` (the hot path from the second call);
 - ``broadcast``: ``comm.broadcast(x, 0)`` (the hot path);
@@ -14,7 +14,9 @@ record with its call site and times. Rows:
 each on two communicators over duplicates of ``COMM_WORLD``, made one with the record ("on") and one with
 ``COLLECTIVES_TRACE_BUFFER=0`` ("off", set while that one is made). Both sides run on the same buffer in
 alternating rounds (``_common.measure``); on/off is the median of per-round ratios. Only ratios of one run
-mean something.
+mean something. A last row, ``A/A``, times the allreduce on "off" against a second "off"
+communicator: what two identical sides differ by in this job (the measurement's floor; a ratio within
+it of 1.0 is no cost that this job can see).
 """
 
 from __future__ import annotations
@@ -48,22 +50,23 @@ def main() -> int:
     args = ap.parse_args()
     world = collectives.init()
     start = time.perf_counter()
-    on, off = communicator(True), communicator(False)
+    on, off, off2 = communicator(True), communicator(False), communicator(False)
     rows = []
     for nbytes in parse_sizes(args.sizes, 4):
         x = np.zeros(max(1, nbytes // 4), np.float32)
         rounds, k = plan(nbytes, args.iters)
-        for name, call in (("allreduce", lambda c, x: c.allreduce(x, "sum")),
-                           ("broadcast", lambda c, x: c.broadcast(x, 0)),
-                           ("async", lambda c, x: c.allreduce(x, "sum", async_op=True).wait())):
-            sides = (lambda x=x, call=call: call(on, x), lambda x=x, call=call: call(off, x))
+        for name, call, first in (("allreduce", lambda c, x: c.allreduce(x, "sum"), on),
+                               ("broadcast", lambda c, x: c.broadcast(x, 0), on),
+                               ("async", lambda c, x: c.allreduce(x, "sum", async_op=True).wait(), on),
+                               ("A/A", lambda c, x: c.allreduce(x, "sum"), off2)):
+            sides = (lambda x=x, call=call, first=first: call(first, x), lambda x=x, call=call: call(off, x))
             times = measure(world.barrier, sides, rounds, k)
             times = np.asarray(world.allreduce(times, "max"))
             a, b = np.median(times, axis=0)
             rows.append({"call": name, "bytes": nbytes, "on_s": float(a), "off_s": float(b),
                          "ratio": float(np.median(times[:, 0] / times[:, 1]))})
-    on.close()
-    off.close()
+    for c in (on, off, off2):
+        c.close()
     if world.rank == 0:
         print(f"the flight recorder, {world.size} ranks: on / off (median of per-round ratios)")
         print(f"{'call':>10} {'size':>9} {'on':>11} {'off':>11} {'on/off':>8}")

@@ -116,10 +116,12 @@ class Communicator:
         self._derived: dict = {}  # key -> a communicator the layers above made from this one (Engine.derived)
         self._engine = Engine(self)  # what the layers built on this communicator may use of it
         # The flight recorder (_trace): the last calls, a ring indexed by the sequence number. A hot-path
-        # call stores (its cached call, x.shape[, root]) only; the others a _trace.Record.
+        # call stores its cached call (and a broadcast its root in _roots, at the same index), or (cached
+        # call, None, shape) (reduce_scatter, alltoall): see trace_entries; the others a _trace.Record.
         capacity = _config.trace_buffer()
         self._ring: list | None = [None] * (1 << max(capacity - 1, 0).bit_length()) if capacity else None
         self._mask = len(self._ring) - 1 if self._ring is not None else 0
+        self._roots: list = [None] * len(self._ring) if self._ring is not None else []
         self._seq = 0  # calls made on this communicator (the last one's sequence number)
         self._kept = capacity  # how many of the ring's entries a dump shows
         # point-to-point calls have a ring of their own (only two ranks make each: in the collectives'
@@ -239,9 +241,10 @@ class Communicator:
                 run = self._fast_broadcast.get(x.dtype)
                 if run is not None and x.flags.carray and root.__class__ is int and 0 <= root < self._size:
                     ring = self._ring
-                    if ring is not None:  # the flight recorder (_trace): two stores
+                    if ring is not None:  # the flight recorder (_trace): the cached call; the root beside it
                         n = self._seq = self._seq + 1
-                        ring[n & self._mask] = run, x.shape, root
+                        ring[n & self._mask] = run
+                        self._roots[n & self._mask] = root
                     run(x, root)
                     return x
             elif cls is _torch_tensor:
@@ -250,13 +253,14 @@ class Communicator:
                     ring = self._ring
                     if ring is not None:
                         n = self._seq = self._seq + 1
-                        ring[n & self._mask] = run, tuple(x.shape), root
+                        ring[n & self._mask] = run
+                        self._roots[n & self._mask] = root
                     run(x.detach().numpy() if x.requires_grad else x.numpy(), root)
                     _arrays.bump_versions((x,))  # written behind autograd's back: as under no_grad
                     return x
             return self._blocking(self._broadcast(x, root, False))
         except Exception as exc:  # noqa: BLE001 - re-raised; costs nothing unless raised: MPI's own errors become CollectiveError
-            self._note_failure(exc)
+            self._note_failure(exc, x)
             reraise(exc, "broadcast")
         finally:
             _leave()
@@ -289,9 +293,9 @@ class Communicator:
                 run = table.get(x.dtype)
                 if run is not None and x.flags.carray:  # C-contiguous, aligned and writable
                     ring = self._ring
-                    if ring is not None:  # the flight recorder (_trace): two stores
+                    if ring is not None:  # the flight recorder (_trace): the cached call only
                         n = self._seq = self._seq + 1
-                        ring[n & self._mask] = run, x.shape
+                        ring[n & self._mask] = run
                     run(x)
                     return x
             elif cls is _torch_tensor:
@@ -300,13 +304,13 @@ class Communicator:
                     ring = self._ring
                     if ring is not None:
                         n = self._seq = self._seq + 1
-                        ring[n & self._mask] = run, tuple(x.shape)
+                        ring[n & self._mask] = run
                     run(x.detach().numpy() if x.requires_grad else x.numpy())
                     _arrays.bump_versions((x,))  # written behind autograd's back: as under no_grad
                     return x
             return self._blocking(self._allreduce(x, op, False))
         except Exception as exc:  # noqa: BLE001 - re-raised (MPI errors as CollectiveError)
-            self._note_failure(exc)
+            self._note_failure(exc, x)
             reraise(exc, "allreduce")
         finally:
             _leave()
@@ -387,14 +391,14 @@ class Communicator:
                 if run is not None and x.flags.c_contiguous and x.ndim and not x.shape[0] % self._size:
                     out = _empty((x.shape[0] // self._size,) + x.shape[1:], x.dtype)
                     ring = self._ring
-                    if ring is not None:
+                    if ring is not None:  # the cached call, no root, the shape (read above anyway)
                         n = self._seq = self._seq + 1
-                        ring[n & self._mask] = run, x.shape
+                        ring[n & self._mask] = run, None, x.shape
                     run(x, out)
                     return out
             return self._blocking(self._reduce_scatter(x, op, False))
         except Exception as exc:  # noqa: BLE001 - re-raised (MPI errors as CollectiveError)
-            self._note_failure(exc)
+            self._note_failure(exc, x)
             reraise(exc, "reduce_scatter")
         finally:
             _leave()
@@ -452,14 +456,14 @@ class Communicator:
                 if run is not None and x.flags.c_contiguous and x.ndim and not x.shape[0] % self._size:
                     out = _empty(x.shape, x.dtype)
                     ring = self._ring
-                    if ring is not None:
+                    if ring is not None:  # the cached call, no root, the shape (read above anyway)
                         n = self._seq = self._seq + 1
-                        ring[n & self._mask] = run, x.shape
+                        ring[n & self._mask] = run, None, x.shape
                     run(x, out)
                     return out
             return self._blocking(self._alltoall(x, False))
         except Exception as exc:  # noqa: BLE001 - re-raised (MPI errors as CollectiveError)
-            self._note_failure(exc)
+            self._note_failure(exc, x)
             reraise(exc, "alltoall")
         finally:
             _leave()
@@ -898,15 +902,18 @@ class Communicator:
         ring[n & self._mask] = rec
         return rec
 
-    def _note_failure(self, exc: BaseException) -> None:
+    def _note_failure(self, exc: BaseException, x) -> None:
         """A hot-path call raised (an MPI error, a timeout, a mismatch found beside it): its entry in the
-        record (a tuple) gets the error; a general-path call's record is finished by its driver."""
+        record gets the error and ``x``'s shape (which the hot path does not keep); a general-path call's
+        record is finished by its driver."""
         ring = self._ring
         if ring is not None:
             i = self._seq & self._mask
             entry = ring[i]
-            if entry.__class__ is tuple:
-                ring[i] = (*entry, f"{type(exc).__name__}: {exc}")
+            if entry is not None and entry.__class__ is not _trace.Record:  # a hot-path entry (trace_entries)
+                run, root, shape = (*entry, None, None)[:3] if entry.__class__ is tuple else \
+                    (entry, self._roots[i], getattr(x, "shape", None))
+                ring[i] = run, root, shape, f"{type(exc).__name__}: {exc}"
 
     def _blocking(self, steps):
         """Run a collective's steps to completion (:func:`_now`); its record says how that ended."""
@@ -1333,16 +1340,25 @@ class Engine:
             if isinstance(entry, _trace.Record):
                 out.append(entry.as_dict())
                 continue
-            collective, op, dtype = c._hot_names.get(entry[0], ("unknown", None, None))
-            shape = tuple(entry[1])
-            root = entry[2] if collective == "broadcast" else None
-            error = entry[3 if collective == "broadcast" else 2] if len(entry) > (3 if collective == "broadcast" else 2) \
-                else None
-            try:
-                nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-            except TypeError:  # a dtype NumPy does not name (bfloat16 of torch)
-                nbytes = None
+            # a hot-path entry: its cached call (a broadcast's root in _roots), or (cached call, root,
+            # shape[, error])
+            run, root, shape, error = (*entry, None, None, None)[:4] if entry.__class__ is tuple else \
+                (entry, None, None, None)
+            collective, op, dtype = c._hot_names.get(run, ("unknown", None, None))
+            if collective != "broadcast":
+                root = None  # (a failed entry took the slot's stale root: see _note_failure)
+            elif entry.__class__ is not tuple:
+                root = c._roots[n & c._mask]
+            nbytes = None
             state = "failed" if error is not None else "started" if inside and n == seq else "completed"
+            if shape is None and state == "started":
+                shape = _shape_in_progress(c)
+            if shape is not None:
+                shape = tuple(shape)
+                try:
+                    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+                except TypeError:  # a dtype NumPy does not name (bfloat16 of torch)
+                    pass
             out.append({"seq": n, "collective": collective, "op": op, "root": root, "dtype": dtype, "shape": shape,
                         "nbytes": nbytes, "path": "hot path", "site": None, "thread": None, "start": None,
                         "end": None, "state": state, "error": error})
@@ -1362,6 +1378,24 @@ class Engine:
         """``(name, last entry as a dict, when the sequence number last moved on the general path)``."""
         entries = self.trace_entries(True)
         return self.trace_name(), (entries[-1] if entries else None), self.communicator._last_activity
+
+
+# the methods whose hot path keeps no shape in the record (see _shape_in_progress)
+_HOT_CODES = frozenset(getattr(Communicator, name).__code__
+                       for name in ("allreduce", "broadcast", "reduce_scatter", "alltoall"))
+
+
+def _shape_in_progress(comm: Communicator):
+    """The shape of the array of the call a thread is inside on ``comm``, read from that thread's frame of
+    the method (the hot path's record keeps no shape: what a dump or the stall warning of a call in
+    progress shows); None when no thread is in one of them."""
+    for top in sys._current_frames().values():
+        frame: Any = top
+        while frame is not None:
+            if frame.f_code in _HOT_CODES and frame.f_locals.get("self") is comm:
+                return getattr(frame.f_locals.get("x"), "shape", None)
+            frame = frame.f_back
+    return None
 
 
 def engine_of(comm: Communicator) -> Engine:

@@ -6,10 +6,10 @@ asynchronous call, every call of the torch backend and of the gradient buckets, 
 kind) is a :class:`Record`: its sequence number on the communicator, the collective, op, root, dtype,
 shape and bytes, the path taken, the user's call site (the first frame outside ``collectives`` and
 torch), the thread, start and end times and its state. A call on the hot path (the cached call of a
-NumPy or CPU torch array's second and later calls of the same kind) is recorded as the cached call and
-the array's shape only: two stores, so that the record costs the 8-byte allreduce about 5%
-(docs/performance.md); its kind, op and dtype are those of the cached call, its site and times are not
-kept (the dump's stacks show where a rank is stuck).
+NumPy or CPU torch array's second and later calls of the same kind) is recorded as the cached call only
+(and a broadcast's root): one store into a preallocated list, so that the record costs the 8-byte
+allreduce at most 5% (docs/performance.md); its kind, op and dtype are those of the cached call, its
+shape, site and times are not kept (the dump's stacks show where a rank is stuck).
 
 :func:`dump` writes one JSON file per rank into ``COLLECTIVES_TRACE_DIR`` (default ``./collectives-trace``,
 made when needed): the rings of every live communicator of the process, its identity (host, pid, rank,

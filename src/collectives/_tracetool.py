@@ -49,8 +49,24 @@ def load(directory: str, job: str | None = None) -> tuple[str | None, dict[int, 
     return job, dumps
 
 
-def _key(entry: dict) -> tuple:
-    return tuple(tuple(entry[k]) if isinstance(entry.get(k), list) else entry.get(k) for k in _KEY)
+def _key(entry: dict, shape=None) -> tuple:
+    """What must agree between the ranks' records of one call; ``shape`` stands in for a shape the record
+    does not keep (a hot-path call's)."""
+    got = {k: tuple(entry[k]) if isinstance(entry.get(k), list) else entry.get(k) for k in _KEY}
+    if got["shape"] is None:
+        got["shape"] = shape
+    return tuple(got[k] for k in _KEY)
+
+
+def _groups(entered: dict[int, dict]) -> dict[tuple, list[int]]:
+    """The ranks of one sequence number grouped by what they called. A record without a shape (the hot
+    path keeps none) agrees with the one shape the others recorded, when they recorded one."""
+    shapes = {_key(e)[-1] for e in entered.values() if e.get("shape") is not None}
+    shape = next(iter(shapes)) if len(shapes) == 1 else None
+    groups: dict[tuple, list[int]] = {}
+    for r, e in entered.items():
+        groups.setdefault(_key(e, shape), []).append(r)
+    return groups
 
 
 def _user_frame(dump: dict) -> tuple[list | None, str]:
@@ -107,9 +123,7 @@ def verdict(dumps: dict[int, dict]) -> list[str]:
         for s in range(first, top + 1):
             entered = {r: rec[s] for r, rec in records.items() if s in rec}
             never = [r for r in per_rank if seqs[r] < s]
-            groups: dict[tuple, list[int]] = {}
-            for r, e in entered.items():
-                groups.setdefault(_key(e), []).append(r)
+            groups = _groups(entered)
             waiting = any(e.get("state") != "completed" for e in entered.values())
             # ranks behind whose peers completed the call were only dumped earlier (a SIGUSR1 of a healthy
             # job): a divergence is a different call, or ranks absent from a call others wait in

@@ -55,7 +55,8 @@ def test_every_front_end_is_recorded_in_order(comm):
                                                           "tree buckets"], got
         assert got[0]["op"] == got[1]["op"] == "sum" and got[4]["op"] == "max"
         assert got[2]["root"] == got[3]["root"] == c.size - 1
-        assert got[0]["dtype"] == got[1]["dtype"] == "float32" and got[0]["shape"] == [5] and got[1]["shape"] == (5,)
+        assert got[0]["dtype"] == got[1]["dtype"] == "float32" and got[0]["shape"] == [5]
+        assert got[1]["shape"] is None and got[3]["shape"] is None  # the hot path keeps no shape (its cost)
         assert all(e["state"] == "completed" for e in got), got
         here = os.path.abspath(__file__)
         assert got[0]["site"][0] == here and got[0]["site"][2] == "test_every_front_end_is_recorded_in_order"
@@ -127,3 +128,23 @@ def test_dumps_of_every_rank_read_as_no_divergence(comm):
     dumps = dict(enumerate(comm.allgather_object(dump)))
     first = _tracetool.verdict(dumps)[0]
     assert first.startswith("no divergence on world"), first
+
+
+def test_a_hot_path_record_agrees_with_a_general_one_of_the_same_call(comm):
+    """The hot path keeps no shape: where rank 0 repeats a call on the hot path while the others take the
+    general path for the same call (a strided view), the analyzer sees one call, not a divergence."""
+    from collectives import _tracetool
+
+    c = fresh(comm)
+    try:
+        c.allreduce(np.ones(3))  # the general path on every rank (fills the hot path's cache)
+        c.allreduce(np.ones(3) if c.rank == 0 else np.ones(6)[::2])  # hot on rank 0, general elsewhere
+        mine = records(c)
+        assert mine[1]["path"].split(",")[0] == ("hot path" if c.rank == 0 else "blocking") and mine[1]["shape"] in (None, [3])
+        dump = {"rank": c.rank, "size": c.size, "threads": [],
+                "communicators": [engine_of(c).trace_snapshot()]}
+        dumps = dict(enumerate(c.allgather_object(dump)))
+        first = _tracetool.verdict(dumps)[0]
+        assert first.startswith(f"no divergence on {engine_of(c).trace_name()}"), first
+    finally:
+        c.close()
