@@ -38,10 +38,11 @@
   everywhere is skipped (its ``.grad`` stays ``None``); one without gradient on some ranks only is a
   :class:`MismatchError` naming it on every rank (raised by ``step()``), or, with
   ``missing_grads="zero"``, those ranks contribute zeros;
-- **sharded state** (:class:`Shards`): every bucket is padded to a multiple of the number of ranks and
-  rank r owns the r-th block of each; after the reduce-scatter every rank steps, with an optimizer of the
-  user's class and hyper-parameters, one flat tensor per (group, dtype, device) holding its blocks, and
-  the parameters come back by one allgather per bucket.
+- **sharded state** (:class:`Shards`): every parameter starts at a multiple of ``ALIGN`` elements of its
+  bucket, every bucket is padded to a multiple of ``ALIGN`` times the number of ranks and rank r owns the
+  r-th block of each; after the reduce-scatter every rank steps, with an optimizer of the user's class and
+  hyper-parameters, its pieces of the parameters, each a view of one flat tensor per (group, dtype,
+  device) that holds its blocks, and the parameters come back by one allgather per bucket.
 
 - **rounds**: a backward pass after a round completed (before ``step()``) starts a new round over ``.grad`` as
   torch accumulated it (as DDP reduces every backward pass); the first hook of a round checks that the
@@ -79,6 +80,14 @@ MISSING_GRADS = ("error", "zero")
 # The torch optimizers whose update of an element depends only on that element's own gradient and state
 # (and on scalars: the step count, the hyper-parameters): stepping a flat shard of the parameters gives
 # every element what stepping the parameters would.
+# With sharded state every parameter starts at a multiple of ALIGN elements of its bucket and every rank's
+# block is a multiple of ALIGN long, so each piece of a parameter that a rank steps begins at a multiple of
+# ALIGN of the parameter and ends at one or at the parameter's end. Stepped as a tensor of its own, a piece
+# then has its vector body and scalar tail where the whole parameter has them (CPU kernels compute the
+# last numel % width elements with scalar code, which rounds differently in some kernels: fused Adam):
+# 64 elements is a multiple of every vector width (16 float32, 32 bfloat16 with AVX-512) and cache line.
+ALIGN = 64
+
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop", "Rprop", "NAdam", "RAdam",
                "ASGD")
 
@@ -253,9 +262,9 @@ class Buckets:
                 b = _Bucket(key, g)
                 open_[key] = None if large else b
                 buckets.append(b)
-            s = _Slot(index, name, p, b, b.numel)
+            s = _Slot(index, name, p, b, -(-b.numel // ALIGN) * ALIGN if shard else b.numel)
             b.slots.append(s)
-            b.numel += s.numel
+            b.numel = s.offset + s.numel
             b.last = order
             self.slots.append(s)
         buckets.sort(key=lambda b: b.last)  # they leave in the order backward completes them
@@ -263,7 +272,8 @@ class Buckets:
         self.by_index = {s.index: s for s in self.slots}
         for b in buckets:
             b.narrow = narrow if narrow is not None and b.key[1] in COMPRESSIBLE() else None
-            b.padded = -(-b.numel // size) * size if shard or b.narrow is not None else b.numel
+            unit = size * ALIGN if shard else size  # sharded: every rank's block a multiple of ALIGN
+            b.padded = -(-b.numel // unit) * unit if shard or b.narrow is not None else b.numel
             b.solo = not shard and b.narrow is None and len(b.slots) == 1
             b.blocking = not shard and b.narrow is None and (b is buckets[-1] or (
                 b.key[2].type == "cpu" and engine_of(comm).reduces_on_the_callers_cpus(b.numel * b.slots[0].param.element_size())))
@@ -682,9 +692,10 @@ class Shards:
 
     Rank r owns elements ``r * c .. (r + 1) * c`` of every bucket (``c = padded / size``). Its shard
     tensors, one per (parameter group, dtype, device), hold its blocks of all the group's buckets one after
-    the other; ``opt`` is an optimizer of the inner optimizer's class over them, one param group per shard
-    tensor, with the hyper-parameters of the inner group (copied before every step, so LR schedulers given
-    ``inner`` work).
+    the other (and their gradients); ``opt`` is an optimizer of the inner optimizer's class over the
+    *pieces* of parameters in them (a view of the shard tensor per parameter piece, so that each is stepped
+    as a tensor of its own: see ``ALIGN``), one param group per shard tensor, with the hyper-parameters of
+    the inner group (copied before every step, so LR schedulers given ``inner`` work).
     """
 
     def __init__(self, engine: Buckets):
@@ -723,10 +734,19 @@ class Shards:
                     a, z = max(s.offset, lo), min(s.offset + s.numel, hi)
                     if a < z:
                         self.pieces.append((k, b.shard_off + a - lo, s, a - s.offset, z - a))
+        self.params = []  # per piece: the view of its shard tensor that the shard optimizer steps
+        for k, pos, _, _, n in self.pieces:
+            v = self.tensors[k][pos:pos + n]
+            v.grad = self.tensors[k].grad[pos:pos + n]
+            self.params.append(v)
         groups = []
         for k, (g, _, _) in enumerate(self.groups):
             hyper = {key: v for key, v in inner.param_groups[g].items() if key not in ("params", "param_names")}
-            groups.append({"params": [self.tensors[k]], **hyper})
+            groups.append({"params": [v for v, piece in zip(self.params, self.pieces) if piece[0] == k], **hyper})
+        if not self.params and groups:  # every block of this rank is padding: an empty piece, so that the
+            empty = self.tensors[0][:0]  # optimizer can be made (torch refuses one without parameters)
+            empty.grad = self.tensors[0].grad[:0]
+            groups[0]["params"] = [empty]
         cls = type(inner)
         try:
             self.opt = cls(groups, **inner.defaults)
@@ -830,30 +850,27 @@ class Shards:
                 self.from_grads = False
             for k, pos, s, start, n in self.pieces:  # the parameters' current values (the user may have set them)
                 self.tensors[k][pos:pos + n].copy_(s.param.detach().reshape(-1)[start:start + n])
-            saved = []
-            for k, pos, s, _, n in self.pieces:
-                if s.index in skipped:  # no gradient anywhere: left as it is, state included
-                    t = self.tensors[k]
-                    state = self.opt.state.get(t, {})
-                    kept = {key: v[pos:pos + n].clone() for key, v in state.items()
-                            if torch.is_tensor(v) and v.shape == t.shape}
-                    saved.append((k, pos, n, kept))
-        amp_step(self.opt, amp, lambda: [t.grad for t in self.tensors], step=lambda: self._step_and_gather(saved))
+        # a parameter without gradient anywhere is left as it is, state included (as the unsharded optimizer
+        # leaves a parameter whose .grad is None): its pieces have none in this step
+        dropped = [(v, k, pos, n) for v, (k, pos, s, _, n) in zip(self.params, self.pieces) if s.index in skipped]
+        for v, _, _, _ in dropped:
+            v.grad = None
+        try:
+            amp_step(self.opt, amp, lambda: [t.grad for t in self.tensors], step=self._step_and_gather)
+        finally:
+            for v, k, pos, n in dropped:
+                v.grad = self.tensors[k].grad[pos:pos + n]
         self.skipped = set()
         return loss
 
-    def _step_and_gather(self, saved: list) -> None:
+    def _step_and_gather(self) -> None:
         """The shard optimizer's step, then the parameters back from every rank's share (one allgather per
-        bucket); ``saved``: the state of parameters without gradient anywhere, put back."""
+        bucket)."""
         torch = _torch()
         skipped = self.skipped
         self.opt.step()
         self.engine.inner._opt_called = True  # an LR scheduler given inner: its step() counts as stepped
         with torch.no_grad():
-            for k, pos, n, kept in saved:
-                state = self.opt.state[self.tensors[k]]
-                for key, v in kept.items():
-                    state[key][pos:pos + n].copy_(v)
             for s in self.engine.slots:
                 if s.index not in skipped:
                     s.stepped = True
@@ -871,33 +888,47 @@ class Shards:
     # ---- state dicts ----
     def full_state(self) -> dict:
         """The unsharded optimizer's ``state`` (parameter index -> state), on every rank (collective: one
-        allgather per bucket and element-wise state tensor)."""
+        object allgather, then one allgather per bucket and element-wise state entry)."""
         torch = _torch()
         comm = self.engine.comm
+        # what each parameter's state holds, in its order: an element-wise entry by its dtype, any other
+        # (the step count) by its value, from this rank's first piece of it; every rank's, merged
+        mine: dict = {}
+        for v, (_, _, s, _, _) in zip(self.params, self.pieces):
+            state = self.opt.state.get(v)
+            if state and s.index not in mine:
+                mine[s.index] = [(name, ("elementwise", str(x.dtype)) if _elementwise(name, x, v) else
+                                  ("value", x.clone() if torch.is_tensor(x) else x)) for name, x in state.items()]
+        entries: dict = {}
+        for theirs in comm.allgather_object(mine):
+            for index, items in theirs.items():
+                entries.setdefault(index, items)
         out: dict = {}
-        for k, (_, _, members) in enumerate(self.groups):
-            t = self.tensors[k]
-            state = self.opt.state.get(t, {})
-            for b in members:
-                c = b.padded // self.size
-                gathered = {}
-                for name, v in state.items():
-                    if torch.is_tensor(v) and v.shape == t.shape:
-                        gathered[name] = comm.allgather(v[b.shard_off:b.shard_off + c].contiguous()).reshape(-1)
-                for s in b.slots:
-                    if not s.stepped:
-                        continue
-                    entry = {}
-                    for name, v in state.items():
-                        if name in gathered:
-                            entry[name] = gathered[name][s.offset:s.offset + s.numel].view(s.param.shape).clone()
-                        else:
-                            entry[name] = v.clone() if torch.is_tensor(v) else v
-                    out[s.index] = entry
+        for b in self.engine.buckets:
+            c = b.padded // self.size
+            names: dict = {}
+            for s in b.slots:
+                for name, (kind, what) in entries.get(s.index, ()):
+                    if kind == "elementwise":
+                        names.setdefault(name, getattr(torch, what.split(".")[-1]))
+            gathered = {}
+            for name, dtype in names.items():
+                block = torch.zeros(c, dtype=dtype, device=b.key[2])
+                for v, (_, pos, s, _, n) in zip(self.params, self.pieces):
+                    if s.bucket is b and name in self.opt.state.get(v, {}):
+                        block[pos - b.shard_off:pos - b.shard_off + n].copy_(self.opt.state[v][name])
+                gathered[name] = comm.allgather(block).reshape(-1)
+            for s in b.slots:
+                if not s.stepped or s.index not in entries:
+                    continue
+                out[s.index] = {
+                    name: gathered[name][s.offset:s.offset + s.numel].view(s.param.shape).clone()
+                    if kind == "elementwise" else (what.clone() if torch.is_tensor(what) else what)
+                    for name, (kind, what) in entries[s.index]}
         return out
 
     def load_full(self, state_dict: dict) -> None:
-        """Take this rank's blocks of an unsharded ``state_dict`` (the inner optimizer's format)."""
+        """Take this rank's pieces of an unsharded ``state_dict`` (the inner optimizer's format)."""
         torch = _torch()
         inner = self.engine.inner
         inner.load_state_dict(state_dict)  # ids, hyper-parameters, dtype and device casts: torch's own rules
@@ -907,29 +938,14 @@ class Shards:
             s.stepped = s.index in full
         self.opt.state.clear()
         with torch.no_grad():
-            for k, t in enumerate(self.tensors):
-                pieces = [piece for piece in self.pieces if piece[0] == k]
-                # the state's entries from any parameter of the group (not only this rank's: a rank whose
-                # blocks are all padding still holds the same entries as the others)
-                group_slots = [s for b in self.groups[k][2] for s in b.slots if s.index in full]
-                if not group_slots:
+            for v, (_, _, s, start, n) in zip(self.params, self.pieces):
+                entry = full.get(s.index)
+                if entry is None:
                     continue
-                first = group_slots[0]
-                state = {}
-                for name, v in full[first.index].items():
-                    if _elementwise(name, v, first.param):
-                        state[name] = torch.zeros_like(t)
-                    else:
-                        state[name] = v.clone() if torch.is_tensor(v) else v
-                for _, pos, s, start, n in pieces:
-                    entry = full.get(s.index)
-                    if entry is None:
-                        continue
-                    for name, v in entry.items():
-                        if _elementwise(name, v, s.param) and name in state:
-                            state[name][pos:pos + n].copy_(v.reshape(-1)[start:start + n])
-                self.opt.state[t] = state
-        inner.state.clear()  # the full state is not kept: this rank's blocks are
+                self.opt.state[v] = {
+                    name: x.reshape(-1)[start:start + n].clone() if _elementwise(name, x, s.param) else
+                    (x.clone() if torch.is_tensor(x) else x) for name, x in entry.items()}
+        inner.state.clear()  # the full state is not kept: this rank's pieces are
 
     def state_bytes(self) -> int:
         """Bytes of tensors in this rank's shard optimizer state."""
