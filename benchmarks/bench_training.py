@@ -12,7 +12,8 @@ Models (torch, CPU, one thread per rank, batch 64 per rank, SGD for the timings)
 Each row is one way of running the same step (``opt.zero_grad(); loss.backward(); opt.step()``); per
 round every row runs ``--steps`` steps (a barrier first; the slowest rank's time), in an order that
 changes per round; each figure is the median over rounds of the per-round ratio to ``no-comm`` (one
-process's step, no communication), with the median times:
+process's step, no communication), with the median times (and, for our rows, of the per-round ratio to
+``floor: flat``):
 
 * ``no-comm, keep``: the same with ``zero_grad(set_to_none=False)`` (torch then adds each new gradient
   into the zeroed ``.grad``: the baseline of ``overlap+views``);
@@ -166,6 +167,8 @@ def run_rows(rows: dict, rounds: int, steps: int) -> dict:
                      "vs_no_comm": statistics.median(t / b for t, b in zip(times[name], base))}
         if "ddp" in times and name != "ddp":
             out[name]["vs_ddp"] = statistics.median(t / d for t, d in zip(times[name], times["ddp"]))
+        if name in ("tree", "overlap", "overlap+views", "sharded"):  # against the floor of the same round
+            out[name]["vs_floor"] = statistics.median(t / f for t, f in zip(times[name], times["floor: flat"]))
     return out
 
 
@@ -225,6 +228,7 @@ def main() -> None:
                       f"(medians of {args.rounds} rounds x {args.steps} steps)")
                 for name, r in results[kind].items():
                     extra = f"   vs ddp {r['vs_ddp']:5.2f}x" if "vs_ddp" in r else ""
+                    extra += f"   vs floor: flat {r['vs_floor']:5.3f}x" if "vs_floor" in r else ""
                     print(f"  {name:14s} {r['step_ms']:8.2f} ms   vs no-comm {r['vs_no_comm']:5.2f}x{extra}")
         if dist.is_initialized():
             dist.destroy_process_group()
