@@ -117,7 +117,7 @@ class Communicator:
         self._engine = Engine(self)  # what the layers built on this communicator may use of it
         # The flight recorder (_trace): the last calls, a ring indexed by the sequence number. A hot-path
         # call stores its cached call (and a broadcast its root in _roots, at the same index), or (cached
-        # call, None, shape) (reduce_scatter, alltoall): see trace_entries; the others a _trace.Record.
+        # call, shape) (reduce_scatter, alltoall): see trace_entries; the others a _trace.Record.
         capacity = _config.trace_buffer()
         self._ring: list | None = [None] * (1 << max(capacity - 1, 0).bit_length()) if capacity else None
         self._mask = len(self._ring) - 1 if self._ring is not None else 0
@@ -243,8 +243,9 @@ class Communicator:
                     ring = self._ring
                     if ring is not None:  # the flight recorder (_trace): the cached call; the root beside it
                         n = self._seq = self._seq + 1
-                        ring[n & self._mask] = run
-                        self._roots[n & self._mask] = root
+                        i = n & self._mask
+                        ring[i] = run
+                        self._roots[i] = root
                     run(x, root)
                     return x
             elif cls is _torch_tensor:
@@ -253,8 +254,9 @@ class Communicator:
                     ring = self._ring
                     if ring is not None:
                         n = self._seq = self._seq + 1
-                        ring[n & self._mask] = run
-                        self._roots[n & self._mask] = root
+                        i = n & self._mask
+                        ring[i] = run
+                        self._roots[i] = root
                     run(x.detach().numpy() if x.requires_grad else x.numpy(), root)
                     _arrays.bump_versions((x,))  # written behind autograd's back: as under no_grad
                     return x
@@ -391,9 +393,9 @@ class Communicator:
                 if run is not None and x.flags.c_contiguous and x.ndim and not x.shape[0] % self._size:
                     out = _empty((x.shape[0] // self._size,) + x.shape[1:], x.dtype)
                     ring = self._ring
-                    if ring is not None:  # the cached call, no root, the shape (read above anyway)
+                    if ring is not None:  # the cached call and the shape (read above anyway)
                         n = self._seq = self._seq + 1
-                        ring[n & self._mask] = run, None, x.shape
+                        ring[n & self._mask] = run, x.shape
                     run(x, out)
                     return out
             return self._blocking(self._reduce_scatter(x, op, False))
@@ -456,9 +458,9 @@ class Communicator:
                 if run is not None and x.flags.c_contiguous and x.ndim and not x.shape[0] % self._size:
                     out = _empty(x.shape, x.dtype)
                     ring = self._ring
-                    if ring is not None:  # the cached call, no root, the shape (read above anyway)
+                    if ring is not None:  # the cached call and the shape (read above anyway)
                         n = self._seq = self._seq + 1
-                        ring[n & self._mask] = run, None, x.shape
+                        ring[n & self._mask] = run, x.shape
                     run(x, out)
                     return out
             return self._blocking(self._alltoall(x, False))
@@ -911,9 +913,8 @@ class Communicator:
             i = self._seq & self._mask
             entry = ring[i]
             if entry is not None and entry.__class__ is not _trace.Record:  # a hot-path entry (trace_entries)
-                run, root, shape = (*entry, None, None)[:3] if entry.__class__ is tuple else \
-                    (entry, self._roots[i], getattr(x, "shape", None))
-                ring[i] = run, root, shape, f"{type(exc).__name__}: {exc}"
+                run, shape = entry[:2] if entry.__class__ is tuple else (entry, getattr(x, "shape", None))
+                ring[i] = run, shape, f"{type(exc).__name__}: {exc}"
 
     def _blocking(self, steps):
         """Run a collective's steps to completion (:func:`_now`); its record says how that ended."""
@@ -1340,15 +1341,11 @@ class Engine:
             if isinstance(entry, _trace.Record):
                 out.append(entry.as_dict())
                 continue
-            # a hot-path entry: its cached call (a broadcast's root in _roots), or (cached call, root,
-            # shape[, error])
-            run, root, shape, error = (*entry, None, None, None)[:4] if entry.__class__ is tuple else \
-                (entry, None, None, None)
+            # a hot-path entry: its cached call, or (cached call, shape[, error]); a broadcast's root is in
+            # _roots at the same index (written with the entry)
+            run, shape, error = (*entry, None)[:3] if entry.__class__ is tuple else (entry, None, None)
             collective, op, dtype = c._hot_names.get(run, ("unknown", None, None))
-            if collective != "broadcast":
-                root = None  # (a failed entry took the slot's stale root: see _note_failure)
-            elif entry.__class__ is not tuple:
-                root = c._roots[n & c._mask]
+            root = c._roots[n & c._mask] if collective == "broadcast" else None
             nbytes = None
             state = "failed" if error is not None else "started" if inside and n == seq else "completed"
             if shape is None and state == "started":

@@ -852,14 +852,14 @@ class Shards:
                 self.tensors[k][pos:pos + n].copy_(s.param.detach().reshape(-1)[start:start + n])
         # a parameter without gradient anywhere is left as it is, state included (as the unsharded optimizer
         # leaves a parameter whose .grad is None): its pieces have none in this step
-        dropped = [(v, k, pos, n) for v, (k, pos, s, _, n) in zip(self.params, self.pieces) if s.index in skipped]
-        for v, _, _, _ in dropped:
+        dropped = [(v, v.grad) for v, piece in zip(self.params, self.pieces) if piece[2].index in skipped]
+        for v, _ in dropped:
             v.grad = None
         try:
             amp_step(self.opt, amp, lambda: [t.grad for t in self.tensors], step=self._step_and_gather)
         finally:
-            for v, k, pos, n in dropped:
-                v.grad = self.tensors[k].grad[pos:pos + n]
+            for v, g in dropped:
+                v.grad = g
         self.skipped = set()
         return loss
 
@@ -897,8 +897,8 @@ class Shards:
         for v, (_, _, s, _, _) in zip(self.params, self.pieces):
             state = self.opt.state.get(v)
             if state and s.index not in mine:
-                mine[s.index] = [(name, ("elementwise", str(x.dtype)) if _elementwise(name, x, v) else
-                                  ("value", x.clone() if torch.is_tensor(x) else x)) for name, x in state.items()]
+                mine[s.index] = [(name, ("elementwise", str(x.dtype)) if _elementwise(name, x, v) else ("value", x))
+                                 for name, x in state.items()]  # (values are cloned into the result below)
         entries: dict = {}
         for theirs in comm.allgather_object(mine):
             for index, items in theirs.items():
@@ -911,12 +911,14 @@ class Shards:
                 for name, (kind, what) in entries.get(s.index, ()):
                     if kind == "elementwise":
                         names.setdefault(name, getattr(torch, what.split(".")[-1]))
+            here = [(self.opt.state.get(v, {}), pos - b.shard_off, n)
+                    for v, (_, pos, s, _, n) in zip(self.params, self.pieces) if s.bucket is b]
             gathered = {}
             for name, dtype in names.items():
                 block = torch.zeros(c, dtype=dtype, device=b.key[2])
-                for v, (_, pos, s, _, n) in zip(self.params, self.pieces):
-                    if s.bucket is b and name in self.opt.state.get(v, {}):
-                        block[pos - b.shard_off:pos - b.shard_off + n].copy_(self.opt.state[v][name])
+                for state, at, n in here:
+                    if name in state:
+                        block[at:at + n].copy_(state[name])
                 gathered[name] = comm.allgather(block).reshape(-1)
             for s in b.slots:
                 if not s.stepped or s.index not in entries:

@@ -61,7 +61,7 @@ def _key(entry: dict, shape=None) -> tuple:
 def _groups(entered: dict[int, dict]) -> dict[tuple, list[int]]:
     """The ranks of one sequence number grouped by what they called. A record without a shape (the hot
     path keeps none) agrees with the one shape the others recorded, when they recorded one."""
-    shapes = {_key(e)[-1] for e in entered.values() if e.get("shape") is not None}
+    shapes = {tuple(e["shape"]) for e in entered.values() if e.get("shape") is not None}
     shape = next(iter(shapes)) if len(shapes) == 1 else None
     groups: dict[tuple, list[int]] = {}
     for r, e in entered.items():
