@@ -206,11 +206,6 @@ class Communicator:
             f"array on {_arrays.device_name(device)}: no transport for this device; copy it to host memory"
         )
 
-    def _reduces_on_the_callers_cpus(self, nbytes: int) -> bool:
-        """Whether a blocking allreduce of ``nbytes`` of host memory is computed by the ranks' own CPUs
-        (``HostTransport.reduces_on_the_callers_cpus``): the gradient buckets then take the blocking call."""
-        return self._transport_for(_arrays.HOST).reduces_on_the_callers_cpus(nbytes)
-
     def _check_root(self, root, name: str = "root", what: str = "", also: str = "") -> int:
         """``root`` as a rank of this communicator, else TypeError/ValueError; ``name`` is the argument's
         name in the messages (a point-to-point call's ``dst``/``src``, with ``what`` the call and ``also``

@@ -15,10 +15,10 @@
   are copied into the flat buffer (unless ``.grad`` already *is* its view of the buffer) and an
   asynchronous ``allreduce`` (``reduce_scatter`` with sharded state) of the buffer starts. The blocking
   allreduce is taken instead where nothing could overlap with the asynchronous one: for the last bucket
-  (backward is done), and, when every rank is on one node, for a host bucket at or above the
-  shared-memory threshold (the ranks' own CPUs reduce it in node-shared memory, and only when they are
-  not computing: measured, the asynchronous form only finishes later). Buckets always leave in the same
-  order on every rank.
+  (backward is done), and, when every rank is on one node, for every host bucket (the ranks' own CPUs
+  reduce it, in node-shared memory or in MPI's shared-memory transport, and only inside their MPI calls:
+  measured, the asynchronous form only finishes later, and starting and testing it costs more than the
+  blocking call). Buckets always leave in the same order on every rank.
   The first hook of a backward pass queues autograd's final callback, which completes the round
   (:meth:`Buckets.finish`: the buckets that did not leave go, everything is waited for) before
   ``backward()`` returns, as DDP does; ``step()`` completes a round no hook started (gradients set by
@@ -500,9 +500,9 @@ class Buckets:
         elif b.blocking:
             # The blocking call, which may take the node-shared-memory allreduce, where nothing could
             # overlap with a non-blocking one: the last bucket (backward is done, or step() waits at once),
-            # and a host bucket the ranks' own CPUs would reduce anyway (every rank on one node, the
-            # shared-memory threshold reached: no network or other core runs it while they compute, and
-            # the non-blocking form would only finish later). The same bits (tests/mpi/test_training.py).
+            # and a host bucket the ranks' own CPUs would reduce anyway (every rank on one node: no network
+            # or other core runs it while they compute, and the non-blocking form would only finish later,
+            # after a costlier start). The same bits (tests/mpi/test_training.py).
             b.handle = Handle.completed("allreduce", self.comm.allreduce(buf, self.op))
         else:
             b.handle = self.comm.allreduce(buf, self.op, async_op=True)

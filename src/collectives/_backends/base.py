@@ -17,8 +17,8 @@ Optional capabilities, declared here with their defaults (a transport overrides 
   ``_float16`` is False).
 
 - :meth:`reduces_on_the_callers_cpus`: whether a blocking allreduce of so many bytes is done by the
-  calling processes' own CPUs (node-shared memory), so that starting it asynchronously cannot overlap it
-  with anything (default: False);
+  calling processes' own CPUs (every rank on one node), so that starting it asynchronously cannot overlap
+  it with anything (default: False);
 
 - :meth:`start`: begin an operation and return a :class:`Request` (default: run the blocking operation
   now and return a completed request); the asynchronous collectives (``async_op=True``) use it.
@@ -115,7 +115,7 @@ class HostTransport(abc.ABC):
 
     def reduces_on_the_callers_cpus(self, nbytes: int) -> bool:
         """True where a blocking allreduce of ``nbytes`` is computed by the calling processes themselves
-        (every rank on one node, through node-shared memory): nothing else advances a non-blocking one
+        (every rank on one node, in node-shared memory or MPI's own): nothing else advances a non-blocking one
         while they compute, so it would only finish later. The gradient buckets then take the blocking
         call (the same bits)."""
         return False

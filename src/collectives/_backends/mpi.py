@@ -269,9 +269,11 @@ class MPITransport(HostTransport):
     _faulty: frozenset = frozenset()
 
     def reduces_on_the_callers_cpus(self, nbytes: int) -> bool:
-        """Every rank on one node and ``nbytes`` at or above the shared-memory threshold: the allreduce runs
-        in the node-shared window, computed by the ranks themselves (``shm``)."""
-        return 1 < self.size == self.local_size and nbytes >= self._shm_threshold
+        """Every rank on one node: an allreduce of any size is computed by the ranks themselves, in the
+        node-shared window (``shm``) from the shared-memory threshold and by MPI's own shared-memory
+        transport below it, which moves a non-blocking one only inside the ranks' MPI calls. (``nbytes``:
+        the size asked about; on one node the answer does not depend on it.)"""
+        return 1 < self.size == self.local_size
 
     # ---- data ----
     def fast_call(self, op: str, dtype: np.dtype, size: int):
