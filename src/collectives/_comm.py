@@ -1285,10 +1285,10 @@ class Engine:
         for a :class:`~collectives.Handle`), returning ``finish()``."""
         return self.communicator._reducing(transport, operation, buf, info, op, extra, finish, **kwargs)
 
-    def reduces_on_the_callers_cpus(self, nbytes: int) -> bool:
-        """Whether a blocking host allreduce of ``nbytes`` is computed by the ranks' own CPUs (node-shared
-        memory): then it is the faster choice for a gradient bucket than an asynchronous one."""
-        return self.host.reduces_on_the_callers_cpus(nbytes)
+    def reduces_on_the_callers_cpus(self) -> bool:
+        """Whether a blocking host allreduce is computed by the ranks' own CPUs (every rank on one node):
+        then it is the faster choice for a gradient bucket than an asynchronous one."""
+        return self.host.reduces_on_the_callers_cpus()
 
     @property
     def pool(self):

@@ -270,13 +270,13 @@ class Buckets:
         buckets.sort(key=lambda b: b.last)  # they leave in the order backward completes them
         self.buckets = buckets
         self.by_index = {s.index: s for s in self.slots}
+        callers_cpus = engine_of(comm).reduces_on_the_callers_cpus()  # every rank on one node
         for b in buckets:
             b.narrow = narrow if narrow is not None and b.key[1] in COMPRESSIBLE() else None
             unit = size * ALIGN if shard else size  # sharded: every rank's block a multiple of ALIGN
             b.padded = -(-b.numel // unit) * unit if shard or b.narrow is not None else b.numel
             b.solo = not shard and b.narrow is None and len(b.slots) == 1
-            b.blocking = not shard and b.narrow is None and (b is buckets[-1] or (
-                b.key[2].type == "cpu" and engine_of(comm).reduces_on_the_callers_cpus(b.numel * b.slots[0].param.element_size())))
+            b.blocking = not shard and b.narrow is None and (b is buckets[-1] or (b.key[2].type == "cpu" and callers_cpus))
             if not b.solo:  # a solo parameter's buffer is made only if ever needed (see _leave)
                 self._flat(b)
         # The ranks agree on the layout once, here (collective: every rank makes its optimizer together), as

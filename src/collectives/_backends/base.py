@@ -16,9 +16,9 @@ Optional capabilities, declared here with their defaults (a transport overrides 
 - :meth:`reduces`: which (dtype, op) pairs it reduces correctly itself (default: all but float16 where
   ``_float16`` is False).
 
-- :meth:`reduces_on_the_callers_cpus`: whether a blocking allreduce of so many bytes is done by the
-  calling processes' own CPUs (every rank on one node), so that starting it asynchronously cannot overlap
-  it with anything (default: False);
+- :meth:`reduces_on_the_callers_cpus`: whether a blocking allreduce is done by the calling processes'
+  own CPUs (every rank on one node), so that starting it asynchronously cannot overlap it with anything
+  (default: False);
 
 - :meth:`start`: begin an operation and return a :class:`Request` (default: run the blocking operation
   now and return a completed request); the asynchronous collectives (``async_op=True``) use it.
@@ -113,9 +113,9 @@ class HostTransport(abc.ABC):
         Nothing to do on a transport without such a path."""
         return None
 
-    def reduces_on_the_callers_cpus(self, nbytes: int) -> bool:
-        """True where a blocking allreduce of ``nbytes`` is computed by the calling processes themselves
-        (every rank on one node, in node-shared memory or MPI's own): nothing else advances a non-blocking one
+    def reduces_on_the_callers_cpus(self) -> bool:
+        """True where a blocking allreduce is computed by the calling processes themselves (every rank on
+        one node, in node-shared memory or MPI's own): nothing else advances a non-blocking one
         while they compute, so it would only finish later. The gradient buckets then take the blocking
         call (the same bits)."""
         return False

@@ -268,11 +268,10 @@ class MPITransport(HostTransport):
 
     _faulty: frozenset = frozenset()
 
-    def reduces_on_the_callers_cpus(self, nbytes: int) -> bool:
+    def reduces_on_the_callers_cpus(self) -> bool:
         """Every rank on one node: an allreduce of any size is computed by the ranks themselves, in the
         node-shared window (``shm``) from the shared-memory threshold and by MPI's own shared-memory
-        transport below it, which moves a non-blocking one only inside the ranks' MPI calls. (``nbytes``:
-        the size asked about; on one node the answer does not depend on it.)"""
+        transport below it, which moves a non-blocking one only inside the ranks' MPI calls."""
         return 1 < self.size == self.local_size
 
     # ---- data ----
@@ -490,7 +489,7 @@ class MPITransport(HostTransport):
         rendezvous of every rank waited for the same way). False where that path does not apply. The
         fingerprint of the call is reduced first (a node barrier cannot tell an allreduce of 4 elements from
         one of 8)."""
-        if buf.nbytes < self._shm_threshold or not self.reduces_on_the_callers_cpus(buf.nbytes):
+        if buf.nbytes < self._shm_threshold or not self.reduces_on_the_callers_cpus():
             return False
         self.usable()
         what = ("allreduce", buf, f"op={op}, node-shared memory")
