@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _agree, _arrays, _buckets, _config, _dtypes, _reduction, _registry, _trace, _tree
+from . import _agree, _arrays, _buckets, _call, _config, _dtypes, _reduction, _registry, _trace, _tree
 from ._backends import closed as _closed
 from ._backends import factory
 from ._backends.base import HostTransport
@@ -130,6 +130,7 @@ class Communicator:
         self._p2p_seq = 0
         self._hot_names: dict = {}  # a hot-path cached call -> (collective, op, dtype name)
         self._current = None  # the record of the call being validated (for its driver)
+        self._calling: tuple | None = None  # the description of the call being validated (_call), for its driver
         self._last_activity = 0.0  # when the sequence number last moved (the stall inspector's choice)
         self._name: str | None = None  # "world", "world.2" (a split), "comm1" (init(comm=...)): for dumps
         self._splits = 0  # split() calls made on this communicator (names its children alike on every rank)
@@ -598,10 +599,12 @@ class Communicator:
             if self._outstanding:
                 self._sweep()
             steps = define(*args, True)
+            self._calling = None
             try:
                 first = next(steps)  # validates, up to the first transfer
             finally:
                 rec = self._current
+            calling = self._calling  # (_prepare described it)
         except StopIteration as stop:
             if rec is not None:
                 rec.finish()
@@ -617,7 +620,7 @@ class Communicator:
             return Handle.completed(what, error=err)
         finally:
             _leave()
-        return Handle(what, self._requests(steps, first), self._outstanding, self._host.fail, rec)
+        return Handle(what, self._requests(steps, first, calling), self._outstanding, self._host.fail, rec)
 
     def _sweep(self) -> None:
         """Before an asynchronous call: move on the outstanding handles whose transfers have completed,
@@ -669,11 +672,12 @@ class Communicator:
             return steps
         return Handle("allreduce_tree", steps, self._outstanding, self._host.fail, rec)
 
-    def _requests(self, steps, step: _Step):
+    def _requests(self, steps, step: _Step, calling):
         """The asynchronous driver of a collective's steps: each transfer started with the transport's
         ``start`` (a device transport's on its own stream, after the caller's current stream; a reduction
         in its wire steps, :meth:`_reducing`), its request yielded to the Handle, which moves this on once
-        the request is complete (``_handles``)."""
+        the request is complete (``_handles``). ``calling``: the call as the user made it (``_call``), which
+        the transport's fingerprint beside each host transfer carries."""
         while True:
             got = None
             if step.device:
@@ -682,9 +686,9 @@ class Communicator:
             elif step.rules is not None:
                 info, op, extra, receives, out = step.rules
                 yield from self._reducing(step.transport, step.operation, step.args[0], info, op, extra,
-                                          _nothing, receives=receives, out=out)
+                                          _nothing, receives=receives, out=out, calling=calling)
             else:
-                yield step.transport.start(step.operation, *step.args)
+                yield _started(step.transport, calling, step.operation, step.args)
             try:
                 step = steps.send(got)
             except StopIteration as stop:
@@ -708,18 +712,26 @@ class Communicator:
 
         return buf, place
 
-    def _reducing(self, transport, operation, buf, info, op, extra, finish, *, receives=True, out=None):
+    def _reducing(self, transport, operation, buf, info, op, extra, finish, *, receives=True, out=None,
+                  calling=None):
         """The steps of a reduction under the host rules (``_reduction.steps``), each transfer started
-        with ``transport.start``; returns ``finish()``.
+        with ``transport.start`` beside ``calling`` (the call as the user made it, ``_call``; None: this
+        reduction of ``buf`` itself, for the tree and bucket layers); returns ``finish()``.
 
         Every transfer starts at the call. The one pair that needs two transfers, one after the other
         (float min/max wider than 64 bits: values, then NaN and zero-sign flags), runs blocking at the call
         instead: a second transfer started later, by ``done()`` on one rank and by ``wait()`` on another,
         could meet the ranks' other collectives in a different order."""
+        if calling is None:
+            calling = _call.describe(operation, op, info, buf.size, extra[0] if extra else -1)
         if not _reduction.scatters(info, op):
             call = getattr(transport, operation)
-            _reduction.reduce_buffer(buf, info, op, self._size, lambda wire, o: call(wire, o, *extra),
-                                     transport.reduces, receives=receives, out=out)
+            transport.caller = calling
+            try:
+                _reduction.reduce_buffer(buf, info, op, self._size, lambda wire, o: call(wire, o, *extra),
+                                         transport.reduces, receives=receives, out=out)
+            finally:
+                transport.caller = None
             return finish()
         run = _reduction.steps(buf, info, op, self._size, transport.reduces, receives=receives, out=out)
         result = None
@@ -731,10 +743,10 @@ class Communicator:
                     break
             if operation == "reduce_scatter":
                 result = _block_for(wire, out, self._size)
-                yield transport.start(operation, wire, result, wire_op)
+                yield _started(transport, calling, operation, (wire, result, wire_op))
             else:
                 result = None
-                yield transport.start(operation, wire, wire_op, *extra)
+                yield _started(transport, calling, operation, (wire, wire_op, *extra))
         return finish()
 
     # ---- sub-communicators ----
@@ -879,8 +891,12 @@ class Communicator:
         if transport is None:  # checked mode, an array outside host memory
             self._agree_device(collective, x, device, **args)
             transport = self._transport_for(device)
-        elif self.check and not transport.array_level:
-            self._agree(transport, collective, view, info, **args)
+        elif not transport.array_level:
+            # the call as the user made it (_call): what the fingerprint beside each transfer compares
+            self._calling = _call.describe(collective, args.get("op"), info, view.size,
+                                           -1 if root is _UNSET else root)
+            if self.check:
+                self._agree(transport, collective, view, info, **args)
         rec = self._current
         if rec is not None:
             rec.path = f"{rec.path}, {transport.name}"
@@ -933,7 +949,11 @@ class Communicator:
         transport = self._transport_for(_arrays.HOST)
         if self.check:
             _agree.agree(transport, "barrier")
-        transport.barrier()
+        transport.caller = _BARRIER
+        try:
+            transport.barrier()
+        finally:
+            transport.caller = None
 
     def _runner(self, transport, info, op: str):
         """The call that allreduces a contiguous buffer of ``info``'s dtype with ``op`` in place
@@ -963,7 +983,7 @@ class Communicator:
         ``("alltoall", dtype)`` (``op`` is that key: no op of one can find an entry of the other), taking ``run(x, out)``; NumPy arrays only (the block output is a new array).
         """
         global _torch_tensor, _strided
-        if self._check:
+        if self._check or _call.naming_now() != _PLAIN:  # (a front end's own op name: not for later calls)
             return
         if a is _arrays.NUMPY and x.__class__ is _ndarray:
             if view.dtype != x.dtype:  # the hot path hands run x itself: not for a reinterpreted view
@@ -976,12 +996,17 @@ class Communicator:
         else:
             return
         if blocks is not None:
-            if a is _arrays.NUMPY:
-                self._hot_names.setdefault(run, (op[0], op[1] if op[0] == "reduce_scatter" else None, info.name))
-                blocks.setdefault(op, run)
+            if a is _arrays.NUMPY and op not in blocks:
+                reduced = op[1] if op[0] == "reduce_scatter" else None
+                run = _described(self._host, run, op[0], reduced, info)
+                self._hot_names.setdefault(run, (op[0], reduced, info.name))
+                blocks[op] = run
             return
         table = self._fast_broadcast if op == "broadcast" else self._fast.setdefault(op, {})
+        if x.dtype in table:
+            return
         name = ("broadcast", None) if op == "broadcast" else ("allreduce", op)
+        run = _described(self._host, run, *name, info)
         self._hot_names.setdefault(run, (*name, info.name))
         table.setdefault(x.dtype, run)
 
@@ -1006,6 +1031,11 @@ class Communicator:
 
     @staticmethod
     def _agree(transport, collective, view, info, **args):
+        named, structure = _call.naming_now()  # the op as the caller named it (_call), as the fingerprint has it
+        if named is not None and "op" in args:
+            args["op"] = named
+        if structure:
+            args["structure"] = structure
         header = (*args.items(), ("shape", tuple(view.shape)), ("dtype", info.name), ("device", "host"))
         _agree.agree(transport, collective, header)
 
@@ -1416,19 +1446,27 @@ def _now(steps, comm):
     calls the transfers made in between (a device transport staged through the host path)."""
     rec = None
     try:
+        comm._calling = None
         try:
             step = next(steps)
         finally:
             rec = comm._current
+        calling = comm._calling  # the call as the user made it (_call), described by the validation
         while True:
             if step.device:
                 got = getattr(step.transport, step.operation)(*step.args)
-            elif step.run is not None:
-                step.run(*step.args)
-                got = step.run
             else:
-                getattr(step.transport, step.operation)(*step.args)
-                got = None
+                transport = step.transport
+                transport.caller = calling  # for a transport that checks its calls beside them (deadline)
+                try:
+                    if step.run is not None:
+                        step.run(*step.args)
+                        got = step.run
+                    else:
+                        getattr(transport, step.operation)(*step.args)
+                        got = None
+                finally:
+                    transport.caller = None
             step = steps.send(got)
     except StopIteration as stop:
         return stop.value
@@ -1438,6 +1476,58 @@ def _now(steps, comm):
 
 def _nothing() -> None:
     return None
+
+
+_BARRIER = _call.describe("barrier", None, None, 0)
+_PLAIN = _call.naming_now()  # no front end's naming
+
+
+def _described(transport, run, collective: str, op: str | None, info):
+    """A hot-path call: ``run`` itself, or, on a transport that checks even its blocking calls beside them
+    (the deadline transport's fingerprint), ``run`` with the description of each call (``_call``: the
+    collective, op, dtype, root and the array's count) set around it, as the general path sets it."""
+    if not transport.checks_beside:
+        return run
+    if collective == "broadcast":
+        head = _call.head("broadcast", None, info)[:-1]  # the root is the call's
+
+        def described_broadcast(x, root):
+            transport.caller = head + (root, x.size)
+            try:
+                run(x, root)
+            finally:
+                transport.caller = None
+
+        return described_broadcast
+    head = _call.head(collective, op, info)
+    if collective in ("reduce_scatter", "alltoall"):
+
+        def described_blocks(x, out):
+            transport.caller = head + (x.size,)
+            try:
+                run(x, out)
+            finally:
+                transport.caller = None
+
+        return described_blocks
+
+    def described(x):
+        transport.caller = head + (x.size,)
+        try:
+            run(x)
+        finally:
+            transport.caller = None
+
+    return described
+
+
+def _started(transport, calling, operation: str, args: tuple):
+    """``transport.start(operation, *args)`` with ``calling`` (the caller's call, ``_call``) beside it."""
+    transport.caller = calling
+    try:
+        return transport.start(operation, *args)
+    finally:
+        transport.caller = None
 
 
 def _contiguous(view: np.ndarray) -> np.ndarray:

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import importlib
 import math
 import os
@@ -67,7 +68,7 @@ import torch.distributed as dist
 
 import collectives as _coll
 
-from . import _config, _launcher
+from . import _call, _config, _launcher
 from ._comm import engine_of
 from ._errors import CollectiveTimeoutError, MismatchError
 
@@ -91,6 +92,31 @@ def _op(reduce_op) -> tuple[str, object]:
         raise ValueError(f"the collectives backend has no reduction {kind.name} (it reduces with SUM, PRODUCT, "
                          f"MIN, MAX, AVG and PREMUL_SUM); for bitwise and/or on bool tensors use MIN/MAX")
     return name, None
+
+
+_OWN_NAMES = {_R.AVG: "avg", _R.PREMUL_SUM: "premul_sum"}  # torch's ops that run as one of ours, differently
+
+
+def _describing_op(at: int):
+    """A reduction method whose ``opts`` is its argument ``at``: the calls it makes are described with torch's
+    op where torch's op is not one of ours (``AVG``: a mean, or a truncated sum of integers; ``PREMUL_SUM``:
+    a sum of scaled tensors), so that AVG on one rank and SUM on another are a MismatchError (``_call``)."""
+
+    def wrap(method):
+        @functools.wraps(method)
+        def run(self, *args, **kwargs):
+            opts = kwargs["opts"] if "opts" in kwargs else args[at] if len(args) > at else None
+            reduce_op = _opts_op(opts)
+            kind = reduce_op if isinstance(reduce_op, _R) else getattr(reduce_op, "op", None)
+            named = _OWN_NAMES.get(kind)
+            if named is None:
+                return method(self, *args, **kwargs)
+            with _call.naming(named):
+                return method(self, *args, **kwargs)
+
+        return run
+
+    return wrap
 
 
 def _seconds(timeout) -> float | None:
@@ -348,6 +374,7 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         return Work(what, handles, finish, result, self._timeout_s)
 
     # ---- reductions ----
+    @_describing_op(1)
     def allreduce(self, tensors, opts=None):
         op, factor = _op(_opts_op(opts))
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
@@ -363,6 +390,7 @@ class ProcessGroupCollectives(dist.ProcessGroup):
             return self._work("allreduce", [self._comm.allreduce(t, op, async_op=True)], result=tensors)
         return self._coalesced("allreduce", tensors, op)
 
+    @_describing_op(1)
     def allreduce_coalesced(self, tensors, opts=None):
         op, factor = _op(_opts_op(opts))
         tensors = list(tensors)
@@ -395,6 +423,7 @@ class ProcessGroupCollectives(dist.ProcessGroup):
 
         return self._work(what, handles, finish, tensors)
 
+    @_describing_op(1)
     def reduce(self, tensors, opts=None):
         t = _one(tensors, "reduce")
         op, factor = _op(_opts_op(opts))
@@ -410,6 +439,7 @@ class ProcessGroupCollectives(dist.ProcessGroup):
     def _scaled(self, t, factor):
         return t if factor is None else t * factor
 
+    @_describing_op(2)
     def reduce_scatter_single(self, output, input, opts=None):
         op, factor = _op(_opts_op(opts))
         if input.numel() != output.numel() * self.size():
@@ -429,6 +459,7 @@ class ProcessGroupCollectives(dist.ProcessGroup):
 
     _reduce_scatter_base = reduce_scatter_single
 
+    @_describing_op(2)
     def reduce_scatter(self, outputs, inputs, opts=None):
         output = _one(outputs, "reduce_scatter")
         blocks = _one(inputs, "reduce_scatter")

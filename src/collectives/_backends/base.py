@@ -73,6 +73,10 @@ class HostTransport(abc.ABC):
         return False
     timeout: float | None = None  # seconds a wait may last (COLLECTIVES_TIMEOUT), where the transport has one
     failed: str | None = None  # why the transport cannot be used any more (see fail), or None
+    # The caller's call the engine is running right now (collectives._call.describe), set around each
+    # transfer it makes; a transport that checks calls beside them (MPI's fingerprint) compares it
+    caller: tuple | None = None
+    checks_beside = False  # whether even its blocking calls are checked beside them (the deadline transport)
     _float16 = True
 
     # ---- the failed state: once failed, failed for good ----

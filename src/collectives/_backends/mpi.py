@@ -22,7 +22,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from .. import _config, _trace
-from .._dtypes import divide
+from .. import _call
+from .._dtypes import divide, from_numpy
 from .._errors import BackendUnavailableError, CollectiveError, CollectiveTimeoutError, MismatchError
 from .._poll import poll
 from . import shm  # large allreduces through a node-shared window (made at first use), issue 7
@@ -36,10 +37,12 @@ _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
 # fingerprints the non-blocking paths reduce beside each call (see _fingerprint).
 LANES = ("allreduce", "reduce", "broadcast", "allgather", "gather", "reduce_scatter", "alltoall", "barrier", "objects",
          "fingerprint", "p2p", "p2p_data")  # p2p: the headers of send/recv; p2p_data: their data (see send)
-# The fields of a call's fingerprint: which collective, how many elements of which dtype, op, root.
-FIELDS = ("collective", "count", "dtype", "op", "root")
-_KINDS = ("allreduce", "reduce", "broadcast", "allgather", "reduce_scatter", "alltoall", "barrier", "gather")
-_OP_IDS = {"sum": 0, "prod": 1, "min": 2, "max": 3}
+# A call's fingerprint: the caller's call as the engine described it (_call.FIELDS: collective, op as named,
+# exact dtype, structure, root, count; all -1 where no engine call is behind it), then the MPI call itself
+# (WIRE_FIELDS: which MPI collective, how many elements of which wire dtype, wire op, root).
+WIRE_FIELDS = ("collective", "count", "dtype", "op", "root")
+FIELDS = _call.FIELDS + WIRE_FIELDS
+_NO_CALLER = (-1,) * len(_call.FIELDS)
 
 
 def import_mpi():
@@ -568,25 +571,27 @@ class MPITransport(HostTransport):
 
     def _fingerprint(self, operation, *args):
         """Start the fingerprint of a call: ``(request, buffer)``. The fields (:data:`FIELDS`: the
-        collective, the element count, dtype, op and root) travel with their negations in one
-        ``MPI_Iallreduce`` with ``MPI_MAX`` of 10 int64: every rank gets each field's largest and smallest
-        value, so every rank knows alike whether the ranks agree, without a second step. It runs on a lane
-        of its own, in the order of the calls: the fingerprints of ranks that called different collectives
-        meet each other, so a different collective is a MismatchError too, not a hang."""
+        caller's call as the engine described it in ``self.caller``, then the MPI call's collective, element
+        count, wire dtype, wire op and root) travel with their negations in one ``MPI_Iallreduce`` with
+        ``MPI_MAX`` of 22 int64: every rank gets each field's largest and smallest value, so every rank
+        knows alike whether the ranks agree, without a second step. It runs on a lane of its own, in the
+        order of the calls: the fingerprints of ranks that called different collectives meet each other,
+        so a different collective is a MismatchError too, not a hang."""
+        caller = self.caller
         if args:
             buf, extra = args[0], args[1:]
             if extra and extra[0].__class__ is np.ndarray:  # a receive buffer: the send buffer says it all
                 extra = extra[1:]
-            key = (operation, buf.size, buf.dtype) + extra
+            key = (operation, buf.size, buf.dtype, caller) + extra
         else:
-            key = (operation,)
+            key = (operation, caller)
         hit = self._fingerprints.get(key)
         if hit is None:
             v = np.zeros(2 * len(FIELDS), dtype=np.int64)
-            v[:len(FIELDS)] = _fields(operation, args)
+            v[:len(FIELDS)] = (caller or _NO_CALLER) + _wire_fields(operation, args)
             v[len(FIELDS):] = -v[:len(FIELDS)]
             hit = (v, v.tobytes())
-            if len(self._fingerprints) < 4096:  # a few per (collective, shape, dtype, op, root) in use
+            if len(self._fingerprints) < 4096:  # a few per (collective, count, dtype, op, root) in use
                 self._fingerprints[key] = hit
         v = hit[0].copy()
         return self._lanes["fingerprint"].Iallreduce(self._in_place, v, self._max_op), (v, hit[1])
@@ -599,7 +604,7 @@ class MPITransport(HostTransport):
         if v.tobytes() == mine:
             return
         n = len(FIELDS)
-        message = _fingerprint_message(what, v[:n], -v[n:], self.rank, self.size)
+        message = _fingerprint_message(what, np.frombuffer(mine, np.int64)[:n], v[:n], -v[n:], self.rank, self.size)
         self.fail(message)
         _trace.dump(f"MismatchError: {message}")  # every rank raises (and dumps) alike
         raise MismatchError(message)
@@ -1141,43 +1146,23 @@ class _Receive(Request):
         self._finish()
 
 
-def _fields(operation: str, args: tuple) -> list[int]:
-    """The fingerprint fields (:data:`FIELDS`) of one MPI call of ``operation`` with ``args``."""
-    kind = _KINDS.index(operation)
+def _wire_fields(operation: str, args: tuple) -> tuple[int, ...]:
+    """The fingerprint fields of one MPI call of ``operation`` with ``args`` (:data:`WIRE_FIELDS`)."""
+    kind = _call.COLLECTIVES.index(operation)
     if not args:
-        return [kind, 0, 0, -1, -1]
+        return (kind, 0, 0, -1, -1)
     buf = args[0]
-    dtype = buf.dtype
     op = root = -1
     rest = args[1:]
     if operation in ("allreduce", "reduce", "reduce_scatter"):
-        op_arg = rest[-1] if operation == "reduce_scatter" else rest[0]
-        op = _OP_IDS.get(op_arg, 9)
+        op = _call.OPS.index(rest[-1] if operation == "reduce_scatter" else rest[0])
     if operation == "reduce":
         root = rest[1]
     elif operation == "broadcast":
         root = rest[0]
     elif operation == "gather":
         root = rest[-1]
-    return [kind, buf.size, ord(dtype.kind) * 64 + dtype.itemsize, op, root]
-
-
-def _dtype_name(code: int) -> str:
-    kind, itemsize = chr(code // 64), code % 64
-    try:
-        return np.dtype(f"{kind}{itemsize}").name
-    except TypeError:
-        return f"{kind}{itemsize}"
-
-
-def _field_value(name: str, value: int) -> str:
-    if name == "collective":
-        return _KINDS[value] if 0 <= value < len(_KINDS) else str(value)
-    if name == "dtype":
-        return _dtype_name(value)
-    if name == "op":
-        return {v: k for k, v in _OP_IDS.items()}.get(value, "none")
-    return str(value)
+    return (kind, buf.size, _call.dtype_code(from_numpy(buf.dtype)), op, root)
 
 
 def _describe(operation: str, args: tuple):
@@ -1194,24 +1179,46 @@ def _describe(operation: str, args: tuple):
     return (operation, args[0] if args else None, detail)
 
 
-def _fingerprint_message(what, high, low, rank: int, size: int) -> str:
-    """The message of the MismatchError every rank raises for a fingerprint whose fields differ."""
-    name = what[0]
-    mine = what[1]
-    if high[0] != low[0]:
-        called = f"{_field_value('collective', int(low[0]))} and {_field_value('collective', int(high[0]))}"
-        head = f"ranks called different collectives at the same point: {called} (this rank, {rank} of {size}: {name})"
+def _fingerprint_message(what, mine, high, low, rank: int, size: int) -> str:
+    """The message of the MismatchError every rank raises for a fingerprint whose fields differ (``mine``:
+    this rank's fields; ``high``, ``low``: every field's largest and smallest value over the ranks). It
+    names the caller's call where the engine described it (the op as named, the caller's dtype), else the
+    MPI call's."""
+    name, buf = what[0], what[1]
+    n = len(_call.FIELDS)
+    described = mine[0] >= 0  # the engine described this rank's call
+    this = _mine(mine) if described else f"{name}{f' of {buf.size} x {buf.dtype}' if buf is not None else ''}"
+    collective = 0 if high[0] != low[0] else n if high[n] != low[n] else None
+    if collective is not None:
+        called = " and ".join(dict.fromkeys(_call.render("collective", int(v)) if v >= 0 else "a call of the library's own"
+                                            for v in (low[collective], high[collective])))
+        head = f"ranks called different collectives at the same point: {called} (this rank, {rank} of {size}: {this})"
     else:
-        parts = []
-        for i, field in enumerate(FIELDS[1:], start=1):
-            if high[i] != low[i]:
-                parts.append(f"{field} from {_field_value(field, int(low[i]))} to {_field_value(field, int(high[i]))}")
-        this = f" of {mine.size} x {mine.dtype}" if mine is not None else ""
-        head = (f"ranks disagree about {name}: " + "; ".join(parts) +
-                f" across the ranks (this rank, {rank} of {size}: {name}{this})")
+        fields = [(f, i) for i, f in enumerate(_call.FIELDS) if i] + [(f, n + i) for i, f in enumerate(WIRE_FIELDS) if i]
+        differ = [(f, i) for f, i in fields if high[i] != low[i]]
+        caller = [(f, i) for f, i in differ if i < n]
+        if caller:
+            differ = caller  # the wire differs as a consequence: name what the callers did
+        else:
+            differ = [(f"{f} on the wire", i) for f, i in differ]
+        parts = [f"{f}: {_call.render(f.split()[0], int(low[i]))} on some ranks, "
+                 f"{_call.render(f.split()[0], int(high[i]))} on others" for f, i in differ]
+        head = (f"ranks disagree about {_call.render('collective', int(mine[0])) if described else name}: "
+                + "; ".join(parts) + f" across the ranks (this rank, {rank} of {size}: {this})")
     return (f"{head}. Every rank must make the same calls in the same order, with the same arguments. Detected "
             f"beside the call, after it was started: the communicator cannot be used further (run with "
             f"COLLECTIVES_CHECK=1 to have such calls refused before anything moves, the communicator usable)")
+
+
+def _mine(fields) -> str:
+    """This rank's call as the engine described it: ``allreduce op=mean of 4 x float32``."""
+    collective, op, dtype, _, root, count = (int(v) for v in fields[:len(_call.FIELDS)])
+    text = _call.render("collective", collective)
+    if op >= 0:
+        text += f" op={_call.render('op', op)}"
+    if root >= 0:
+        text += f" root={root}"
+    return text + (f" of {count} x {_call.render('dtype', dtype)}" if dtype else "")
 
 
 class DeadlineMPITransport(MPITransport):
@@ -1234,6 +1241,8 @@ class DeadlineMPITransport(MPITransport):
 
     Made by ``MPITransport(comm)`` when ``COLLECTIVES_TIMEOUT`` is set; not constructed directly.
     """
+
+    checks_beside = True  # every call is non-blocking with its fingerprint (the hot path's too)
 
     @property
     def can_broadcast_many(self) -> bool:
