@@ -623,28 +623,26 @@ class Communicator:
         return Handle(what, self._requests(steps, first, calling), self._outstanding, self._host.fail, rec)
 
     def _sweep(self) -> None:
-        """Before an asynchronous call: move on the outstanding handles whose transfers have completed,
-        oldest first, stopping at the first still in flight (one ``MPI_Test``), so that a handle dropped
-        without ``wait()`` is released with its buffers once done, not only at ``close()``; and complete
-        the oldest while more than :data:`MAX_OUTSTANDING` are in flight (MPI moves a non-blocking
-        collective only inside MPI calls: without a bound, dropped handles would pile up, each with its
-        buffers). Every rank issues the same calls in the same order, so every rank completes the same
-        oldest call here; a wait is bounded as ``wait()`` is. An error stays with its handle."""
+        """Before a call (asynchronous, or blocking on the general path, a barrier, an object collective):
+        move on the outstanding handles whose transfers have completed, oldest first, stopping at the first
+        collective still in flight (one ``MPI_Test`` each; a message still in flight is passed over: it may
+        wait for its peer's later call), so that a handle dropped without ``wait()`` is released with its
+        buffers once done, not only at ``close()``; and complete the oldest collective while more than
+        :data:`MAX_OUTSTANDING` are in flight (MPI moves a non-blocking collective only inside MPI calls:
+        without a bound, dropped handles would pile up, each with its buffers). Every rank issues the same
+        collectives in the same order, so every rank completes the same oldest call here; a wait is
+        bounded as ``wait()`` is. An error stays with its handle."""
         outstanding = self._outstanding
-        while outstanding:
-            h = next(iter(outstanding.values()))
-            if len(outstanding) > MAX_OUTSTANDING and not h._progress():
-                if h.what in _P2P:  # a message may wait for its peer's later call: never waited here; the
-                    # oldest collective instead (every rank issued the collectives in the same order)
-                    h = next((o for o in outstanding.values() if o.what not in _P2P), None)
-                    if h is None:
-                        break
+        for h in list(outstanding.values()):
+            if not h._progress():
+                if h.what in _P2P:
+                    continue
+                if len(outstanding) <= MAX_OUTSTANDING:
+                    break
                 try:
                     h.wait()
                 except Exception:  # noqa: BLE001 - the handle keeps it: its own wait() raises it
                     pass
-            elif not h._progress():
-                break
             outstanding.pop(id(h), None)  # (finishing removed it already; a handle that failed too)
 
     def _async_tree(self, tree, op, bucket_bytes) -> Handle:
@@ -928,7 +926,10 @@ class Communicator:
                 ring[i] = run, shape, f"{type(exc).__name__}: {exc}"
 
     def _blocking(self, steps):
-        """Run a collective's steps to completion (:func:`_now`); its record says how that ended."""
+        """Run a collective's steps to completion (:func:`_now`); its record says how that ended. Dropped
+        handles that have completed are released first (:meth:`_sweep`)."""
+        if self._outstanding:
+            self._sweep()
         self._current = None
         try:
             result = _now(steps, self)
@@ -947,6 +948,8 @@ class Communicator:
     def barrier(self) -> None:
         """Block until every rank has called it. See :func:`collectives.barrier`."""
         transport = self._transport_for(_arrays.HOST)
+        if self._outstanding:
+            self._sweep()
         if self.check:
             _agree.agree(transport, "barrier")
         transport.caller = _BARRIER

@@ -15,7 +15,11 @@ shape, site and times are not kept (the dump's stacks show where a rank is stuck
 made when needed): the rings of every live communicator of the process, its identity (host, pid, rank,
 size, the job) and the Python stacks of all its threads. Dumps are written on a
 :class:`~collectives.CollectiveTimeoutError`, a :class:`~collectives.MismatchError`, the failure path (an
-uncaught exception that ends the job), ``SIGUSR1`` and :func:`collectives.dump_trace`. A dump for a
+uncaught exception that ends the job), ``SIGUSR1`` and :func:`collectives.dump_trace`. ``SIGUSR1`` is
+dumped by the watcher thread (below), woken at once through Python's signal wakeup pipe: the handler only
+notes the signal, so a signal that arrives during a dump never re-enters it, and a rank stuck inside a
+blocking MPI call (where no Python handler runs) dumps too. Every file is written whole (a file of its
+own, renamed over the dump). A dump for a
 failure also writes a request file beside the dumps; every rank's watcher thread (a daemon thread that
 wakes twice a second and never calls MPI) sees it and dumps too, whatever its main thread is doing (in
 its own code, or stuck inside MPI). The same thread is the stall inspector: when a thread of the process
@@ -29,9 +33,13 @@ diverged.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import itertools
 import json
 import os
 import platform
+import select
 import signal
 import sys
 import threading
@@ -51,7 +59,12 @@ _job: dict = {"id": None, "rank": 0, "size": 1, "dir": None}
 _reasons: list = []  # why this process dumped, in order
 _ending: list = []  # the exception that is ending the job (every later dump shows it too)
 _watcher: list = []  # the watcher thread, once started
-_lock = threading.Lock()  # one dump at a time (the main thread, a signal, the watcher)
+_lock = threading.RLock()  # one dump at a time per thread; re-entrant: a dump may be re-entered on its thread
+# (a user's signal handler calling dump_trace() during one); each write goes to a file of its own first
+_signalled: list = []  # SIGUSR1s noted, not yet dumped: the handler only appends here (no lock, no I/O)
+_serving = threading.Lock()  # held while signals are dumped (the watcher's, or at exit; never the handler's)
+_wakeup: list = []  # [read end] of the signal wakeup pipe, where this module owns it (see start)
+_tmp = itertools.count()  # numbers the temporary files of writes
 
 # Frames of these modules are not "the user's call site": the library itself and the frameworks that
 # call it on the user's behalf (torch.distributed, DDP's hooks, Lightning, accelerate).
@@ -160,16 +173,61 @@ def start(job: str, rank: int, size: int) -> None:
         try:
             if signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None):
                 signal.signal(signal.SIGUSR1, _on_signal)
+                _own_wakeup()
         except (ValueError, OSError):  # not the main interpreter, or no signals here
             pass
     if not _watcher:
+        atexit.register(_serve_signals)  # a signal noted just before the end is dumped before it
         thread = threading.Thread(target=_watch, name="collectives-trace-watcher", daemon=True)
         _watcher.append(thread)
         thread.start()
 
 
 def _on_signal(signum, frame) -> None:
-    dump("SIGUSR1")
+    """SIGUSR1's Python handler: note it, nothing else (it runs on the main thread between two bytecodes,
+    maybe inside a dump holding its lock). The watcher thread dumps (:func:`_serve_signals`)."""
+    _signalled.append(signum)
+
+
+def _own_wakeup() -> None:
+    """Take Python's signal wakeup fd, unless something else (asyncio's loop) has it: CPython's C-level
+    handler then writes each signal's number into it at once, so the watcher thread wakes and dumps even
+    while the main thread is stuck inside a blocking MPI call, where no Python handler can run."""
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    os.set_blocking(w, False)
+    old = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    if old != -1:  # someone else's: give it back, and rely on the handler's note (polled by the watcher)
+        signal.set_wakeup_fd(old)
+        os.close(r)
+        os.close(w)
+        return
+    _wakeup.append(r)
+
+
+def _await_signal(seconds: float) -> None:
+    """Sleep ``seconds``, or less: until a SIGUSR1 reaches the wakeup pipe (then noted) or the handler."""
+    if _wakeup:
+        try:
+            ready, _, _ = select.select(_wakeup, [], [], seconds)
+            if ready:
+                data = os.read(_wakeup[0], 4096)
+                if signal.SIGUSR1 in data:
+                    _signalled.append(signal.SIGUSR1)
+            return
+        except (OSError, ValueError):  # (a closed pipe at the end of the process)
+            pass
+    end = time.monotonic() + seconds
+    while not _signalled and time.monotonic() < end:
+        time.sleep(0.02)
+
+
+def _serve_signals() -> None:
+    """Dump once for the signals noted so far (the watcher thread's loop; at exit)."""
+    with _serving:
+        if _signalled:
+            del _signalled[:]
+            dump("SIGUSR1")
 
 
 def _path(kind: str, rank: int | None = None) -> str:
@@ -183,11 +241,18 @@ def dump_path(rank: int | None = None) -> str:
 
 
 def _write(path: str, data) -> None:
+    """Write ``data`` as JSON to ``path`` whole: into a file of this write's own, renamed over ``path``
+    (a reader, or a write interrupted and re-entered, never sees a torn file)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1, default=repr)
-    os.replace(tmp, path)
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.{next(_tmp)}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=1, default=repr)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def _threads() -> list[dict]:
@@ -352,8 +417,10 @@ def _watch() -> None:
     seen_query = _mtime(_path("query") + ".json")
     since, last_total, warned = time.monotonic(), None, False
     while True:
-        time.sleep(POLL_S)
+        _await_signal(POLL_S)
         try:
+            if _signalled:
+                _serve_signals()
             request = _path("request") + ".json"
             t = _mtime(request)
             if t > seen_request:

@@ -333,3 +333,31 @@ def test_handles_dropped_without_wait_are_released(comm):
         assert alive <= 8 if c.size == 1 else alive <= 66, f"{alive} of 200 dropped buffers still held"
     finally:
         c.close()
+
+
+def test_dropped_handles_are_released_by_later_blocking_calls(comm):
+    """Issue 32: 50 dropped 256 KiB allreduces are all released by later blocking calls (the general path
+    and barrier move the completed ones on), not kept until 64 more calls are in flight or close()."""
+    import gc
+    import weakref
+
+    from support.comms import communicator, gather_objects
+
+    with communicator() as c:
+        refs = []
+        for _ in range(50):
+            x = np.ones(1 << 15)  # 256 KiB
+            refs.append(weakref.ref(x))
+            c.allreduce(x, async_op=True)  # dropped
+            del x
+        alive = None
+        for i in range(400):  # until MPI has completed them all (every rank calls alike)
+            if i % 2:
+                c.barrier()
+            else:
+                c.allgather(np.ones(2))
+            gc.collect()
+            alive = sum(r() is not None for r in refs)
+            if not any(gather_objects(alive)):  # every rank leaves the loop together
+                break
+        assert alive == 0, f"{alive} of 50 dropped buffers still held after 400 blocking calls"

@@ -151,3 +151,111 @@ def test_a_hot_path_record_agrees_with_a_general_one_of_the_same_call(comm):
         assert "completed is #2" in first, first
     finally:
         c.close()
+
+
+def _sigusr1_is_ours() -> bool:
+    import signal
+
+    from collectives import _trace  # whether the recorder installed its handler (pytest's run may not allow it)
+
+    return hasattr(signal, "SIGUSR1") and signal.getsignal(signal.SIGUSR1) is _trace._on_signal
+
+
+def _read_dump(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)  # a torn file would not parse
+
+
+def test_sigusr1_in_a_loop_during_dumps_of_every_kind_never_deadlocks(comm):
+    """Issue 32: a signal arriving while the main thread is inside a dump (the user's dump_trace(), a
+    MismatchError's, a fingerprint's, one asked for by another rank) never re-enters it, and no dump file
+    is ever torn. A hang here is the pytest timeout."""
+    import signal
+    import threading
+    import time
+
+    if not _sigusr1_is_ours():
+        pytest.skip("SIGUSR1 is not the flight recorder's in this process")
+    stop = threading.Event()
+
+    def shoot():
+        while not stop.is_set():
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(0.0005)
+
+    shooter = threading.Thread(target=shoot, daemon=True)
+    shooter.start()
+    try:
+        c = fresh(comm)
+        c.check = True
+        end = time.monotonic() + 1.0
+        rounds = 0
+        while True:
+            rounds += 1
+            _read_dump(coll.dump_trace())
+            with pytest.raises(coll.MismatchError):  # checked mode: dumps, the communicator stays usable
+                c.allreduce(np.ones(2 + (c.rank == c.size - 1 and c.size > 1)))
+            if rounds % 10 == 0:
+                _read_dump(coll.dump_trace(all_ranks=True))
+            # every rank leaves the loop together (the clock of rank 0 decides)
+            if c.broadcast(np.array([time.monotonic() > end]), root=0)[0]:
+                break
+        size = c.size
+        c.close()
+        for _ in range(3 if size > 1 else 0):  # the fingerprint's dump, beside an asynchronous call
+            f = fresh(comm)
+            with pytest.raises(coll.MismatchError):
+                f.allreduce(np.ones(2), "sum" if f.rank else "mean", async_op=True).wait()
+            f.close()
+    finally:
+        stop.set()
+        shooter.join()
+    path = coll.dump_trace()
+    os.kill(os.getpid(), signal.SIGUSR1)  # after the storm, a signal is still served (by the watcher)
+    deadline = time.monotonic() + 10
+    while _read_dump(path)["reason"] != "SIGUSR1" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    from collectives import _trace  # (why, if not: the recorder's own state)
+    state = (_trace._wakeup, list(_trace._signalled), [t.is_alive() for t in _trace._watcher], _trace._serving.locked(),
+             _read_dump(path)["reasons"][-3:])
+    assert _read_dump(path)["reason"] == "SIGUSR1", state
+    assert rounds > 1
+
+
+def test_sigusr1_dumps_a_rank_blocked_inside_mpi(comm):
+    """The watcher thread dumps on SIGUSR1 while the main thread is inside a blocking MPI receive, where
+    no Python signal handler can run."""
+    import signal
+    import time
+
+    from support.comms import gather_objects
+
+    if comm.size < 2:
+        pytest.skip("needs a second rank to signal the blocked one and then unblock it")
+    ours = all(gather_objects(_sigusr1_is_ours()))
+    if not ours:
+        pytest.skip("SIGUSR1 is not the flight recorder's in this process")
+    c = fresh(comm)
+    pids = gather_objects((os.getpid(), coll.dump_trace()))
+    x = np.zeros(4)
+    if c.rank == 0:
+        c.recv(x, src=1, tag=9)  # MPI_Recv: blocked in C until rank 1 sends
+        assert x.tolist() == [1.0] * 4
+    elif c.rank == 1:
+        pid, path = pids[0]
+        before = _read_dump(path)["time"]
+        os.kill(pid, signal.SIGUSR1)
+        deadline = time.monotonic() + 20
+        dumped = None
+        while time.monotonic() < deadline:
+            d = _read_dump(path)
+            if d["time"] > before and d["reason"] == "SIGUSR1":
+                dumped = d
+                break
+            time.sleep(0.05)
+        c.send(np.ones(4), dst=0, tag=9)
+        assert dumped is not None, "rank 0 did not dump on SIGUSR1 while inside MPI_Recv"
+        main = [t for t in dumped["threads"] if t["name"] == "MainThread"]
+        assert main and any("recv" in frame[2] for frame in main[0]["stack"]), main
+    c.barrier()
+    c.close()

@@ -262,6 +262,7 @@ class MPITransport(HostTransport):
         tag_ub = self.comm.Get_attr(MPI.TAG_UB)
         self.max_tag = int(tag_ub) if tag_ub else 32767  # MPI guarantees at least 32767
         self._p2p_seq: dict = {}  # destination rank -> the tag of the next message's data (see send)
+        self._receives: list = []  # started receives whose header has not arrived yet (see _progress)
         self._to_itself: dict = {}  # tag -> messages this rank sent itself not yet received (_from_itself)
 
     def reduces(self, dtype: np.dtype, op: str) -> bool:
@@ -270,6 +271,7 @@ class MPITransport(HostTransport):
         return super().reduces(dtype, op) and (dtype, op) not in self._faulty
 
     _faulty: frozenset = frozenset()
+    _receives: list | tuple = ()  # (a list of its own from __init__)
 
     def reduces_on_the_callers_cpus(self) -> bool:
         """Every rank on one node: an allreduce of any size is computed by the ranks themselves, in the
@@ -510,10 +512,11 @@ class MPITransport(HostTransport):
     def _wait_within(self, what, req, seconds: float | None, setting: str) -> None:
         """Wait for ``req`` until it completes or ``seconds`` from now have passed (then fail the transport
         and raise :class:`CollectiveTimeoutError`), polling as :func:`collectives._poll.poll` does."""
-        if req.Test():  # already complete (a small call often is): no clock read
+        test = self._progressing(req) if self._receives else req.Test
+        if test():  # already complete (a small call often is): no clock read
             return
         t0 = time.monotonic()
-        if not poll(req.Test, seconds, spin_s=self.SPIN_S, max_pause_s=self.MAX_PAUSE_S):
+        if not poll(test, seconds, spin_s=self.SPIN_S, max_pause_s=self.MAX_PAUSE_S):
             self.abandon(req)  # pending for good: it and its buffers live to the end of the process
             self._expire(what, time.monotonic() - t0, seconds, setting)
 
@@ -643,8 +646,29 @@ class MPITransport(HostTransport):
         return self._lanes["barrier"].Ibarrier()
 
     def _wait(self, what, req) -> None:
-        """Wait for ``req`` (no deadline on this transport)."""
-        req.Wait()
+        """Wait for ``req`` (no deadline on this transport); while receives are pending, polling, each
+        poll moving them on (:meth:`_progress`)."""
+        pending = self._receives
+        if pending and (len(pending) > 1 or req.__class__ is not _Head or pending[0] is not req.receive):
+            poll(self._progressing(req), None, spin_s=self.SPIN_S, max_pause_s=self.MAX_PAUSE_S)
+        else:
+            req.Wait()
+
+    def _progress(self) -> None:
+        """Move on every started receive of this transport whose header has arrived: post its data's
+        receives. A receive posts them only once it knows the message (its sender, its data's tag, whether
+        it fits), so without this a rank waiting for its send would never post the receive its peer's send
+        waits for, where MPI (whose receives are posted at the call) completes: every wait and test of
+        the transport calls it while receives are pending, as MPI's progress moves every request."""
+        for r in tuple(self._receives):
+            r.head_arrived()
+
+    def _progressing(self, req):
+        """``req.Test``, moving the pending receives on before each test."""
+        def test() -> bool:
+            self._progress()
+            return req.Test()
+        return test
 
     def abandon(self, req) -> None:
         """Keep a request that a failure left pending (and with it its buffers) to the end of the process."""
@@ -674,7 +698,10 @@ class MPITransport(HostTransport):
         return [raw[lo:lo + piece] for lo in range(0, raw.size, piece)]
 
     def send(self, buf, name, dst, tag):
-        """MPI_Send of the header, then of the data (in pieces past ``COLLECTIVES_MAX_COUNT`` bytes)."""
+        """MPI_Send of the header, then of the data (in pieces past ``COLLECTIVES_MAX_COUNT`` bytes); while
+        receives of this rank are pending, the non-blocking form, waited moving them on (:meth:`_progress`)."""
+        if self._receives:
+            return self._start_send(buf, name, dst, tag).wait()
         header = self._header(buf, name, dst, tag)
         self._lanes["p2p"].Send([header, self.MPI.INT64_T], dst, tag)
         data, byte, seq = self._lanes["p2p_data"], self.MPI.BYTE, int(header[2])
@@ -682,10 +709,13 @@ class MPITransport(HostTransport):
             data.Send([piece, byte], dst, seq)
 
     def recv(self, buf, name, src, tag, box):
-        """MPI_Recv of a header (from ``src`` or any rank), checked, then of its data."""
+        """MPI_Recv of a header (from ``src`` or any rank), checked, then of its data; while other receives
+        are pending, the non-blocking form, waited moving them on (:meth:`_progress`)."""
         MPI = self.MPI
         header, status = np.empty(HEADER_WORDS, dtype=np.int64), MPI.Status()
         self._from_itself(src, tag)
+        if self._receives:
+            return _Receive(self, buf, name, src, tag, box).wait()
         self._lanes["p2p"].Recv([header, MPI.INT64_T], MPI.ANY_SOURCE if src is None else src, tag, status)
         source = status.Get_source()
         target, error = _receiving(self, buf, name, header, source, tag)
@@ -1024,6 +1054,8 @@ class _MPIRequest(Request):
 
     def test(self) -> bool:
         if not self._done:
+            if self._transport._receives:
+                self._transport._progress()
             if self._check is not None:
                 if not self._check[0].Test():
                     return False
@@ -1080,6 +1112,8 @@ class _Sending(Request):
 
     def test(self) -> bool:
         if not self._done:
+            if self._transport._receives:
+                self._transport._progress()
             self._done = self._transport.MPI.Request.Testall(self._reqs)
         return self._done
 
@@ -1106,9 +1140,19 @@ class _Receive(Request):
         self._data: list | None = None
         self._error: Exception | None = None
         self._done = False
+        transport._receives.append(self)  # moved on by every wait and test of the transport (_progress)
+
+    def head_arrived(self) -> bool:
+        """Whether the header has arrived, its data's receives then posted (once)."""
+        if self._data is None:
+            if not self._head.Test():
+                return False
+            self._arrived()
+        return True
 
     def _arrived(self) -> None:
         t = self._transport
+        t._receives.remove(self)
         source = self._status.Get_source()
         target, self._error = _receiving(t, self._buf, self._name, self._header, source, self._tag)
         seq, piece = int(self._header[2]), int(self._header[3])
@@ -1125,11 +1169,10 @@ class _Receive(Request):
     def test(self) -> bool:
         if self._done:
             return True
-        if self._data is None:
-            if not self._head.Test():
-                return False
-            self._arrived()
-        if not self._transport.MPI.Request.Testall(self._data):
+        t = self._transport
+        if t._receives:
+            t._progress()  # this receive's header too
+        if self._data is None or not t.MPI.Request.Testall(self._data):
             return False
         self._finish()
         return True
@@ -1139,11 +1182,29 @@ class _Receive(Request):
             return
         t = self._transport
         if self._data is None:
-            t._wait(self._what, self._head)
-            self._arrived()
+            t._wait(self._what, _Head(self))
         for req in self._data or ():
             t._wait(self._what, req)
         self._finish()
+
+
+class _Head:
+    """The header of a started receive as a request the transport's waits take: complete once it has
+    arrived and the data's receives are posted (:meth:`_Receive.head_arrived`)."""
+
+    __slots__ = ("receive",)
+
+    def __init__(self, receive):
+        self.receive = receive
+
+    def Test(self) -> bool:
+        return self.receive.head_arrived()
+
+    def Wait(self) -> None:  # (only when no other receive is pending: MPITransport._wait)
+        r = self.receive
+        if r._data is None:
+            r._head.Wait()
+            r._arrived()
 
 
 def _wire_fields(operation: str, args: tuple) -> tuple[int, ...]:
