@@ -46,6 +46,7 @@ _OP_CODES = {name: i for i, name in enumerate(OPS)}
 _MASK = (1 << 62) - 1  # codes stay below 2**62: the fingerprint carries each field and its negation
 
 _codes: dict[DType, int] = {}  # DType -> its code (computed once per dtype in use)
+_heads: dict = {}  # (collective, op, id(info), root, naming) -> (info, head): see head
 _names: dict[int, str] = {}  # code -> the dtype's name, for messages (the codes this process has met)
 _naming: ContextVar[tuple[str | None, int]] = ContextVar("collectives_call_naming", default=(None, 0))
 
@@ -96,16 +97,27 @@ def naming_now() -> tuple[str | None, int]:
 def head(collective: str, op: str | None, info: DType | None, root: int = -1) -> tuple[int, ...]:
     """The fields of a call but its count: ``(collective, op, dtype, structure, root)`` (see
     :func:`describe`; the hot path appends the count of each call)."""
-    named, structure = _naming.get()
-    if named is not None and op is not None:
-        op = named
-    return (COLLECTIVES.index(collective), -1 if op is None else _OP_CODES[op],
-            0 if info is None else dtype_code(info), structure, root)
+    naming = _naming.get()
+    key = (collective, op, id(info), root, naming)
+    hit = _heads.get(key)
+    if hit is not None and hit[0] is info:
+        return hit[1]
+    named, structure = naming
+    fields = (COLLECTIVES.index(collective), -1 if op is None else _OP_CODES[named if named is not None else op],
+              0 if info is None else dtype_code(info), structure, root)
+    if len(_heads) >= 4096:  # a few per (collective, op, dtype, root) in use
+        _heads.clear()
+    _heads[key] = (info, fields)  # (info kept: its id is not reused while the entry lives)
+    return fields
 
 
 def describe(collective: str, op: str | None, info: DType | None, count: int, root: int = -1) -> tuple[int, ...]:
     """The description of a call (:data:`FIELDS`), as plain ints: ``op`` None for a collective without
     one, ``info`` None for one without an array (barrier)."""
+    naming = _naming.get()  # (head's look-up, inlined: once per general-path call)
+    hit = _heads.get((collective, op, id(info), root, naming))
+    if hit is not None and hit[0] is info:
+        return hit[1] + (count,)
     return head(collective, op, info, root) + (count,)
 
 

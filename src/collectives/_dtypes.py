@@ -8,7 +8,7 @@ its host buffer (``uint16`` for ``bfloat16`` where NumPy has no such type) and i
 from __future__ import annotations
 
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -20,6 +20,16 @@ class DType:
     name: str
     storage: np.dtype
     kind: str
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.name, self.storage, self.kind)))
+
+    def __hash__(self) -> int:  # computed once: a DType keys the engine's caches and the call descriptions
+        return self._hash
+
+    def __reduce__(self):  # made anew where unpickled (a str's hash differs between processes)
+        return (DType, (self.name, self.storage, self.kind))
 
     @property
     def itemsize(self) -> int:

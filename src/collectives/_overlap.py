@@ -69,7 +69,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from . import _agree
+from . import _agree, _call
 from ._comm import engine_of
 from ._buckets import solo_bytes
 from ._errors import MismatchError
@@ -156,7 +156,7 @@ class _Slot:
 
 class _Bucket:
     __slots__ = ("block", "blocking", "flat", "group", "handle", "key", "last", "lo", "narrow", "numel", "padded",
-                 "pending", "shard_k", "shard_off", "slots", "solo")
+                 "pending", "shard_k", "shard_off", "slots", "solo", "structure")
 
     def __init__(self, key, group):
         self.key = key
@@ -175,6 +175,7 @@ class _Bucket:
         self.solo = False
         self.narrow = None  # compression: the dtype its gradients travel in
         self.blocking = False  # reduced by the blocking allreduce when it leaves (see Buckets._reduce)
+        self.structure = 0  # the agreed layout and this bucket's place in it (_call.structure_code)
 
 
 def _remove_hooks(handles: list) -> None:
@@ -288,6 +289,9 @@ class Buckets:
         header = (("op", op), ("bucket_bytes", int(bucket_bytes)), ("shard_state", bool(shard)),
                   ("compression", str(narrow)))
         _agree.agree(engine_of(comm).host, "DistributedOptimizer", header, layout, checked=False)
+        digest = _agree.fingerprint("DistributedOptimizer", header, layout).hex()
+        for i, b in enumerate(buckets):  # what the fingerprint beside each bucket's transfer names (_call)
+            b.structure = _call.structure_code(digest, i)
         self.shapes = [(s.param, s.param.dtype, s.param.device, s.param.shape) for s in self.slots]
 
     def _stale(self) -> bool:
@@ -489,6 +493,19 @@ class Buckets:
 
     def _reduce(self, b: _Bucket, buf) -> None:
         """Start the reduction of bucket ``b`` held in ``buf`` (its flat buffer, or a solo .grad)."""
+        if b.blocking:
+            # The blocking call, which may take the node-shared-memory allreduce, where nothing could
+            # overlap with a non-blocking one: the last bucket (backward is done, or step() waits at once),
+            # and a host bucket the ranks' own CPUs would reduce anyway (every rank on one node: no network
+            # or other core runs it while they compute, and the non-blocking form would only finish later,
+            # after a costlier start). The same bits (tests/mpi/test_training.py). (Its hot path once warm.)
+            b.handle = Handle.completed("allreduce", self.comm.allreduce(buf, self.op))
+            return
+        with _call.naming(structure=b.structure):  # described as this bucket of this layout (_call)
+            self._start(b, buf)
+
+    def _start(self, b: _Bucket, buf) -> None:
+        """Start the non-blocking reduction of bucket ``b`` held in ``buf``."""
         if b.narrow is not None:
             # Compression: every rank sends block j of its gradients, in the narrow dtype, to rank j
             # (alltoall); rank j adds the blocks in float32 and divides (finish(): _compressed), rounds the
@@ -497,13 +514,6 @@ class Buckets:
             b.handle = self.comm.alltoall(buf.to(b.narrow), async_op=True)
         elif self.shards is not None:
             b.handle = self.comm.reduce_scatter(buf, self.op, async_op=True)
-        elif b.blocking:
-            # The blocking call, which may take the node-shared-memory allreduce, where nothing could
-            # overlap with a non-blocking one: the last bucket (backward is done, or step() waits at once),
-            # and a host bucket the ranks' own CPUs would reduce anyway (every rank on one node: no network
-            # or other core runs it while they compute, and the non-blocking form would only finish later,
-            # after a costlier start). The same bits (tests/mpi/test_training.py).
-            b.handle = Handle.completed("allreduce", self.comm.allreduce(buf, self.op))
         else:
             b.handle = self.comm.allreduce(buf, self.op, async_op=True)
 
