@@ -896,8 +896,8 @@ class Communicator:
             transport = self._transport_for(device)
         elif not transport.array_level:
             # the call as the user made it (_call): what the fingerprint beside each transfer compares
-            self._calling = _call.describe(collective, args.get("op"), info, view.size,
-                                           -1 if root is _UNSET else root)
+            self._calling = _call.describe(collective, op if isinstance(op, str) else None, info,
+                                           0 if view is None else view.size, root if isinstance(root, int) else -1)
             if self.check:
                 self._agree(transport, collective, view, info, **args)
         rec = self._current
@@ -1013,9 +1013,9 @@ class Communicator:
         table = self._fast_broadcast if op == "broadcast" else self._fast.setdefault(op, {})
         if x.dtype in table:
             return
-        name = ("broadcast", None) if op == "broadcast" else ("allreduce", op)
-        run = _described(self._host, run, *name, info)
-        self._hot_names.setdefault(run, (*name, info.name))
+        collective, reduced = ("broadcast", None) if op == "broadcast" else ("allreduce", op)
+        run = _described(self._host, run, collective, reduced, info)
+        self._hot_names.setdefault(run, (collective, reduced, info.name))
         table.setdefault(x.dtype, run)
 
     def _local_transport(self, device):
