@@ -194,5 +194,18 @@ def main(argv=None) -> int:
     return 2
 
 
+def _run() -> int:
+    """``main()``, ending quietly when stdout's reader has gone (``python -m collectives info | head``)."""
+    try:
+        code = main()
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 1
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_run())

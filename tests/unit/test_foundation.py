@@ -294,3 +294,16 @@ def test_train_jax_example_under_mpiexec():
     losses = [float(v) for v in re.findall(r"^step +\d+ +loss ([\d.]+)$", proc.stdout, re.M)]
     assert len(losses) == 2 and losses[-1] < losses[0], proc.stdout
     assert "on 2 process(es)" in proc.stdout and "parameters identical on every rank" in proc.stdout, proc.stdout
+
+
+def test_info_into_a_closed_pipe_ends_without_a_traceback():
+    """``python -m collectives info | head`` (issue 38): the reader gone, no BrokenPipeError traceback."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "collectives", "info"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader leaves before anything is written
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=120)
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
