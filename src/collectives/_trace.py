@@ -63,6 +63,8 @@ _lock = threading.RLock()  # one dump at a time per thread; re-entrant: a dump m
 # (a user's signal handler calling dump_trace() during one); each write goes to a file of its own first
 _signalled: list = []  # SIGUSR1s noted, not yet dumped: the handler only appends here (no lock, no I/O)
 _serving = threading.Lock()  # held while signals are dumped (the watcher's, or at exit; never the handler's)
+_dumping = [0]  # dumps under way (any thread)
+_served_at = [0.0]  # when the handler last dumped for a signal (the watcher then leaves it be)
 _wakeup: list = []  # [read end] of the signal wakeup pipe, where this module owns it (see start)
 _tmp = itertools.count()  # numbers the temporary files of writes
 
@@ -184,9 +186,18 @@ def start(job: str, rank: int, size: int) -> None:
 
 
 def _on_signal(signum, frame) -> None:
-    """SIGUSR1's Python handler: note it, nothing else (it runs on the main thread between two bytecodes,
-    maybe inside a dump holding its lock). The watcher thread dumps (:func:`_serve_signals`)."""
+    """SIGUSR1's Python handler (on the main thread, between two bytecodes): dump here, at this point of
+    the main thread, unless a dump is under way (maybe the very one this handler interrupted): then only
+    note it, and the watcher thread dumps once that one is done (:func:`_serve_signals`)."""
     _signalled.append(signum)
+    if _dumping[0] == 0 and _serving.acquire(blocking=False):
+        try:
+            if _signalled:
+                del _signalled[:]
+                dump("SIGUSR1")
+                _served_at[0] = time.monotonic()
+        finally:
+            _serving.release()
 
 
 def _own_wakeup() -> None:
@@ -212,8 +223,12 @@ def _await_signal(seconds: float) -> None:
             ready, _, _ = select.select(_wakeup, [], [], seconds)
             if ready:
                 data = os.read(_wakeup[0], 4096)
-                if signal.SIGUSR1 in data:
-                    _signalled.append(signal.SIGUSR1)
+                if signal.SIGUSR1 in data:  # the handler dumps at once where the main thread runs Python;
+                    t = time.monotonic()    # stuck inside MPI it never runs: then this thread dumps
+                    while time.monotonic() < t + 0.3 and _served_at[0] < t - 0.25 and not _signalled:
+                        time.sleep(0.01)
+                    if _served_at[0] < t - 0.25:
+                        _signalled.append(signal.SIGUSR1)
             return
         except (OSError, ValueError):  # (a closed pipe at the end of the process)
             pass
@@ -306,13 +321,18 @@ def dump(reason: str, *, tell_others: bool = False, exc: BaseException | None = 
         return None
     try:
         with _lock:
-            _reasons.append(reason)
-            if exc is not None and not _ending:
-                _ending.append(exc)
-            path = dump_path()
-            _write(path, snapshot(reason, exc if exc is not None else (_ending[0] if _ending else None)))
-            if tell_others and _job["size"] > 1:
-                _write(_path("request") + ".json", {"rank": _job["rank"], "reason": reason, "time": time.time()})
+            _dumping[0] += 1
+            try:
+                _reasons.append(reason)
+                if exc is not None and not _ending:
+                    _ending.append(exc)
+                path = dump_path()
+                _write(path, snapshot(reason, exc if exc is not None else (_ending[0] if _ending else None)))
+                if tell_others and _job["size"] > 1:
+                    _write(_path("request") + ".json", {"rank": _job["rank"], "reason": reason,
+                                                        "time": time.time()})
+            finally:
+                _dumping[0] -= 1
         return path
     except Exception as exc:  # noqa: BLE001 - see above
         try:
