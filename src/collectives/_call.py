@@ -114,17 +114,11 @@ def head(collective: str, op: str | None, info: DType | None, root: int = -1) ->
 def describe(collective: str, op: str | None, info: DType | None, count: int, root: int = -1) -> tuple[int, ...]:
     """The description of a call (:data:`FIELDS`), as plain ints: ``op`` None for a collective without
     one, ``info`` None for one without an array (barrier)."""
-    naming = _naming.get()  # (head's look-up, inlined: once per general-path call)
-    hit = _heads.get((collective, op, id(info), root, naming))
-    if hit is not None and hit[0] is info:
-        return hit[1] + (count,)
     return head(collective, op, info, root) + (count,)
 
 
 def dtype_name(code: int) -> str:
     """The name of the dtype of ``code``, if this process has met it (or it is a NumPy builtin)."""
-    if not _names:
-        _known()
     if code not in _names:
         _known()
     return _names.get(code, f"a dtype this rank has not used (code {code:#x})")

@@ -739,17 +739,12 @@ class Communicator:
                     wire, wire_op = run.send(result)
                 except StopIteration:
                     break
-            transport.caller = calling  # (_started, inlined: once per transfer)
-            try:
-                if operation == "reduce_scatter":
-                    result = _block_for(wire, out, self._size)
-                    request = transport.start(operation, wire, result, wire_op)
-                else:
-                    result = None
-                    request = transport.start(operation, wire, wire_op, *extra)
-            finally:
-                transport.caller = None
-            yield request
+            if operation == "reduce_scatter":
+                result = _block_for(wire, out, self._size)
+                yield _started(transport, calling, operation, (wire, result, wire_op))
+            else:
+                result = None
+                yield _started(transport, calling, operation, (wire, wire_op, *extra))
         return finish()
 
     # ---- sub-communicators ----

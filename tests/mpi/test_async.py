@@ -311,21 +311,29 @@ def test_close_with_a_handle_that_cannot_complete_raises(comm):
         gather_objects(None)
 
 
+def drop_allreduces(c, n: int, elements: int) -> list:
+    """Start ``n`` asynchronous allreduces of ``elements`` float64 on ``c`` and drop their handles and
+    arrays; weak references to the arrays."""
+    import weakref
+
+    refs = []
+    for _ in range(n):
+        x = np.ones(elements)
+        refs.append(weakref.ref(x))
+        c.allreduce(x, async_op=True)  # dropped
+        del x
+    return refs
+
+
 def test_handles_dropped_without_wait_are_released(comm):
     """A handle dropped without wait() is released with its buffers once its transfer is done (the next
     asynchronous calls move it on, and complete the oldest past MAX_OUTSTANDING in flight), not kept to
     close(): 200 dropped 1 MiB allreduces hold at most 64 buffers, not 200."""
     import gc
-    import weakref
 
     c = coll.init(comm=__import__("mpi4py.MPI", fromlist=["MPI"]).COMM_WORLD.Dup())
     try:
-        refs = []
-        for _ in range(200):
-            x = np.ones(1 << 17)  # 1 MiB
-            refs.append(weakref.ref(x))
-            c.allreduce(x, async_op=True)  # dropped
-            del x
+        refs = drop_allreduces(c, 200, 1 << 17)  # 1 MiB each
         c.allreduce(np.ones(1), async_op=True).wait()  # every earlier one is complete now (issue order)...
         c.allreduce(np.ones(1), async_op=True).wait()  # ...and the next call releases them
         gc.collect()
@@ -339,17 +347,11 @@ def test_dropped_handles_are_released_by_later_blocking_calls(comm):
     """Issue 32: 50 dropped 256 KiB allreduces are all released by later blocking calls (the general path
     and barrier move the completed ones on), not kept until 64 more calls are in flight or close()."""
     import gc
-    import weakref
 
     from support.comms import communicator, gather_objects
 
     with communicator() as c:
-        refs = []
-        for _ in range(50):
-            x = np.ones(1 << 15)  # 256 KiB
-            refs.append(weakref.ref(x))
-            c.allreduce(x, async_op=True)  # dropped
-            del x
+        refs = drop_allreduces(c, 50, 1 << 15)  # 256 KiB each
         alive = None
         for i in range(400):  # until MPI has completed them all (every rank calls alike)
             if i % 2:
