@@ -986,8 +986,8 @@ class Communicator:
         ``("alltoall", dtype)`` (``op`` is that key: no op of one can find an entry of the other), taking ``run(x, out)``; NumPy arrays only (the block output is a new array).
         """
         global _torch_tensor, _strided
-        if self._check or _call.naming_now() != _PLAIN:  # (a front end's own op name: not for later calls)
-            return
+        if self._check or _call.naming_now()[0] is not None:  # (a front end's own op name: not for later calls;
+            return  # a bucket's layout is: each hot call reads its own, see _described)
         if a is _arrays.NUMPY and x.__class__ is _ndarray:
             if view.dtype != x.dtype:  # the hot path hands run x itself: not for a reinterpreted view
                 return  # (ml_dtypes' bfloat16 and float8 from JAX travel as their storage integers)
@@ -1488,25 +1488,31 @@ _PLAIN = _call.naming_now()  # no front end's naming
 def _described(transport, run, collective: str, op: str | None, info):
     """A hot-path call: ``run`` itself, or, on a transport that checks even its blocking calls beside them
     (the deadline transport's fingerprint), ``run`` with the description of each call (``_call``: the
-    collective, op, dtype, root and the array's count) set around it, as the general path sets it."""
+    collective, op, dtype, root and the array's count) set around it, as the general path sets it. The
+    description is the plain call's, cached, unless the call is made inside a :func:`_call.naming` (a
+    gradient bucket names its layout): then that call's own."""
     if not transport.checks_beside:
         return run
+    with _call.naming():  # the entry serves calls of any naming: cache the plain head
+        plain = _call.head(collective, op, info)
+
+    def head():
+        return plain if _call.naming_now() is _PLAIN else _call.head(collective, op, info)
+
     if collective == "broadcast":
-        head = _call.head("broadcast", None, info)[:-1]  # the root is the call's
 
         def described_broadcast(x, root):
-            transport.caller = head + (root, x.size)
+            transport.caller = head()[:-1] + (root, x.size)  # the root is the call's
             try:
                 run(x, root)
             finally:
                 transport.caller = None
 
         return described_broadcast
-    head = _call.head(collective, op, info)
     if collective in ("reduce_scatter", "alltoall"):
 
         def described_blocks(x, out):
-            transport.caller = head + (x.size,)
+            transport.caller = head() + (x.size,)
             try:
                 run(x, out)
             finally:
@@ -1515,7 +1521,7 @@ def _described(transport, run, collective: str, op: str | None, info):
         return described_blocks
 
     def described(x):
-        transport.caller = head + (x.size,)
+        transport.caller = head() + (x.size,)
         try:
             run(x)
         finally:

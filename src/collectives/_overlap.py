@@ -492,17 +492,19 @@ class Buckets:
         self._reduce(b, flat)
 
     def _reduce(self, b: _Bucket, buf) -> None:
-        """Start the reduction of bucket ``b`` held in ``buf`` (its flat buffer, or a solo .grad)."""
-        if b.blocking:
-            # The blocking call, which may take the node-shared-memory allreduce, where nothing could
-            # overlap with a non-blocking one: the last bucket (backward is done, or step() waits at once),
-            # and a host bucket the ranks' own CPUs would reduce anyway (every rank on one node: no network
-            # or other core runs it while they compute, and the non-blocking form would only finish later,
-            # after a costlier start). The same bits (tests/mpi/test_training.py). (Its hot path once warm.)
-            b.handle = Handle.completed("allreduce", self.comm.allreduce(buf, self.op))
-            return
-        with _call.naming(structure=b.structure):  # described as this bucket of this layout (_call)
-            self._start(b, buf)
+        """Start the reduction of bucket ``b`` held in ``buf`` (its flat buffer, or a solo .grad), described
+        as this bucket of this layout (``_call``: what checked mode and the fingerprints compare)."""
+        with _call.naming(structure=b.structure):
+            if b.blocking:
+                # The blocking call, which may take the node-shared-memory allreduce, where nothing could
+                # overlap with a non-blocking one: the last bucket (backward is done, or step() waits at
+                # once), and a host bucket the ranks' own CPUs would reduce anyway (every rank on one node:
+                # no network or other core runs it while they compute, and the non-blocking form would only
+                # finish later, after a costlier start). The same bits (tests/mpi/test_training.py). (Its
+                # hot path once warm.)
+                b.handle = Handle.completed("allreduce", self.comm.allreduce(buf, self.op))
+            else:
+                self._start(b, buf)
 
     def _start(self, b: _Bucket, buf) -> None:
         """Start the non-blocking reduction of bucket ``b`` held in ``buf``."""

@@ -5,7 +5,9 @@ first: for each communicator, the first sequence number at which the ranks' reco
 because some ranks never entered that call (their record ends before it) or because they called a
 different collective, op, root, dtype or shape there; the ranks on each side with their call sites; for a
 rank that never entered it, where its stack shows it was. Without a divergence: "no divergence" and the
-last call every rank completed. Missing dumps are named, not fatal.
+last call every rank completed. Missing dumps are named, not fatal; where a communicator's dumps agree but
+some of its ranks wrote none, the verdict is "INCOMPLETE" (never "no divergence": the missing rank may be
+the one that diverged), with the call the others wait in.
 
 ``--timeline FILE`` writes a Chrome trace (the ``traceEvents`` JSON that chrome://tracing and Perfetto
 open): one lane per rank (a process) and communicator (a thread), one event per recorded call with its
@@ -138,8 +140,13 @@ def verdict(dumps: dict[int, dict]) -> list[str]:
             for c in per_rank.values():
                 completed = [e["seq"] for e in c.get("records", []) if e.get("state") == "completed"]
                 done.append(max(completed) if completed else 0)
+            absent = _absent(per_rank)
+            if absent:  # what the missing ranks did is unknown: no verdict either way
+                lines.append(_incomplete(name, per_rank, absent))
+                continue
             lines.append(f"no divergence on {name}: every rank's record agrees; the last call every rank completed "
                          f"is #{min(done)} (of up to #{max(c['seq'] for c in per_rank.values())})")
+        lines.sort(key=lambda line: not line.startswith("INCOMPLETE"))  # the first line says it all
         return lines or ["no records in the dumps (COLLECTIVES_TRACE_BUFFER=0?)"]
     s, name, entered, never, groups = findings[0]
     sides = []
@@ -158,6 +165,36 @@ def verdict(dumps: dict[int, dict]) -> list[str]:
         if recs:
             lines.append(f"  rank {r}'s last call on {name}: {_trace.describe(recs[-1])} ({recs[-1].get('state')})")
     return lines
+
+
+def _absent(per_rank: dict[int, dict]) -> list[str]:
+    """The ranks of a communicator that have no dump here (``per_rank``: job rank -> its part of a dump),
+    as the job numbers them where the dumps say (``world_ranks``), else as the communicator does."""
+    members: set[int] = set()
+    for c in per_rank.values():
+        members.update(c.get("world_ranks") or ())
+    if members:
+        return [str(r) for r in sorted(members - set(per_rank))]
+    size = max(c.get("size") or 1 for c in per_rank.values())
+    present = {c.get("rank") for c in per_rank.values()}
+    return [f"{r} (of the communicator)" for r in range(size) if r not in present]
+
+
+def _incomplete(name: str, per_rank: dict[int, dict], absent: list[str]) -> str:
+    """The line for a communicator whose dumps agree but do not cover all its ranks: never "no divergence"
+    (a rank without a dump may be the one that diverged), and what the ranks with a dump wait in."""
+    line = (f"INCOMPLETE on {name}: no divergence among the dumps of {_ranks(per_rank)}, but rank"
+            f"{'s' if len(absent) > 1 else ''} {', '.join(absent)} wrote no dump (dead, not signalled, or its "
+            f"dump not copied here), so where it diverged cannot be known")
+    waiting = {}
+    for r, c in per_rank.items():
+        last = (c.get("records") or [None])[-1]
+        if last is not None and last.get("state") != "completed":
+            waiting[r] = last
+    if waiting:
+        calls = sorted({_trace.describe(e) for e in waiting.values()})
+        line += f"; {_ranks(waiting)} wait{'' if len(waiting) > 1 else 's'} in {' / '.join(calls)}"
+    return line
 
 
 def timeline(dumps: dict[int, dict]) -> dict:

@@ -234,6 +234,18 @@ def main(name: str) -> None:
             comm.allreduce(x)  # TRACE-SKIP-ALLREDUCE
         comm.barrier()
 
+    elif name == "trace-hang-sigusr1":  # no deadline: the last rank waits in MPI_Recv for a message that never
+        # comes while the others wait in an allreduce it never enters; the test signals them (SIGUSR1), reads
+        # the dumps, and kills the job
+        for _ in range(3):
+            comm.allreduce(x)
+        say(f"PID {comm.rank} {os.getpid()}")
+        if comm.rank == last:
+            comm.recv(np.zeros(1), src=0, tag=77)  # TRACE-HANG-RECV
+        else:
+            comm.allreduce(x)  # TRACE-HANG-ALLREDUCE
+        say("SURVIVED")
+
     elif name == "trace-divergent":  # the last rank calls broadcast where the others call allreduce
         comm.allreduce(x)
         mark(name)

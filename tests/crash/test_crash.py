@@ -270,9 +270,9 @@ def test_malformed_settings_caught_leave_init_usable(n):
 
 # ---- the flight recorder (issue 22): the analyzer's verdict on each scenario's dumps ----
 
-def trace_verdict(job: Job) -> str:
-    """``python -m collectives trace`` on the job's dumps: its whole output."""
-    proc = subprocess.run([sys.executable, "-m", "collectives", "trace", job.trace_dir], capture_output=True,
+def trace_verdict(job: Job | str) -> str:
+    """``python -m collectives trace`` on the job's dumps (or a directory's): its whole output."""
+    proc = subprocess.run([sys.executable, "-m", "collectives", "trace", getattr(job, "trace_dir", job)], capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
@@ -300,6 +300,61 @@ def test_trace_names_the_rank_that_skipped_an_allreduce(n):
            f"{SCENARIO}:{line_of('TRACE-SKIP-ALLREDUCE')} in main" in first, out
     assert f"rank {n - 1} called barrier #6 at {SCENARIO}:{line_of('TRACE-SKIP-BARRIER')} in main" in first, out
     assert "missing" not in out, out
+
+
+def wait_for_dumps(trace_dir: str, count: int, limit: float = 30.0) -> list[str]:
+    """The dump files of ``trace_dir`` once there are ``count`` of them (or whatever is there at ``limit``)."""
+    end = time.monotonic() + limit
+    while len(found := sorted(Path(trace_dir).glob("*.trace-rank*.json"))) < count and time.monotonic() < end:
+        time.sleep(0.2)
+    return [p.name for p in found]
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_sigusr1_dumps_ranks_stuck_inside_mpi_and_a_partial_set_is_no_verdict(n):
+    """A hung job without a deadline, every rank blocked inside MPI (the others in MPI_Allreduce, the last
+    in MPI_Recv): ``kill -USR1`` dumps each rank signalled, whatever its main thread is doing. With the last
+    rank not yet signalled the verdict says INCOMPLETE (never "no divergence"); with every dump it names the
+    diverging call and where the last rank is."""
+    trace_dir = tempfile.mkdtemp(prefix=f"trace-hang-sigusr1-{n}-", dir=TRACES)
+    env_extra = {"COLLECTIVES_TRACE_DIR": trace_dir}
+    cmd = job_command(n, [sys.executable, str(SCENARIO), "trace-hang-sigusr1"], forward=env_extra)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=job_environment(drop=("COLLECTIVES_",), **env_extra), start_new_session=True)
+    try:
+        pids: dict[int, int] = {}
+        end = time.monotonic() + RUN_LIMIT_S
+        while len(pids) < n and time.monotonic() < end:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            m = re.match(r"^PID (\d+) (\d+)$", line.strip())
+            if m:
+                pids[int(m[1])] = int(m[2])
+        assert len(pids) == n, (pids, proc.poll())
+        time.sleep(2.0)  # every rank is inside its blocking MPI call by now
+        for r in range(n - 1):
+            os.kill(pids[r], signal.SIGUSR1)
+        assert len(wait_for_dumps(trace_dir, n - 1)) == n - 1, wait_for_dumps(trace_dir, 0, 0)
+        time.sleep(0.5)
+        partial = trace_verdict(trace_dir)
+        first = partial.splitlines()[0]
+        assert first.startswith("INCOMPLETE on world:") and f"rank {n - 1} wrote no dump" in first, partial
+        assert "no divergence on world" not in partial and "allreduce #" in first, partial
+        os.kill(pids[n - 1], signal.SIGUSR1)
+        assert len(wait_for_dumps(trace_dir, n)) == n, wait_for_dumps(trace_dir, 0, 0)
+        time.sleep(0.5)
+        first = trace_verdict(trace_dir).splitlines()[0]
+        others = ",".join(map(str, range(n - 1)))
+        assert first.startswith("DIVERGENCE on world at call #"), first
+        assert f"rank{'s' if n > 2 else ''} {others} called allreduce #" in first, first
+        assert f"{SCENARIO}:{line_of('TRACE-HANG-ALLREDUCE')} in main" in first, first
+        assert f"rank {n - 1} never entered it (rank {n - 1} was at {SCENARIO}:{line_of('TRACE-HANG-RECV')} in " \
+               f"main" in first, first
+        assert proc.poll() is None  # still hung: only the dumps were asked for
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
 
 
 @pytest.mark.parametrize("n", SIZES)

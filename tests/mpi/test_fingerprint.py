@@ -169,3 +169,82 @@ def test_torch_backend_agreeing_ops_pass(comm):
                 torch_allreduce(pg, op, t)
                 want = {"AVG": 2, "SUM": 2 * c.size, "PREMUL_SUM": 4 * c.size}[op]
                 assert t.tolist() == [want] * 4, (op, dtype, t)
+
+
+# Gradient buckets and sharded state: every rank makes the same two optimizers (their layouts agreed at
+# construction), then the last rank steps the other one. Both buckets carry the same count, dtype and op on
+# the wire (a 4x4 layer's two parameters against one of 20 elements), so only the bucket's layout tells the
+# calls apart: the fingerprint beside a non-blocking bucket (sharded state's reduce-scatter, compression's
+# alltoall), the deadline transport's beside a blocking one (its general path and, warmed, its hot path),
+# and checked mode's agreement all carry it (_call.naming(structure=)).
+BUCKET_MODES = {
+    "sharded": ({}, {"shard_state": True}),
+    "compressed": ({}, {"compression": "bf16"}),
+    "deadline": ({"COLLECTIVES_TIMEOUT": 60}, {}),
+    "deadline-sharded": ({"COLLECTIVES_TIMEOUT": 60}, {"shard_state": True}),
+    "hot": ({"COLLECTIVES_TIMEOUT": 60}, {}),
+    "checked": ({}, {}),
+}
+
+
+def two_optimizers(c, options):
+    import torch
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 4)  # 16 + 4 elements
+    flat = torch.nn.Parameter(torch.ones(20))  # 20 elements
+
+    def layer_loss():
+        return layer(torch.ones(2, 4)).sum()
+
+    def flat_loss():  # a new graph each step
+        return (flat * (c.rank + 1)).sum()
+
+    models = {"layer": (layer, layer_loss), "flat": (flat, flat_loss)}
+    opts = {}
+    for name, (m, _) in models.items():
+        params = m.parameters() if isinstance(m, torch.nn.Module) else [m]
+        opts[name] = coll.DistributedOptimizer(torch.optim.SGD(params, lr=0.1), comm=c, **options)
+    return opts, {name: loss for name, (_, loss) in models.items()}
+
+
+def train_step(opt, loss):
+    opt.zero_grad()
+    loss().backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("mode", sorted(BUCKET_MODES))
+def test_gradient_buckets_of_different_layouts_raise_on_every_rank(comm, mode):
+    pytest.importorskip("torch")
+    env, options = BUCKET_MODES[mode]
+    with communicator(**env) as c:
+        if mode == "checked":
+            c.check = True
+        opts, losses = two_optimizers(c, options)
+        if mode == "hot":  # agreeing steps first: the buckets' blocking calls warm the hot path
+            for _ in range(2):
+                for name in opts:
+                    train_step(opts[name], losses[name])
+        name = "flat" if c.rank == c.size - 1 else "layer"
+        with pytest.raises(coll.MismatchError) as info:
+            train_step(opts[name], losses[name])
+        assert "disagree" in str(info.value)
+        assert "structure" in str(info.value) or "layout" in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("mode", sorted(BUCKET_MODES))
+def test_gradient_buckets_of_the_same_layout_pass(comm, mode):
+    """The same optimizers stepped alike: no false mismatch, and both averaged."""
+    pytest.importorskip("torch")
+    env, options = BUCKET_MODES[mode]
+    with communicator(**env) as c:
+        if mode == "checked":
+            c.check = True
+        opts, losses = two_optimizers(c, options)
+        for _ in range(3):
+            for name in opts:
+                train_step(opts[name], losses[name])
+        flat = opts["flat"].inner.param_groups[0]["params"][0]
+        mean = sum(r + 1 for r in range(c.size)) / c.size  # the flat loss's gradient, averaged
+        assert flat.detach().tolist() == pytest.approx([1 - 3 * 0.1 * mean] * 20)

@@ -322,3 +322,39 @@ def test_simulated_nodes_take_the_multi_node_paths(monkeypatch, per_node):
 
     with pytest.raises(ValueError, match="COLLECTIVES_SIMULATE_NODES"):
         _config.simulate_nodes()
+
+
+@pytest.mark.parametrize("differ", ["count", "dtype", "op", "mean-sum"])
+@pytest.mark.parametrize("torch_arrays", [False, True])
+def test_a_mismatch_through_shared_memory_raises_on_every_rank_with_the_data_untouched(monkeypatch, differ,
+                                                                                       torch_arrays):
+    """The unchecked blocking path, above the threshold (the node-shared window, also its hot path once
+    warm): ranks whose buffers differ in count, dtype or op raise the same MismatchError on every rank
+    before any result is written (else a larger rank read past a smaller one's data and both got wrong
+    sums), the inputs untouched, the communicator usable."""
+    if torch_arrays:
+        torch = pytest.importorskip("torch")
+    c = make_comm(monkeypatch, COLLECTIVES_SHM_THRESHOLD=4096)
+    try:
+        if c.size == 1 or c._host._shm_threshold == shm.NEVER:
+            pytest.skip("needs ranks that share a node")
+        last = c.rank == c.size - 1
+        count, dtype, op = 50_000, np.float32, "sum"
+        for _ in range(2):  # the agreeing call, twice: the second takes the hot path
+            x = np.ones(count, dtype)
+            c.allreduce(torch.from_numpy(x) if torch_arrays else x, op)
+            assert (x == c.size).all()
+        if last:
+            count, dtype, op = {"count": (count + 4096, dtype, op), "dtype": (count, np.int32, op),
+                                "op": (count, dtype, "prod"), "mean-sum": (count, dtype, "mean")}[differ]
+        x = np.arange(count).astype(dtype)
+        arg = torch.from_numpy(x) if torch_arrays else x
+        with pytest.raises(coll.MismatchError, match=f"node-shared memory: {'op' if differ == 'mean-sum' else differ}: ") as info:
+            c.allreduce(arg, op)
+        assert "no result was written" in str(info.value)
+        assert np.array_equal(x, np.arange(count).astype(dtype))  # untouched
+        y = np.ones(count, np.float64)
+        c.allreduce(np.ones(3), "sum")  # usable: small and large calls alike
+        c.allreduce(y if not last else np.ones(50_000), "sum")
+    finally:
+        c.close()

@@ -5,7 +5,9 @@ reduces them piecemeal; for large messages it runs at a fraction of memory bandw
 node share one window (``MPI.Win.Allocate_shared``) and reduce in it with NumPy ufuncs:
 
 1. every rank copies its chunk into its slot of the window (all but its own slice, see below);
-2. node barrier;
+2. node barrier; at a call's first chunk every rank then compares what each rank's call is (count, dtype,
+   op, written after its regions before the barrier): where they differ every rank of the node raises the
+   same ``MismatchError`` before any result is written (``_check_calls``);
 3. rank ``p`` reduces slice ``p`` of the chunk (1/local_size of it) over every rank's data, in rank order,
    into its own buffer and into the result region of its slot;
 4. node barrier;
@@ -46,11 +48,14 @@ from collections.abc import Callable
 import numpy as np
 
 from .._dtypes import divide
+from .._errors import MismatchError
 
 KERNELS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum, "mean": np.add}
+_OPS = tuple(KERNELS)
 _KINDS = "biufc"  # NumPy reduces these natively on the host
 _ALIGN = 64  # bytes: regions start on cache-line boundaries (every itemsize divides it)
 MIN_SLOT_BYTES = 64 * 2**10
+_HEADER = 64  # bytes after a rank's regions: what its current call is (see _check_calls)
 NEVER = 2**63  # a threshold no buffer reaches
 
 
@@ -155,7 +160,8 @@ class Reducer:
         info.Set("alloc_shared_noncontig", "true")  # each rank's slot in its own pages (NUMA first touch)
         try:
             with _without_osc_ucx_noise(MPI):
-                self.win: MPI.Win | None = MPI.Win.Allocate_shared(self.stride * n, 1, info, comm=self.node)
+                self.win: MPI.Win | None = MPI.Win.Allocate_shared(self.stride * n + _HEADER, 1, info,
+                                                                    comm=self.node)
         finally:
             info.Free()
         self.win.Lock_all(MPI.MODE_NOCHECK)  # one passive epoch for the window's life: load/store + Sync
@@ -164,6 +170,9 @@ class Reducer:
             mem, _ = self.win.Shared_query(q)
             # mpi4py's buffer has the buffer protocol; its stub declares __buffer__ only for Python >= 3.12
             self._slots.append(np.frombuffer(mem, dtype=np.uint8))  # type: ignore[call-overload]
+        self._calls = [slot[self.stride * n:self.stride * n + 32].view(np.int64) for slot in self._slots]
+        self._heads = [c[:3] for c in self._calls]  # (count, dtype, op) of each rank's call
+        self._rank = rank
         self._regions: dict = {}  # dtype -> regions[q][p]: rank q's region p, as that dtype
         self._win_sync: Callable[[], None] | None = self.win.Sync  # None once closed
         self._node_barrier = self.node.Barrier
@@ -224,12 +233,14 @@ class Reducer:
         divisor = float(self.size) if op == "mean" else None
         regions = self._views(flat.dtype)
         n, p = self.local_size, self.local_rank
+        if n > 1:  # what this call is, for the ranks of the node to compare after the first barrier
+            self._calls[p][:] = (total, ord(flat.dtype.kind) * 64 + flat.dtype.itemsize, _OPS.index(op), self._rank)
         for lo in range(0, total, step):
             chunk = flat[lo:lo + step]
             c = chunk.shape[0]
             bounds = [c * q // n for q in range(n + 1)]
             if n > 1:
-                self._node_reduce(chunk, bounds, regions, ufunc, None if self.multi_node else divisor)
+                self._node_reduce(chunk, bounds, regions, ufunc, None if self.multi_node else divisor, lo == 0)
             if self.multi_node:
                 self._across_nodes(chunk, bounds, regions, op, divisor)
             elif n > 1:
@@ -243,7 +254,7 @@ class Reducer:
             elif divisor is not None:
                 divide(chunk, divisor)
 
-    def _node_reduce(self, chunk, bounds, regions, ufunc, divisor) -> None:
+    def _node_reduce(self, chunk, bounds, regions, ufunc, divisor, first: bool) -> None:
         n, p = self.local_size, self.local_rank
         slot = regions[p]
         for q in range(n):  # 1: my inputs for the other ranks' slices
@@ -251,6 +262,8 @@ class Reducer:
                 lo, hi = bounds[q], bounds[q + 1]
                 slot[q][:hi - lo] = chunk[lo:hi]
         self._sync()  # 2
+        if first:
+            self._check_calls()
         lo, hi = bounds[p], bounds[p + 1]  # 3: my slice, over every rank's data, in rank order
         mine = chunk[lo:hi]
         res = slot[p][:hi - lo]
@@ -263,6 +276,33 @@ class Reducer:
         else:  # the region keeps the sum; each rank divides while copying it out (one pass less)
             divide(res, divisor, out=mine)
         self._sync()  # 4
+
+    def _check_calls(self) -> None:
+        """After the first barrier of a call: every rank of the node has written what its call is (count,
+        dtype, op: the buffer as it reaches this reducer), none has touched a result yet. Where they differ
+        every rank of the node raises the same MismatchError here, its buffer untouched: a shape mismatch
+        through shared memory would otherwise return wrong data or read past a buffer (the unchecked
+        blocking path's large allreduces). A rank's next call rewrites its entry only after every rank has
+        passed this call's last barrier, so all read the same entries. Costs a few loads: no message."""
+        first = self._heads[0].tolist()
+        for head in self._heads:
+            if head.tolist() != first:
+                break
+        else:
+            return
+        calls = [c.tolist() for c in self._calls]
+        fields = []
+        for i, field in enumerate(("count", "dtype", "op")):
+            values: dict[str, list[int]] = {}
+            for c in calls:
+                text = str(c[0]) if i == 0 else _OPS[c[2]] if i == 2 else np.dtype(f"{chr(c[1] // 64)}{c[1] % 64}").name
+                values.setdefault(text, []).append(c[3])
+            if len(values) > 1:
+                fields.append(f"{field}: " + ", ".join(f"{v} on rank{'s' if len(r) > 1 else ''} "
+                                                        f"{','.join(map(str, sorted(r)))}" for v, r in values.items()))
+        raise MismatchError(f"ranks disagree about an allreduce through node-shared memory: {'; '.join(fields)} "
+                            f"(the buffers as they reach it; no result was written). Every rank must pass the "
+                            f"same count, dtype and op; COLLECTIVES_CHECK=1 names the calls as you made them.")
 
     def _across_nodes(self, chunk, bounds, regions, op, divisor) -> None:
         n = self.local_size
