@@ -1495,14 +1495,13 @@ def _described(transport, run, collective: str, op: str | None, info):
         return run
     with _call.naming():  # the entry serves calls of any naming: cache the plain head
         plain = _call.head(collective, op, info)
-
-    def head():
-        return plain if _call.naming_now() is _PLAIN else _call.head(collective, op, info)
+    now = _call.naming_now
 
     if collective == "broadcast":
 
         def described_broadcast(x, root):
-            transport.caller = head()[:-1] + (root, x.size)  # the root is the call's
+            head = plain if now() is _PLAIN else _call.head(collective, op, info)
+            transport.caller = head[:-1] + (root, x.size)  # the root is the call's
             try:
                 run(x, root)
             finally:
@@ -1512,7 +1511,7 @@ def _described(transport, run, collective: str, op: str | None, info):
     if collective in ("reduce_scatter", "alltoall"):
 
         def described_blocks(x, out):
-            transport.caller = head() + (x.size,)
+            transport.caller = (plain if now() is _PLAIN else _call.head(collective, op, info)) + (x.size,)
             try:
                 run(x, out)
             finally:
@@ -1521,7 +1520,7 @@ def _described(transport, run, collective: str, op: str | None, info):
         return described_blocks
 
     def described(x):
-        transport.caller = head() + (x.size,)
+        transport.caller = (plain if now() is _PLAIN else _call.head(collective, op, info)) + (x.size,)
         try:
             run(x)
         finally:
