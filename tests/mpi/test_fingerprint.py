@@ -214,18 +214,25 @@ def train_step(opt, loss):
     opt.step()
 
 
-@pytest.mark.parametrize("mode", sorted(BUCKET_MODES))
-def test_gradient_buckets_of_different_layouts_raise_on_every_rank(comm, mode):
+@contextlib.contextmanager
+def optimizers_in(mode: str, warm: int):
+    """A fresh communicator of ``mode`` with the two optimizers on it, each stepped ``warm`` times alike."""
     pytest.importorskip("torch")
     env, options = BUCKET_MODES[mode]
     with communicator(**env) as c:
         if mode == "checked":
             c.check = True
         opts, losses = two_optimizers(c, options)
-        if mode == "hot":  # agreeing steps first: the buckets' blocking calls warm the hot path
-            for _ in range(2):
-                for name in opts:
-                    train_step(opts[name], losses[name])
+        for _ in range(warm):
+            for name in opts:
+                train_step(opts[name], losses[name])
+        yield c, opts, losses
+
+
+@pytest.mark.parametrize("mode", sorted(BUCKET_MODES))
+def test_gradient_buckets_of_different_layouts_raise_on_every_rank(comm, mode):
+    # "hot": agreeing steps first, so that the buckets' blocking calls take the warmed hot path
+    with optimizers_in(mode, warm=2 if mode == "hot" else 0) as (c, opts, losses):
         name = "flat" if c.rank == c.size - 1 else "layer"
         with pytest.raises(coll.MismatchError) as info:
             train_step(opts[name], losses[name])
@@ -236,15 +243,7 @@ def test_gradient_buckets_of_different_layouts_raise_on_every_rank(comm, mode):
 @pytest.mark.parametrize("mode", sorted(BUCKET_MODES))
 def test_gradient_buckets_of_the_same_layout_pass(comm, mode):
     """The same optimizers stepped alike: no false mismatch, and both averaged."""
-    pytest.importorskip("torch")
-    env, options = BUCKET_MODES[mode]
-    with communicator(**env) as c:
-        if mode == "checked":
-            c.check = True
-        opts, losses = two_optimizers(c, options)
-        for _ in range(3):
-            for name in opts:
-                train_step(opts[name], losses[name])
+    with optimizers_in(mode, warm=3) as (c, opts, _):
         flat = opts["flat"].inner.param_groups[0]["params"][0]
         mean = sum(r + 1 for r in range(c.size)) / c.size  # the flat loss's gradient, averaged
         assert flat.detach().tolist() == pytest.approx([1 - 3 * 0.1 * mean] * 20)
