@@ -157,6 +157,13 @@ def launcher_size() -> tuple[str, int] | None:
     return None
 
 
+def torchrun_run_id() -> str | None:
+    """``TORCHELASTIC_RUN_ID``, which torchrun (torch's elastic agent) sets in every worker it starts, else
+    None: the torch backend names torchrun in its refusal of a job that MPI did not start (docs/torchrun.md)."""
+    raw = os.environ.get("TORCHELASTIC_RUN_ID")
+    return None if raw is None else raw.strip()
+
+
 # ---- CUDA arrays (read by _backends/cuda.py and _backends/nccl.py) ----
 
 DEVICE_TIMEOUT_DEFAULT = 300.0  # seconds: NCCL set-up and every poll of a non-blocking NCCL call

@@ -9,6 +9,8 @@ Importing this module registers the backend ``"collectives"`` (idempotent)::
 
 Under a launcher nothing else is needed: no ``MASTER_ADDR``/``MASTER_PORT``, no ``RANK``/``WORLD_SIZE``,
 and no listening socket. Outside a launcher it is a group of one process, like :func:`collectives.init`.
+torchrun cannot start a job of several processes of this backend (MPI cannot join its workers): its
+workers' ``init_process_group`` raises a ``ValueError`` naming the ``mpiexec`` command to run (docs/torchrun.md).
 
 How it fits torch:
 
@@ -56,6 +58,7 @@ import functools
 import importlib
 import math
 import os
+import sys
 import tempfile
 import time
 from datetime import timedelta
@@ -875,6 +878,8 @@ def _create(options, backend_options=None):
     world = _coll.init()
     if not ranks:  # the default group: the world
         if (options.group_size, options.group_rank) != (world.size, world.rank):
+            if world.size == 1 and _config.torchrun_run_id() is not None:
+                raise ValueError(_torchrun_refusal(options.group_rank, options.group_size))
             raise ValueError(
                 f"init_process_group('collectives'): torch has rank {options.group_rank} of {options.group_size}, "
                 f"MPI rank {world.rank} of {world.size}: the collectives backend runs in the MPI job, whose ranks "
@@ -889,6 +894,17 @@ def _create(options, backend_options=None):
         return ProcessGroupCollectives(world.split(0, world.rank), options.timeout)
     comm, keep = _members(ranks)
     return ProcessGroupCollectives(comm, options.timeout, keep)
+
+
+def _torchrun_refusal(rank: int, size: int) -> str:
+    """The error of a process that torchrun started (docs/torchrun.md says why it cannot work)."""
+    script = sys.argv[0] if sys.argv and sys.argv[0] else "script.py"
+    return (f"init_process_group('collectives') under torchrun: torch has rank {rank} of {size}, but this process "
+            f"is not in an MPI job (MPI sees 1 process). torchrun starts its workers without MPI, and MPI cannot "
+            f"join them afterwards (MPICH's singletons cannot connect to each other, Open MPI's need its runtime): "
+            f"start the same script with MPI's launcher instead, `mpiexec -n {size} python {script}` (no RANK, "
+            f"WORLD_SIZE or MASTER_ADDR needed; on several nodes add a hostfile, or use srun). docs/torchrun.md "
+            f"gives the mpiexec form of each torchrun flag")
 
 
 def register() -> None:
