@@ -58,6 +58,7 @@ import functools
 import importlib
 import math
 import os
+import shlex
 import sys
 import tempfile
 import time
@@ -799,6 +800,9 @@ def _mpi_job(url: str):
     comm = _coll.init()
     query = _query(url)
     given = {"rank": query.get("rank"), "world_size": query.get("world_size", os.environ.get("WORLD_SIZE"))}
+    if comm.size == 1 and _config.torchrun_run_id() is not None and int(given["world_size"] or 1) > 1:
+        raise ValueError(_torchrun_refusal(int(given["rank"] or os.environ.get("RANK") or 0),
+                                           int(given["world_size"] or 1)))
     for key, ours in (("rank", comm.rank), ("world_size", comm.size)):
         text = given[key]
         value = int(text) if text else -1
@@ -898,7 +902,7 @@ def _create(options, backend_options=None):
 
 def _torchrun_refusal(rank: int, size: int) -> str:
     """The error of a process that torchrun started (docs/torchrun.md says why it cannot work)."""
-    script = sys.argv[0] if sys.argv and sys.argv[0] else "script.py"
+    script = shlex.join(sys.argv) if sys.argv and sys.argv[0] else "script.py"  # the command line torchrun ran
     return (f"init_process_group('collectives') under torchrun: torch has rank {rank} of {size}, but this process "
             f"is not in an MPI job (MPI sees 1 process). torchrun starts its workers without MPI, and MPI cannot "
             f"join them afterwards (MPICH's singletons cannot connect to each other, Open MPI's need its runtime): "

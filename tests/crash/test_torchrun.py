@@ -1,6 +1,7 @@
 """torchrun and the torch backend (docs/torchrun.md): torchrun starts its workers without MPI and MPI
 cannot join them afterwards, so ``init_process_group("collectives")`` in a torchrun job of more than one
-process is a ValueError on every worker that names torchrun, the ``mpiexec`` command to run instead and
+process (torch's rendezvous, or ours: ``init_method="collectives://"``) is a ValueError, the same on every
+worker, that names torchrun, the ``mpiexec`` command to run instead and
 the page, promptly (no hang); a torchrun job of one process works (a group of one). Each job runs
 ``python -m torch.distributed.run`` (torchrun's module) in a subprocess with a timeout, its process group
 killed whole if it hangs.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -28,9 +30,9 @@ WORKER = Path(__file__).resolve().parent / "torchrun_worker.py"
 RUN_LIMIT_S = 120  # reaching it means the job hung
 
 
-def torchrun(nproc: int):
+def torchrun(nproc: int, *worker_args: str):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           str(WORKER)]
+           str(WORKER), *worker_args]
     env = job_environment(drop=("COLLECTIVES_",), OMP_NUM_THREADS=1)
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
@@ -47,16 +49,17 @@ def torchrun(nproc: int):
     return proc.returncode, out, err
 
 
-@pytest.mark.parametrize("nproc", [2, 3])
-def test_torchrun_of_several_processes_is_refused_on_every_worker_naming_what_to_run(nproc):
-    rc, out, err = torchrun(nproc)
+@pytest.mark.parametrize(("nproc", "init_method"), [(2, None), (3, None), (2, "collectives://")])
+def test_torchrun_of_several_processes_is_refused_on_every_worker_naming_what_to_run(nproc, init_method):
+    rc, out, err = torchrun(nproc, *([init_method] if init_method else []))
     assert rc != 0, (out, err)
     assert "DONE" not in out, (out, err)
     refusals = re.findall(r"ValueError: init_process_group\('collectives'\) under torchrun: torch has rank (\d+) "
                           rf"of {nproc}, but this process is not in an MPI job", err)
     # torchrun stops the other workers once one fails: at least one worker reports it, each one once
     assert refusals and len(set(refusals)) == len(refusals), err[-6000:]
-    assert f"`mpiexec -n {nproc} python {WORKER}`" in err, err[-6000:]
+    command = shlex.join([str(WORKER), *([init_method] if init_method else [])])  # the script and its arguments
+    assert f"`mpiexec -n {nproc} python {command}`" in err, err[-6000:]
     assert "docs/torchrun.md" in err, err[-6000:]
 
 

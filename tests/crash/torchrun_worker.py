@@ -1,12 +1,15 @@
-"""A torchrun worker for tests/crash/test_torchrun.py: init_process_group("collectives"), then an
-all_reduce and a broadcast whose results it checks, and ``DONE <rank> <size>``."""
+"""A torchrun worker for tests/crash/test_torchrun.py: init_process_group("collectives") (with the
+``init_method`` given as its argument, if any), then an all_reduce and a broadcast whose results it
+checks, and ``DONE <rank> <size>``."""
+
+import sys
 
 import torch
 import torch.distributed as dist
 
 import collectives.torch_backend  # noqa: F401 - registers "collectives"
 
-dist.init_process_group("collectives")
+dist.init_process_group("collectives", init_method=sys.argv[1] if len(sys.argv) > 1 else None)
 rank, size = dist.get_rank(), dist.get_world_size()
 t = torch.full((4,), float(rank + 1))
 dist.all_reduce(t)
