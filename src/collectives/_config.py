@@ -159,7 +159,7 @@ def launcher_size() -> tuple[str, int] | None:
 
 def torchrun_run_id() -> str | None:
     """``TORCHELASTIC_RUN_ID``, which torchrun (torch's elastic agent) sets in every worker it starts, else
-    None: the torch backend names torchrun in its refusal of a job that MPI did not start (docs/torchrun.md)."""
+    None: the torch backend then joins the workers into one MPI job, or says why it cannot (docs/torchrun.md)."""
     raw = os.environ.get("TORCHELASTIC_RUN_ID")
     return None if raw is None else raw.strip()
 

@@ -9,8 +9,9 @@ Importing this module registers the backend ``"collectives"`` (idempotent)::
 
 Under a launcher nothing else is needed: no ``MASTER_ADDR``/``MASTER_PORT``, no ``RANK``/``WORLD_SIZE``,
 and no listening socket. Outside a launcher it is a group of one process, like :func:`collectives.init`.
-torchrun cannot start a job of several processes of this backend (MPI cannot join its workers): its
-workers' ``init_process_group`` raises a ``ValueError`` naming the ``mpiexec`` command to run (docs/torchrun.md).
+Under torchrun (MPICH, one machine) ``init_process_group`` makes its workers one MPI job by serving them
+PMI-1, the protocol of MPICH's launcher; where that cannot work it raises a ``ValueError`` naming the
+``mpiexec`` command to run instead (docs/torchrun.md).
 
 How it fits torch:
 
