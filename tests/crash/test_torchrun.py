@@ -76,6 +76,8 @@ def assert_refused(nproc, worker_args, rc, out, err, reason):
 
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_torchrun_joins_its_workers_into_one_mpi_job_or_says_why_not(nproc):
+    if mpi_implementation() not in PMI1 and nproc > 2:
+        pytest.skip("refused at any size: 2 workers show it (each torchrun job costs CI seconds)")
     rc, out, err = torchrun(nproc)
     if mpi_implementation() in PMI1:
         assert rc == 0, (out, err[-6000:])
@@ -92,6 +94,8 @@ def test_torchrun_joins_its_workers_into_one_mpi_job_or_says_why_not(nproc):
     (["--mpi-first"], "MPI was already running in this process"),
 ])
 def test_torchrun_refuses_what_cannot_join(args, reason):
+    if mpi_implementation() not in PMI1:
+        pytest.skip(f"{mpi_implementation()}: every torchrun job of several workers is refused (the test above)")
     rc, out, err = torchrun(2, *args)
     assert_refused(2, args, rc, out, err, re.escape(reason))
 
