@@ -1,8 +1,9 @@
 """``python -m collectives info``: what this installation can use, for bug reports.
 
 ``python -m collectives info`` starts with what is available and what is not, one line each (MPI, the
-torch.distributed backend, a GPU, NCCL, the array libraries), then the details: the library and Python
-versions, the array libraries found, the MPI implementation (MPICH, Open MPI, ...) with its version, the
+torch.distributed backend, a GPU, NCCL, the array libraries), then the details: the library's version, the
+installed distribution (``collectives-py``) and where the package was imported from, Python's version, the
+array libraries found, the MPI implementation (MPICH, Open MPI, ...) with its version, the
 launcher that started this process (Hydra, PRRTE, Slurm) and the ``mpiexec`` found with its kind, rank and
 size, and the NCCL library (path, where it came from, version). How to get NCCL working is printed only
 for ``--gpu`` or on a machine with an NVIDIA GPU: elsewhere no CUDA array needs it. ``--json`` prints the
@@ -45,9 +46,15 @@ def gather_info(start_mpi: bool = True, gpu: bool = False) -> dict:
     """Everything ``info`` prints. ``gpu``: also say how to fix what CUDA arrays would need (NCCL, a CUDA
     build of torch), as when this machine has a GPU."""
     from . import _config, _launcher, __version__
+    from ._version import DISTRIBUTION
 
+    installed = _dist_version(DISTRIBUTION)
     info: dict = {
         "collectives": __version__,
+        # which copy runs: the installed distribution (its version from its metadata) and where the package
+        # was imported from (a checkout on sys.path shadows an installed copy: the two then disagree)
+        "distribution": f"{DISTRIBUTION} {installed}" if installed else f"{DISTRIBUTION} not installed",
+        "imported_from": os.path.dirname(os.path.abspath(__file__)),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "array_libraries": {},
@@ -125,7 +132,7 @@ def _available(info: dict, has_gpu: bool, asked: bool) -> dict:
         out["MPI"] = (f"yes: {mpi['implementation']} {version}".rstrip() +
                       f" through mpi4py {mpi['mpi4py']}, {info.get('size', 1)} process(es) in this job")
     elif mpi.get("mpi4py") is None:
-        out["MPI"] = "no: mpi4py is not installed (one process only; pip install -e \".[mpi]\" brings mpi4py and MPICH)"
+        out["MPI"] = "no: mpi4py is not installed (one process only; pip install \"collectives-py[mpi]\", or -e \".[mpi]\" in a checkout, brings mpi4py and MPICH)"
     else:
         out["MPI"] = f"no: {mpi.get('error', 'MPI did not start')}"
     out["torch.distributed"] = (f"yes: backend \"collectives\" (import collectives.torch_backend; torch {libs['torch']})"

@@ -157,6 +157,28 @@ def launcher_size() -> tuple[str, int] | None:
     return None
 
 
+def torchrun_run_id() -> str | None:
+    """``TORCHELASTIC_RUN_ID``, which torchrun (torch's elastic agent) sets in every worker it starts, else
+    None: the torch backend then joins the workers into one MPI job, or says why it cannot (docs/torchrun.md)."""
+    raw = os.environ.get("TORCHELASTIC_RUN_ID")
+    return None if raw is None else raw.strip()
+
+
+
+_PMI_CLIENT = ("PMI_FD", "PMI_RANK", "PMI_SIZE")
+
+
+def set_pmi_client(fd: int | None, rank: int = 0, size: int = 1) -> None:
+    """Set (``fd`` an open socket to a PMI-1 server) or remove (``fd=None``) the variables through which
+    MPICH's ``MPI_Init`` finds its launcher: the torch backend makes torchrun's workers one MPI job this way
+    (``_launcher.pmi_server``) and removes them once MPI runs, so no process started later inherits them."""
+    if fd is None:
+        for name in _PMI_CLIENT:
+            os.environ.pop(name, None)
+    else:
+        os.environ.update(PMI_FD=str(fd), PMI_RANK=str(rank), PMI_SIZE=str(size))
+
+
 # ---- CUDA arrays (read by _backends/cuda.py and _backends/nccl.py) ----
 
 DEVICE_TIMEOUT_DEFAULT = 300.0  # seconds: NCCL set-up and every poll of a non-blocking NCCL call

@@ -140,3 +140,147 @@ def implementation(library_version: str) -> str:
         if needle in text:
             return name
     return library_version.strip().splitlines()[0] if library_version.strip() else "unknown"
+
+
+# ---- a PMI-1 server: torchrun's workers as one MPI job (MPICH and the MPIs built on it) ---------------------
+# MPICH's processes learn their rank and size and exchange their addresses through PMI, the protocol its
+# launcher (Hydra) serves. torchrun serves none, so each of its workers would be an MPI job of one process
+# (docs/torchrun.md). A worker given ``PMI_FD`` (a connected socket), ``PMI_RANK`` and ``PMI_SIZE`` before MPI
+# starts speaks PMI-1 ("simple PMI") over that socket instead: the server below answers for one job of
+# ``size`` processes on one node (the key-value space, its barrier, the process mapping), and exits when every
+# process has finalized or gone. Open MPI speaks PMIx and ignores these variables.
+
+def pmi_server(size: int, kvsname: str, ready=None, parent: int | None = None) -> None:
+    """Serve the PMI-1 wire protocol to ``size`` processes on one node, on a TCP port of the loopback
+    interface whose number is written (one line) to ``ready`` (default stdout); return once every process has
+    finalized or closed its connection, or 10 s after the process ``parent`` has gone.
+
+    Example:
+        >>> import socket, threading, io, time
+        >>> out = io.StringIO()
+        >>> t = threading.Thread(target=pmi_server, args=(1, "job"), kwargs={"ready": out}); t.start()
+        >>> while not out.getvalue(): time.sleep(0.01)
+        >>> s = socket.create_connection(("127.0.0.1", int(out.getvalue())))
+        >>> _ = s.sendall(b"cmd=init pmi_version=1 pmi_subversion=1\\ncmd=get_my_kvsname\\ncmd=finalize\\n")
+        >>> f = s.makefile(); [f.readline().split()[0] for _ in range(3)]
+        ['cmd=response_to_init', 'cmd=my_kvsname', 'cmd=finalize_ack']
+        >>> t.join(5); s.close(); t.is_alive()
+        False
+    """
+    import contextlib
+    import signal
+    import socket
+    import threading
+    import time
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(size)
+    print(listener.getsockname()[1], file=ready or sys.stdout, flush=True)
+    kvs: dict[str, str] = {}
+    pids: list[int] = []
+    state = threading.Condition()
+    arrived, generation, finished = [0], [0], [0]
+    mapping = f"(vector,(0,1,{size}))"  # one node, every process on it
+
+    def reply(out, text: str) -> None:
+        out.write(text + "\n")
+        out.flush()
+
+    def serve(conn) -> None:
+        try:
+            lines, out = conn.makefile("r"), conn.makefile("w")
+            for line in lines:
+                words = dict(w.split("=", 1) for w in line.split() if "=" in w)
+                cmd = words.get("cmd")
+                if cmd == "init":
+                    reply(out, "cmd=response_to_init rc=0 pmi_version=1 pmi_subversion=1")
+                elif cmd == "get_maxes":
+                    reply(out, "cmd=maxes rc=0 kvsname_max=256 keylen_max=256 vallen_max=1024")
+                elif cmd == "get_universe_size":
+                    reply(out, f"cmd=universe_size rc=0 size={size}")
+                elif cmd == "get_appnum":
+                    reply(out, "cmd=appnum rc=0 appnum=0")
+                elif cmd == "get_my_kvsname":
+                    reply(out, f"cmd=my_kvsname rc=0 kvsname={kvsname}")
+                elif cmd == "put":
+                    with state:
+                        kvs[words.get("key", "")] = words.get("value", "")
+                    reply(out, "cmd=put_result rc=0")
+                elif cmd == "get":
+                    key = words.get("key", "")
+                    with state:
+                        value = mapping if key == "PMI_process_mapping" else kvs.get(key)
+                    reply(out, "cmd=get_result rc=-1 msg=key_not_found" if value is None else
+                          f"cmd=get_result rc=0 value={value}")
+                elif cmd == "barrier_in":
+                    with state:
+                        mine = generation[0]
+                        arrived[0] += 1
+                        if arrived[0] == size:
+                            arrived[0], generation[0] = 0, mine + 1
+                            state.notify_all()
+                        while generation[0] == mine:
+                            state.wait()
+                    reply(out, "cmd=barrier_out rc=0")
+                elif cmd == "finalize":
+                    reply(out, "cmd=finalize_ack rc=0")
+                    break
+                elif cmd == "abort":  # MPI_Abort ends the whole job, as a launcher ends it: every process
+                    for pid in pids:
+                        with contextlib.suppress(OSError):
+                            os.kill(pid, signal.SIGKILL)
+                    break
+                elif cmd == "pid":  # our own first line (pmi_connect): which process is at this end
+                    pids.append(int(words.get("pid", "0")))
+                elif cmd:
+                    reply(out, f"cmd={cmd} rc=-1 msg=unsupported")
+        except OSError:
+            pass  # the process went away
+        finally:
+            conn.close()
+            with state:
+                finished[0] += 1
+                state.notify_all()
+
+    listener.settimeout(1.0)
+    accepted, gone_since = 0, None
+    while True:
+        if parent is not None and gone_since is None and not _alive(parent):
+            gone_since = time.monotonic()
+        if gone_since is not None and time.monotonic() - gone_since > 10:
+            return
+        if accepted < size:
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            conn.settimeout(None)
+            accepted += 1
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+            continue
+        with state:
+            if finished[0] == size:
+                return
+            state.wait(1.0)
+
+
+def pmi_connect(port: int, timeout: float) -> int:
+    """A socket connected to :func:`pmi_server` on this machine, introduced with this process's id (so that
+    an ``MPI_Abort`` can end every process of the job); its descriptor, for ``PMI_FD``."""
+    import socket
+
+    connection = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    connection.settimeout(None)
+    connection.sendall(f"cmd=pid pid={os.getpid()}\n".encode())
+    return connection.detach()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

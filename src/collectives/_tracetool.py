@@ -227,7 +227,7 @@ def plot(trace: dict, path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise SystemExit(f"--plot needs matplotlib (pip install 'collectives[bench]'): {exc}") from None
+        raise SystemExit(f"--plot needs matplotlib (pip install matplotlib, which the bench extra brings): {exc}") from None
     lanes = sorted({(e["pid"], e["tid"]) for e in trace["traceEvents"] if e["ph"] == "X"})
     fig, ax = plt.subplots(figsize=(10, 1 + 0.4 * len(lanes)))
     for i, lane in enumerate(lanes):

@@ -9,6 +9,9 @@ Importing this module registers the backend ``"collectives"`` (idempotent)::
 
 Under a launcher nothing else is needed: no ``MASTER_ADDR``/``MASTER_PORT``, no ``RANK``/``WORLD_SIZE``,
 and no listening socket. Outside a launcher it is a group of one process, like :func:`collectives.init`.
+Under torchrun (MPICH, one machine) ``init_process_group`` makes its workers one MPI job by serving them
+PMI-1, the protocol of MPICH's launcher; where that cannot work it raises a ``ValueError`` naming the
+``mpiexec`` command to run instead (docs/torchrun.md).
 
 How it fits torch:
 
@@ -56,6 +59,8 @@ import functools
 import importlib
 import math
 import os
+import shlex
+import sys
 import tempfile
 import time
 from datetime import timedelta
@@ -70,7 +75,7 @@ import collectives as _coll
 
 from . import _call, _config, _launcher
 from ._comm import engine_of
-from ._errors import CollectiveTimeoutError, MismatchError
+from ._errors import BackendUnavailableError, CollectiveTimeoutError, MismatchError
 
 __all__ = ["BACKEND", "ProcessGroupCollectives", "Work", "register"]
 
@@ -796,6 +801,9 @@ def _mpi_job(url: str):
     comm = _coll.init()
     query = _query(url)
     given = {"rank": query.get("rank"), "world_size": query.get("world_size", os.environ.get("WORLD_SIZE"))}
+    if comm.size == 1 and _config.torchrun_run_id() is not None and int(given["world_size"] or 1) > 1:
+        raise ValueError(_torchrun_refusal(int(given["rank"] or os.environ.get("RANK") or 0),
+                                           int(given["world_size"] or 1), "mpi"))
     for key, ours in (("rank", comm.rank), ("world_size", comm.size)):
         text = given[key]
         value = int(text) if text else -1
@@ -872,9 +880,21 @@ def _create(options, backend_options=None):
     """torch's creator of a ``"collectives"`` backend (the extended API: it learns the group's ranks)."""
     global _parent
     ranks = list(options.global_ranks_in_group)
-    world = _coll.init()
+    joined = None if ranks else _join_torchrun_workers(options)
+    try:
+        world = _coll.init()
+    except BackendUnavailableError as exc:
+        if joined != "pmi":
+            raise
+        # an MPI that ignores PMI-1 (Open MPI) is a job of one process beside the PMI variables' size
+        raise ValueError(_torchrun_refusal(options.group_rank, options.group_size, joined)) from exc
+    finally:
+        if joined == "pmi":
+            _config.set_pmi_client(None)  # MPI runs: no process started later inherits the PMI variables
     if not ranks:  # the default group: the world
         if (options.group_size, options.group_rank) != (world.size, world.rank):
+            if world.size == 1 and _config.torchrun_run_id() is not None:
+                raise ValueError(_torchrun_refusal(options.group_rank, options.group_size, joined or "mpi"))
             raise ValueError(
                 f"init_process_group('collectives'): torch has rank {options.group_rank} of {options.group_size}, "
                 f"MPI rank {world.rank} of {world.size}: the collectives backend runs in the MPI job, whose ranks "
@@ -889,6 +909,65 @@ def _create(options, backend_options=None):
         return ProcessGroupCollectives(world.split(0, world.rank), options.timeout)
     comm, keep = _members(ranks)
     return ProcessGroupCollectives(comm, options.timeout, keep)
+
+
+_PMI_SERVERS: list = []  # the PMI server this process started (rank 0 of a torchrun job), kept until exit
+
+
+def _join_torchrun_workers(options) -> str | None:
+    """Under torchrun, before MPI starts: make its workers one MPI job by serving them PMI-1 (the protocol
+    of MPICH's launcher; ``_launcher.pmi_server``), rank 0 starting the server and every worker finding it
+    through torch's store. Returns None where this does not apply (not torchrun, one process, an MPI
+    launcher), ``"pmi"`` once the workers' PMI variables are set, or why it cannot be done: ``"nodes"``
+    (workers on several machines), ``"initialized"`` (MPI already runs in this process)."""
+    rank, size = options.group_rank, options.group_size
+    if size == 1 or _config.torchrun_run_id() is None or _launcher.started_by() is not None:
+        return None
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized():
+        return "initialized"
+    import socket
+    import subprocess
+
+    store, timeout = options.store, options.timeout.total_seconds()
+    store.set(f"collectives/pmi/host/{rank}", socket.gethostname())
+    if len({store.get(f"collectives/pmi/host/{r}").decode() for r in range(size)}) > 1:
+        return "nodes"
+    if rank == 0:
+        code = ("import sys; from collectives._launcher import pmi_server; "
+                "pmi_server(int(sys.argv[1]), sys.argv[2], parent=int(sys.argv[3]))")
+        server = subprocess.Popen([sys.executable, "-c", code, str(size), f"torchrun-{os.getpid()}",
+                                   str(os.getpid())], stdout=subprocess.PIPE, text=True)
+        _PMI_SERVERS.append(server)
+        port = server.stdout.readline().strip() if server.stdout else ""
+        if not port.isdigit():
+            raise RuntimeError(f"init_process_group('collectives') under torchrun: the PMI server did not start "
+                               f"(exit status {server.poll()}); launch with mpiexec instead (docs/torchrun.md)")
+        store.set("collectives/pmi/port", port)
+    fd = _launcher.pmi_connect(int(store.get("collectives/pmi/port")), timeout)
+    _config.set_pmi_client(fd, rank, size)  # the descriptor now belongs to MPI
+    return "pmi"
+
+
+def _torchrun_refusal(rank: int, size: int, why: str = "mpi") -> str:
+    """The error of a torchrun worker that is not in an MPI job of torch's size (docs/torchrun.md)."""
+    script = shlex.join(sys.argv) if sys.argv and sys.argv[0] else "script.py"  # the command line torchrun ran
+    reason = {
+        "pmi": "torchrun's workers join one MPI job through the PMI protocol of MPICH (and of the MPIs built on "
+               "it), which this MPI does not speak (Open MPI speaks PMIx: it needs its own launcher)",
+        "nodes": "the collectives backend joins torchrun's workers into one MPI job on one machine only, and "
+                 "these run on several",
+        "initialized": "MPI was already running in this process (collectives.init() or `from mpi4py import MPI` "
+                       "before init_process_group), as a job of one process; under torchrun call "
+                       "init_process_group first",
+        "mpi": "the collectives backend joins torchrun's workers into one MPI job only through torch's own "
+               "rendezvous (leave init_method unset)",
+    }[why]
+    return (f"init_process_group('collectives') under torchrun: torch has rank {rank} of {size}, but this process "
+            f"is not in an MPI job of {size} (MPI sees 1 process): {reason}. Start the same script with MPI's "
+            f"launcher instead, `mpiexec -n {size} python {script}` (no RANK, WORLD_SIZE or MASTER_ADDR needed; "
+            f"on several nodes add a hostfile, or use srun). docs/torchrun.md gives the mpiexec form of each "
+            f"torchrun flag")
 
 
 def register() -> None:

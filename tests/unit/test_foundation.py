@@ -149,6 +149,10 @@ def test_info_command_text_and_json():
     assert proc.returncode == 0, proc.stderr
     info = json.loads(proc.stdout)
     assert info["collectives"] == coll.__version__
+    # the copy that runs: imported from this package's directory; where the distribution is installed (a
+    # wheel, or an editable install of this checkout), its metadata's version is the package's
+    assert info["imported_from"] == os.path.dirname(os.path.abspath(coll.__file__))
+    assert info["distribution"] in (f"collectives-py {coll.__version__}", "collectives-py not installed")
     assert "numpy" in info["array_libraries"]
     assert info["mpi"]["mpi4py"]  # whichever MPI mpi4py loads (MPICH, Open MPI, ...): named, with its version
     assert info["mpi"]["implementation"] in info["mpi"]["library"] and "\0" not in info["mpi"]["library"]
@@ -307,3 +311,13 @@ def test_info_into_a_closed_pipe_ends_without_a_traceback():
     err = proc.stderr.read().decode()
     proc.wait(timeout=120)
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def test_the_distribution_name_is_pyprojects():
+    """``info`` names the distribution pyproject.toml builds (the import name stays ``collectives``)."""
+    from collectives._version import DISTRIBUTION  # private: the one place the name is kept for info
+
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    if not pyproject.exists():
+        pytest.skip("no pyproject.toml beside the tests")
+    assert re.search(r'^name = "([^"]+)"$', pyproject.read_text(), re.M).group(1) == DISTRIBUTION

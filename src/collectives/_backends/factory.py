@@ -45,7 +45,7 @@ def host_transport(backend: str, comm) -> HostTransport:
             raise BackendUnavailableError(
                 f"this process was started by a launcher for {n} processes ({name}={n}), but MPI cannot be "
                 f"used ({exc}); refusing to run {n} independent single-process copies. Install mpi4py "
-                f"for the launcher's MPI (pip install 'collectives[mpi]', or build mpi4py against your "
+                f"for the launcher's MPI (pip install 'collectives-py[mpi]', or build mpi4py against your "
                 f"cluster's MPI), or set COLLECTIVES_BACKEND=self to really run alone"
             ) from exc
         return SelfTransport()
