@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 from collections.abc import Callable
 
 from . import _dtypes
+from ._arrays import is_tracer
 from ._backends import closed as _closed
 from ._comm import _resolve, allreduce_tree
 from ._errors import BackendUnavailableError
@@ -738,6 +739,15 @@ def _transformation(inner, op: str, k: int, bucket_bytes, comm) -> DistributedTr
         return DistributedState(inner.init(params), acc, 0)
 
     def update(grads, state, params=None, **extra):
+        traced: list = []
+        map_leaves(lambda leaf: traced.append(leaf) if is_tracer(leaf) else None, grads)
+        if traced:  # before any communication, on every rank alike (all of them trace the same function)
+            raise TypeError("DistributedOptimizer's update() was called inside jax.jit (or vmap, grad, scan): "
+                            f"the gradients are JAX tracers ({type(traced[0]).__name__}), which have no values "
+                            "to send to the other ranks. Call update outside jit: jit the loss and gradient "
+                            "computation (jax.jit(jax.value_and_grad(loss))), call "
+                            "`updates, state = opt.update(grads, state, params)` on the arrays it returns, then "
+                            "optax.apply_updates (it may be jitted on its own)")
         if k == 1:
             grads = allreduce_tree(grads, op, comm=comm, bucket_bytes=bucket_bytes)
             updates, inner_state = inner.update(grads, state.inner_state, params, **extra)

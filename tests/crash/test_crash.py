@@ -377,6 +377,24 @@ def test_stall_warning_names_both_collectives_at_one_call_number(n):
 
 
 @pytest.mark.parametrize("n", SIZES)
+def test_lightning_default_devices_under_mpiexec_is_explained(n):
+    """Lightning's Trainer with its default devices (1 on CPU) under mpiexec -n N: every rank but the first
+    dies in Lightning's IndexError; the backend's import adds what it means and the Trainer arguments
+    that fix it (devices=N, num_nodes=1), after the traceback."""
+    pytest.importorskip("lightning")
+    script = HERE.parent / "clients" / "lightning_ddp.py"
+    cmd = job_command(n, [sys.executable, str(script), "--default-devices"])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_LIMIT_S, start_new_session=True,
+                          env=job_environment(drop=("COLLECTIVES_",)))
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    assert "IndexError" in proc.stderr, proc.stderr[-3000:]
+    hints = re.findall(r"^collectives: Lightning's Trainer has devices=1 and num_nodes=1 .* the launcher started "
+                       rf"{n} ranks, and this one, local rank (\d) on its machine, has no device.*"
+                       rf"here Trainer\(devices={n}, num_nodes=1\)$", proc.stderr, re.M)
+    assert hints and set(hints) <= {str(r) for r in range(1, n)}, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("n", SIZES)
 def test_sigusr1_dumps_and_the_job_goes_on(n):
     job = run("clean-trace-sigusr1", n)
     assert job.rc == 0 and job.err == "", job
