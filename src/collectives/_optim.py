@@ -739,7 +739,7 @@ def _transformation(inner, op: str, k: int, bucket_bytes, comm) -> DistributedTr
         return DistributedState(inner.init(params), acc, 0)
 
     def update(grads, state, params=None, **extra):
-        traced: list = []
+        traced = []
         map_leaves(lambda leaf: traced.append(leaf) if is_tracer(leaf) else None, grads)
         if traced:  # before any communication, on every rank alike (all of them trace the same function)
             raise TypeError("DistributedOptimizer's update() was called inside jax.jit (or vmap, grad, scan): "
