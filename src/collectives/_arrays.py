@@ -232,8 +232,23 @@ def adapter(x) -> Adapter:
     return found
 
 
+TRACER_HINT = ("a JAX tracer: the call is inside a traced function (jax.jit, vmap, grad, scan), where "
+               "arrays have no values yet; collectives move concrete arrays between processes, so call it "
+               "outside jit (DistributedOptimizer's update too: jit the gradient computation, then call "
+               "update outside jit on the gradients it returns)")
+
+
+def is_tracer(x) -> bool:
+    """Whether ``x`` is a JAX tracer (a traced value inside ``jax.jit`` and the like), told apart by its
+    classes' names, never by importing JAX."""
+    return "jax" in sys.modules and any(c.__name__ == "Tracer" and c.__module__.startswith("jax")
+                                        for c in type(x).__mro__)
+
+
 def _not_an_array(x) -> str:
     kind = type(x).__name__
+    if is_tracer(x):
+        return f"expected an array, got {kind}, {TRACER_HINT}"
     if isinstance(x, (list, tuple)):
         hint = "convert it first, e.g. np.asarray(x) (or use synchronize()/allreduce_tree() for trees)"
     elif isinstance(x, (int, float, complex, bool, np.generic)):

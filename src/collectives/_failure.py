@@ -97,6 +97,29 @@ def _describe(exc_type, exc) -> str:
     return f"{exc_type.__name__}: {text}" if text else exc_type.__name__
 
 
+def abort_job(why: str) -> None:
+    """End the whole MPI job now (``MPI_Abort``), saying ``why``, where the abort hook would: MPI initialised
+    (by us or anyone: Lightning's MPIEnvironment initialises it), more than one process,
+    ``COLLECTIVES_ABORT_ON_ERROR`` not ``0``; else return. For an uncaught error the hook is not installed
+    for (no :func:`collectives.init` yet), once its traceback is printed."""
+    MPI = sys.modules.get("mpi4py.MPI")
+    if not abort_on_error() or MPI is None or not MPI.Is_initialized() or MPI.Is_finalized():
+        return
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    if size < 2:
+        return
+    try:
+        sys.stderr.write(f"collectives: aborting all {size} ranks (MPI_Abort): {why} on rank {rank}; set "
+                         f"{ABORT_VARIABLE}=0 to let this rank exit alone\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+    except Exception:  # noqa: BLE001 - the job must still end
+        pass
+    time.sleep(REPORT_GRACE_S)
+    world.Abort(EXIT_STATUS)
+
+
 def _abort_hook(exc_type, exc, tb) -> None:
     """``sys.excepthook`` while installed: report, chain to the previous hook, then ``MPI_Abort``."""
     previous = _previous if _previous is not None else sys.__excepthook__

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 from collections.abc import Callable
 
 from . import _dtypes
+from ._arrays import is_tracer
 from ._backends import closed as _closed
 from ._comm import _resolve, allreduce_tree
 from ._errors import BackendUnavailableError
@@ -82,8 +83,10 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
       holding its blocks, and the parameters come back by allgather. The optimizer state per rank is
       1/size of the unsharded one; the parameters are bit for bit those of the unsharded optimizer. The
       inner optimizer keeps no state (its ``param_groups`` still rule: LR schedulers given ``inner``
-      work); ``state_dict()`` is collective and gives the full, unsharded state on every rank (save it on
-      rank 0); ``load_state_dict`` takes a full state (of a sharded or an unsharded optimizer). ``p.grad``
+      work); ``state_dict()`` is collective (every rank must call it: ``sd = opt.state_dict()`` on every
+      rank, then save ``sd`` on rank 0; Horovod's ``if rank == 0: opt.state_dict()`` warns after
+      ``COLLECTIVES_STALL_WARN_S`` and waits, or fails with ``COLLECTIVES_TIMEOUT``) and gives the full,
+      unsharded state on every rank; ``load_state_dict`` takes a full state (of a sharded or an unsharded optimizer). ``p.grad``
       keeps this rank's own gradients (only the blocks were averaged, and changing ``.grad`` before
       ``step()`` has no effect; when some rank's averaged share is not finite, every rank's ``.grad`` gets
       an inf, so that GradScaler skips alike) unless ``average_gradients()`` gathered the average into it (for clipping). A parameter without gradient on every rank keeps its value
@@ -253,6 +256,16 @@ class TorchDistributedOptimizer:
         self._averaged = False  # average_gradients() ran since the last step
         self._engine = None
         self._engine = self._make_engine()
+        # shard_state=True makes state_dict() collective: its ranks first meet on a communicator of their
+        # own (made now, while every rank is here), so that a call on some ranks only is told apart from
+        # the other ranks' next collective, and named (see _meet)
+        self._meeting = None
+        self._waiting = None  # the meeting a call gave up on (a retry on every rank completes it)
+        if shard_state and self.comm.size > 1:
+            from ._comm import engine_of
+
+            c = self.comm
+            self._meeting = engine_of(c).derived("state_dict", lambda: c.split(0, c.rank))
 
     def _make_engine(self):
         if not (self.overlap or self.shard_state or self.compression):
@@ -498,6 +511,8 @@ class TorchDistributedOptimizer:
         if engine is None:
             self.inner.add_param_group(param_group)
             return
+        if self.shard_state:
+            self._meet("add_param_group()")
         full = engine.shards.full_state() if self.shard_state else None
         engine.new_round(clear_poison=True)
         engine.close()
@@ -511,9 +526,14 @@ class TorchDistributedOptimizer:
     def state_dict(self) -> dict:
         """The inner optimizer's ``state_dict``.
 
-        With ``shard_state=True``: collective (every rank calls it); the full state, as the unsharded
-        optimizer would hold it (per parameter, in the inner optimizer's format), gathered from every
-        rank's share, on every rank (save it on rank 0).
+        With ``shard_state=True``: **collective, every rank must call it**; the full state, as the
+        unsharded optimizer would hold it (per parameter, in the inner optimizer's format), gathered from
+        every rank's share, on every rank. Horovod's rank-0 checkpoint, ``if rank == 0:
+        torch.save(opt.state_dict())``, cannot work then: call ``sd = opt.state_dict()`` on every rank and
+        save ``sd`` on rank 0. A call that the other ranks do not make waits for them before any transfer:
+        after ``COLLECTIVES_STALL_WARN_S`` (default 60 s) it warns, naming this fix, and waits on; with
+        ``COLLECTIVES_TIMEOUT`` set, it raises :class:`CollectiveTimeoutError` after that many seconds
+        (uncaught, the job is aborted), and a later call on every rank still works.
 
         Example:
             >>> import torch, collectives as coll
@@ -521,7 +541,9 @@ class TorchDistributedOptimizer:
             >>> opt = coll.DistributedOptimizer(torch.optim.Adam([p], lr=0.1), shard_state=True)
             >>> p.grad = torch.ones(5)
             >>> opt.step()
-            >>> sd = opt.state_dict()                      # every rank: the whole state
+            >>> sd = opt.state_dict()                      # on every rank: the whole state
+            >>> if coll.world().rank == 0:                 # then save on rank 0 only
+            ...     pass                                   # torch.save(sd, "checkpoint.pt")
             >>> adam = sd["state"].get(0)                  # parameter 0's Adam state
             >>> adam.get("exp_avg").shape
             torch.Size([5])
@@ -533,9 +555,50 @@ class TorchDistributedOptimizer:
         if not self.shard_state:
             return self.inner.state_dict()
         assert self._engine is not None  # shard_state=True: there is always an engine, holding the shards
+        self._meet("state_dict()")
         sd = self.inner.state_dict()
         sd["state"] = self._engine.shards.full_state()
         return sd
+
+    def _meet(self, what: str) -> None:
+        """Wait until every rank has called ``what`` (a collective of ``shard_state=True``), before any of
+        its transfers: a one-byte allreduce on the optimizer's meeting communicator, polled. A rank that
+        waits longer than ``COLLECTIVES_STALL_WARN_S`` (default 60 s) warns once and waits on; longer than
+        ``COLLECTIVES_TIMEOUT`` (when set), :class:`CollectiveTimeoutError` (the job's abort-on-error ends
+        the other ranks); either names the fix. The rank-0-only checkpoint of Horovod is what this catches:
+        the other ranks are then in their next step's gradient collectives, on another communicator, and
+        nothing of theirs is mixed up with this call's transfers."""
+        if self._meeting is None:
+            return
+        import numpy as np
+
+        from . import _config
+        from ._errors import CollectiveTimeoutError
+        from ._poll import poll
+
+        handle = self._waiting
+        if handle is None:
+            handle = self._meeting.allreduce(np.zeros(1, np.int8), async_op=True)
+        warn_s, limit = _config.stall_warn_s(), _config.timeout()
+        waited = 0.0
+        for bound in sorted({b for b in (warn_s, limit) if b is not None}):
+            if poll(handle.done, bound - waited):
+                break
+            waited = bound
+            text = (f"DistributedOptimizer.{what} with shard_state=True is collective: every rank must call it, "
+                    f"and rank {self.comm.rank} of {self.comm.size} has waited {waited:g} s for the others. "
+                    "Gathering the sharded state needs every rank's share, so Horovod's rank-0 checkpoint "
+                    "(`if rank == 0: torch.save(opt.state_dict())`) cannot work: call `sd = opt.state_dict()` on "
+                    "every rank, then save `sd` on rank 0 only")
+            if bound == limit:
+                self._waiting = handle  # kept: a call on every rank after this error completes it
+                raise CollectiveTimeoutError(f"{text} (COLLECTIVES_TIMEOUT={limit:g})")
+            import warnings
+
+            warnings.warn(f"{text} (a warning, waiting on; COLLECTIVES_STALL_WARN_S sets when it is given, "
+                          "COLLECTIVES_TIMEOUT turns it into an error)", RuntimeWarning, stacklevel=3)
+        self._waiting = None
+        handle.wait()
 
     def load_state_dict(self, state_dict: dict) -> None:
         """The inner optimizer's ``load_state_dict``; with ``shard_state=True`` each rank keeps its share
@@ -676,6 +739,15 @@ def _transformation(inner, op: str, k: int, bucket_bytes, comm) -> DistributedTr
         return DistributedState(inner.init(params), acc, 0)
 
     def update(grads, state, params=None, **extra):
+        traced = []
+        map_leaves(lambda leaf: traced.append(leaf) if is_tracer(leaf) else None, grads)
+        if traced:  # before any communication, on every rank alike (all of them trace the same function)
+            raise TypeError("DistributedOptimizer's update() was called inside jax.jit (or vmap, grad, scan): "
+                            f"the gradients are JAX tracers ({type(traced[0]).__name__}), which have no values "
+                            "to send to the other ranks. Call update outside jit: jit the loss and gradient "
+                            "computation (jax.jit(jax.value_and_grad(loss))), call "
+                            "`updates, state = opt.update(grads, state, params)` on the arrays it returns, then "
+                            "optax.apply_updates (it may be jitted on its own)")
         if k == 1:
             grads = allreduce_tree(grads, op, comm=comm, bucket_bytes=bucket_bytes)
             updates, inner_state = inner.update(grads, state.inner_state, params, **extra)

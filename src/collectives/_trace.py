@@ -420,16 +420,19 @@ def _progress() -> dict:
         if t is not None:
             user = [f for f in t["stack"] if not in_package(f[0])]
             where = user[-1] if user else t["stack"][-1]
-    seqs = {}
+    seqs, calls = {}, {}
     for engine in list(_LIVE):
         try:
-            name, seq = engine.trace_name(), engine.trace_seq()
+            name, last, _ = engine.trace_last()
+            seq = engine.trace_seq()
         except Exception:  # noqa: BLE001 - a closed communicator
             continue
         if name is not None:
             seqs[name] = seq
-    return {"rank": _job["rank"], "time": time.time(), "seqs": seqs, "inside_collective": bool(inside),
-            "where": where}
+            if last is not None:  # which collective that number is: ranks at one number may be in two
+                calls[name] = {k: last.get(k) for k in ("seq", "collective", "op", "root", "dtype", "shape", "site")}
+    return {"rank": _job["rank"], "time": time.time(), "seqs": seqs, "calls": calls,
+            "inside_collective": bool(inside), "where": where}
 
 
 def _watch() -> None:
@@ -492,6 +495,12 @@ def describe(entry: dict) -> str:
     return f"{entry['collective']} #{entry['seq']}" + (f" ({', '.join(parts)})" if parts else "")
 
 
+def _differs(theirs: dict, mine: dict) -> bool:
+    """Whether another rank's call at the same number is another collective (or the same one with another
+    op or root): what the stall warning must name instead of saying that the rank entered this call."""
+    return any(theirs.get(k) != mine.get(k) for k in ("collective", "op", "root"))
+
+
 def site_text(site) -> str:
     return f"{site[0]}:{site[1]} in {site[2]}" if site else "an unrecorded call site (the hot path)"
 
@@ -509,7 +518,7 @@ def _stall(waited: float) -> None:
     if entry.get("site") is None and mine["where"]:  # a hot-path call keeps no site: the stack has it
         entry = dict(entry, site=mine["where"][:3])
     time.sleep(ANSWER_WAIT_S)
-    behind, inside, silent = [], [], []
+    behind, inside, elsewhere, silent = [], [], [], []
     for r in range(_job["size"]):
         if r == _job["rank"]:
             continue
@@ -518,16 +527,26 @@ def _stall(waited: float) -> None:
             silent.append(r)
             continue
         seq = answer.get("seqs", {}).get(name, 0)
+        where = answer.get("where")
         if seq < entry["seq"]:
-            where = answer.get("where")
             at = f" in {where[0]}:{where[1]} in {where[2]}" if where else ""
             behind.append(f"rank {r} (at #{seq}{at})")
+            continue
+        theirs = answer.get("calls", {}).get(name)
+        if theirs is not None and seq == entry["seq"] and _differs(theirs, entry):
+            site = theirs.get("site") or (where[:3] if where else None)
+            elsewhere.append(f"rank {r} is in {describe(theirs)}, called at {site_text(site)}")
+        elif seq > entry["seq"]:
+            elsewhere.append(f"rank {r} is past it (at #{seq})")
         else:
             inside.append(str(r))
     text = (f"collectives: stall: {describe(entry)} on {name}, called at {site_text(entry.get('site'))}, has "
             f"waited {waited:.0f} s on rank {_job['rank']} of {_job['size']}")
     if behind:
         text += "; not entered by " + ", ".join(behind)
+    if elsewhere:
+        text += ("; " + ", ".join(elsewhere) + f" (call #{entry['seq']} is a different collective there: the ranks "
+                 "have diverged and this call cannot complete)")
     if inside:
         text += f"; rank{'s' if len(inside) > 1 else ''} {','.join(inside)} entered it too"
     if silent:

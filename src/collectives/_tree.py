@@ -896,7 +896,8 @@ def _reduce_entries(flat: Flat, prepared: _Leaves, op: str) -> tuple[tuple, Base
                 error = error or _at(path, TypeError(f"{name} scalar: {exc}"))
         else:
             entries.append((path, f"a {type(leaf).__name__} (not an array)"))
-            hint = ("use synchronize() to copy root's optimizer state" if kind == OPTIMIZER
+            hint = (_arrays.TRACER_HINT if _arrays.is_tracer(leaf)
+                    else "use synchronize() to copy root's optimizer state" if kind == OPTIMIZER
                     else "allreduce_tree reduces arrays and numbers; take it out of the tree, or use "
                          "synchronize() to copy root's value")
             error = error or TypeError(f"leaf {render_path(path)}: cannot reduce a "

@@ -2,7 +2,7 @@
 (sync_dist=True), a checkpoint, validate(ckpt_path=...); the final parameters equal the same script's on
 gloo, run in the same job (--compare). Usage (2 ranks):
 
-    mpiexec -n 2 python tests/clients/lightning_ddp.py [--nodes] [--backend collectives|gloo]
+    mpiexec -n 2 python tests/clients/lightning_ddp.py [--nodes] [--backend collectives|gloo] [--default-devices]
 
 --nodes: the multi-node form (devices=1, num_nodes=N). Lightning's MPIEnvironment takes the global rank
 and size from MPI and the local rank from the ranks sharing a host name, so on one machine every rank but
@@ -25,7 +25,7 @@ from _common import gloo_rendezvous  # (tests/clients is the script's directory)
 warnings.filterwarnings("ignore")
 
 
-def run(backend: str, nodes: bool, root: str):
+def run(backend: str, nodes: bool, root: str, default_devices: bool = False):
     import lightning.pytorch as pl
     from lightning.pytorch.strategies import DDPStrategy
     from mpi4py import MPI
@@ -69,8 +69,9 @@ def run(backend: str, nodes: bool, root: str):
 
         plugins.append(OneRankPerNode())
     model = Model()
-    trainer = pl.Trainer(plugins=plugins,
-        accelerator="cpu", devices=1 if nodes else n, num_nodes=n if nodes else 1,
+    # --default-devices: Lightning's default devices ("auto": 1 on CPU), a mistake under mpiexec -n N > 1
+    placement = {} if default_devices else {"devices": 1 if nodes else n, "num_nodes": n if nodes else 1}
+    trainer = pl.Trainer(plugins=plugins, accelerator="cpu", **placement,
         strategy=DDPStrategy(process_group_backend=backend), max_epochs=2, default_root_dir=root,
         enable_progress_bar=False, enable_model_summary=False, logger=False, deterministic=True)
     loader = torch.utils.data.DataLoader(data, batch_size=8)
@@ -89,8 +90,15 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--nodes", action="store_true")
     ap.add_argument("--backend", default=None, help="one backend only (default: collectives, then gloo)")
+    ap.add_argument("--default-devices", action="store_true",
+                    help="leave Trainer's devices at its default: at N > 1 ranks the job must fail, with our "
+                         "explanation after Lightning's IndexError (tests/crash)")
     args = ap.parse_args()
     from mpi4py import MPI
+
+    if args.default_devices:
+        run("collectives", False, tempfile.mkdtemp(prefix="lightning-"), default_devices=True)
+        return 0
 
     world = MPI.COMM_WORLD
     root = world.bcast(tempfile.mkdtemp(prefix="lightning-") if world.Get_rank() == 0 else None)

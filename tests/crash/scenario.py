@@ -265,6 +265,14 @@ def main(name: str) -> None:
         comm.allreduce(x)  # TRACE-STALL-ALLREDUCE
         assert (x == comm.size ** 2).all(), x
 
+    elif name == "hang-trace-stall-divergent":  # the same call number, two collectives, no deadline: a hang
+        comm.allreduce(x)
+        if comm.rank == last:
+            comm.barrier()  # TRACE-STALL-DIVERGENT-BARRIER
+        else:
+            comm.allreduce(x)  # TRACE-STALL-DIVERGENT-ALLREDUCE
+        say(f"SURVIVED {rank}")  # never: the test kills the job once the warnings are out
+
     elif name == "clean-trace-sigusr1":  # every rank gets SIGUSR1 mid-run; the job goes on, correct
         for i in range(20):
             comm.allreduce(x)

@@ -387,6 +387,69 @@ def test_stall_warning_names_the_late_rank_and_its_dump_shows_where_it_is(n):
 
 
 @pytest.mark.parametrize("n", SIZES)
+def test_stall_warning_names_both_collectives_at_one_call_number(n):
+    """The last rank is in barrier #k while the others are in allreduce #k (no deadline: the job hangs): each
+    rank's warning names the other side's collective and call site, never "entered it too" across the two."""
+    env_extra = {"COLLECTIVES_STALL_WARN_S": 2,
+                 "COLLECTIVES_TRACE_DIR": tempfile.mkdtemp(prefix=f"trace-stall-divergent-{n}-", dir=TRACES)}
+    cmd = job_command(n, [sys.executable, str(SCENARIO), "hang-trace-stall-divergent"], forward=env_extra)
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True, start_new_session=True,
+                                env=job_environment(drop=("COLLECTIVES_",), **env_extra))
+        deadline = time.monotonic() + RUN_LIMIT_S
+        try:  # until every rank has warned (or the limit): then the hung job is killed whole
+            while time.monotonic() < deadline and proc.poll() is None:
+                err.seek(0)
+                if err.read().count("collectives: stall:") >= n:
+                    time.sleep(0.5)  # a line being written
+                    break
+                time.sleep(0.5)
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        err.seek(0)
+        text = err.read()
+    warnings = [line for line in text.splitlines() if line.startswith("collectives: stall:")]
+    assert len(warnings) == n, text
+    ar = r"allreduce #(\d+) \(op=sum, float64 \(4,\)\)"
+    ar_site = re.escape(f"{SCENARIO}:{line_of('TRACE-STALL-DIVERGENT-ALLREDUCE')} in main")
+    bar_site = re.escape(f"{SCENARIO}:{line_of('TRACE-STALL-DIVERGENT-BARRIER')} in main")
+    for line in warnings:
+        assert "the ranks have diverged" in line, line
+        mine = int(re.search(r" on rank (\d+) of ", line).group(1))
+        if mine == n - 1:  # in the barrier: every other rank named in its allreduce at the same number
+            k = re.match(r"collectives: stall: barrier #(\d+) on world", line).group(1)
+            for r in range(n - 1):
+                assert re.search(rf"rank {r} is in allreduce #{k} \(op=sum, float64 \(4,\)\), called at {ar_site}",
+                                 line), line
+            assert "entered it too" not in line, line
+        else:  # in the allreduce: the last rank named in its barrier; the other allreduce ranks entered it
+            k = re.match(rf"collectives: stall: {ar} on world, called at {ar_site}", line).group(1)
+            assert re.search(rf"rank {n - 1} is in barrier #{k}, called at {bar_site}", line), line
+            inside = re.search(r"; ranks? ([\d,]+) entered it too", line)
+            assert sorted(inside.group(1).split(",") if inside else []) == \
+                   [str(r) for r in range(n - 1) if r != mine], line
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_lightning_default_devices_under_mpiexec_is_explained(n):
+    """Lightning's Trainer with its default devices (1 on CPU) under mpiexec -n N: every rank but the first
+    dies in Lightning's IndexError; the backend's import adds what it means and the Trainer arguments
+    that fix it (devices=N, num_nodes=1), after the traceback."""
+    pytest.importorskip("lightning")
+    script = HERE.parent / "clients" / "lightning_ddp.py"
+    cmd = job_command(n, [sys.executable, str(script), "--default-devices"])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_LIMIT_S, start_new_session=True,
+                          env=job_environment(drop=("COLLECTIVES_",)))
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    assert "IndexError" in proc.stderr, proc.stderr[-3000:]
+    hints = re.findall(r"^collectives: Lightning's Trainer has devices=1 and num_nodes=1 .* the launcher started "
+                       rf"{n} ranks, and this one, local rank (\d) on its machine, has no device.*"
+                       rf"here Trainer\(devices={n}, num_nodes=1\)$", proc.stderr, re.M)
+    assert hints and set(hints) <= {str(r) for r in range(1, n)}, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("n", SIZES)
 def test_sigusr1_dumps_and_the_job_goes_on(n):
     job = run("clean-trace-sigusr1", n)
     assert job.rc == 0 and job.err == "", job

@@ -183,6 +183,23 @@ def test_bad_input_is_refused_before_communication(comm):
         coll.alltoall(jnp.ones(()))
 
 
+def test_a_tracer_inside_jit_is_told_to_be_called_outside_jit(comm):
+    """DistributedOptimizer's update, allreduce and allreduce_tree inside jax.jit: a TypeError (before any
+    communication, on every rank) saying to call it outside jit, not to use synchronize()."""
+    opt = coll.DistributedOptimizer(optax.sgd(0.1), comm=comm)
+    params = {"w": jnp.ones(3)}
+    state = opt.init(params)
+    with pytest.raises(TypeError, match=r"update\(\) was called inside jax.jit.*Call update outside jit") as info:
+        jax.jit(lambda g: opt.update(g, state, params))({"w": jnp.ones(3)})
+    assert "synchronize" not in str(info.value)
+    for call in (lambda g: coll.allreduce(g["w"], comm=comm), lambda g: coll.allreduce_tree(g, comm=comm)):
+        with pytest.raises(TypeError, match="a JAX tracer.*call it outside jit") as info:
+            jax.jit(call)({"w": jnp.ones(3)})
+        assert "use synchronize()" not in str(info.value)
+    updates, _ = opt.update({"w": jnp.full(3, float(comm.rank))}, state, params)  # outside jit: works
+    assert np.allclose(np.asarray(updates["w"]), -0.1 * (comm.size - 1) / 2)
+
+
 def adam_state(rank: int):
     params = {"dense": {"w": jnp.full((3, 2), float(rank)), "b": jnp.zeros(2) + rank}, "scale": jnp.float32(rank)}
     opt = optax.adam(1e-2)

@@ -2,6 +2,7 @@
 state, and the equivalence of every way of running it (bit for bit, 20 steps)."""
 
 import gc
+import time
 
 import numpy as np
 import pytest
@@ -368,6 +369,56 @@ def train_once(comm, model, **options):
     model(x).sum().backward()
     opt.step()
     return model, opt
+
+
+def _same_state(a, b):
+    assert sorted(a["state"]) == sorted(b["state"]) and a["param_groups"] == b["param_groups"]
+    for i in a["state"]:
+        for name, v in a["state"][i].items():
+            assert torch.equal(v, b["state"][i][name]) if torch.is_tensor(v) else v == b["state"][i][name], (i, name)
+
+
+@needs_two
+def test_sharded_state_dict_on_rank_0_only_is_a_bounded_error_that_names_the_fix(comm, monkeypatch):
+    """Horovod's checkpoint idiom, ``if rank == 0: opt.state_dict()``, with shard_state=True (a collective):
+    with COLLECTIVES_TIMEOUT, rank 0 raises CollectiveTimeoutError saying to call it on every rank, before
+    any transfer of the gather; the optimizer is intact: a call on every rank afterwards gives the state."""
+    _, opt = train(comm, "tied", "adam", steps=2, shard_state=True)
+    monkeypatch.setenv("COLLECTIVES_TIMEOUT", "1.5")
+    monkeypatch.setenv("COLLECTIVES_STALL_WARN_S", "0")  # never: the deadline alone
+    flag = np.zeros(1)
+    if comm.rank == 0:
+        t0 = time.monotonic()
+        with pytest.raises(coll.CollectiveTimeoutError, match=r"state_dict\(\) with shard_state=True is collective: "
+                           r"every rank must call it.*call `sd = opt.state_dict\(\)` on every rank"):
+            opt.state_dict()
+        assert 1.4 < time.monotonic() - t0 < 30
+        for r in range(1, comm.size):  # now the others may come
+            comm.send(flag, dst=r)
+    else:
+        comm.recv(flag, src=0)
+    monkeypatch.delenv("COLLECTIVES_TIMEOUT")
+    everyone = opt.state_dict()  # every rank: completes rank 0's meeting of the failed call, then gathers
+    _same_state(everyone, opt.state_dict())
+    assert len(everyone["state"]) > 0
+
+
+@needs_two
+def test_sharded_state_dict_waiting_for_the_others_warns_and_completes(comm, monkeypatch):
+    """Without a deadline, a rank that waits in state_dict() longer than COLLECTIVES_STALL_WARN_S warns once,
+    naming the fix, and completes when the others come."""
+    _, opt = train(comm, "tied", "adam", steps=2, shard_state=True)
+    monkeypatch.delenv("COLLECTIVES_TIMEOUT", raising=False)
+    monkeypatch.setenv("COLLECTIVES_STALL_WARN_S", "0.3")
+    if comm.rank == 0:
+        with pytest.warns(RuntimeWarning, match="every rank must call it") as caught:
+            sd = opt.state_dict()
+        assert len([w for w in caught if "every rank must call it" in str(w.message)]) == 1
+        assert caught[0].filename == __file__  # points at the caller's line
+    else:
+        time.sleep(4)  # rank 0 warns after 0.3 s
+        sd = opt.state_dict()
+    _same_state(sd, opt.state_dict())
 
 
 def test_sharded_state_dict_round_trip(comm):
