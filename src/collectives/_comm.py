@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _agree, _arrays, _buckets, _call, _config, _dtypes, _reduction, _registry, _trace, _tree
+from . import _agree, _arrays, _buckets, _call, _config, _dtypes, _finite, _reduction, _registry, _trace, _tree
 from ._backends import closed as _closed
 from ._backends import factory
 from ._backends.base import HostTransport
@@ -135,6 +135,9 @@ class Communicator:
         self._name: str | None = None  # "world", "world.2" (a split), "comm1" (init(comm=...)): for dumps
         self._splits = 0  # split() calls made on this communicator (names its children alike on every rank)
         _trace.register(self._engine)
+        # COLLECTIVES_CHECK_NAN (agreed by the transport): floating reductions' inputs are scanned in _prepare
+        # (_finite) before they move; the hot path, which skips _prepare, is then never filled (_fast_path)
+        self._check_nan = bool(host.check_nan)
         self.check = bool(check)
         host.on_failure(self._forget_fast_paths)  # a failed transport: every later call takes the checks
 
@@ -895,6 +898,8 @@ class Communicator:
                                            0 if view is None else view.size, root if isinstance(root, int) else -1)
             if self.check:
                 self._agree(transport, collective, view, info, **args)
+            if self._check_nan and op is not _UNSET and _finite.checks(info):  # COLLECTIVES_CHECK_NAN
+                _finite.check(transport, collective, _finite.scan([(view, info)]))
         rec = self._current
         if rec is not None:
             rec.path = f"{rec.path}, {transport.name}"
@@ -986,8 +991,9 @@ class Communicator:
         ``("alltoall", dtype)`` (``op`` is that key: no op of one can find an entry of the other), taking ``run(x, out)``; NumPy arrays only (the block output is a new array).
         """
         global _torch_tensor, _strided
-        if self._check or _call.naming_now()[0] is not None:  # (a front end's own op name: not for later calls;
-            return  # a bucket's layout is: each hot call reads its own, see _described)
+        if self._check or self._check_nan or _call.naming_now()[0] is not None:  # (checked mode and the NaN
+            return  # check run in _prepare; a front end's own op name is not for later calls; a bucket's
+        # layout is: each hot call reads its own, see _described)
         if a is _arrays.NUMPY and x.__class__ is _ndarray:
             if view.dtype != x.dtype:  # the hot path hands run x itself: not for a reinterpreted view
                 return  # (ml_dtypes' bfloat16 and float8 from JAX travel as their storage integers)
@@ -1290,6 +1296,11 @@ class Engine:
     @property
     def check(self) -> bool:
         return self.communicator.check
+
+    @property
+    def check_nan(self) -> bool:
+        """Whether floating reductions' inputs are checked for NaN and inf (``COLLECTIVES_CHECK_NAN``)."""
+        return self.communicator._check_nan
 
     def check_root(self, root) -> int:
         """``root`` as a valid rank of the communicator, or the TypeError/ValueError of the collectives."""

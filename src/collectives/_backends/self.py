@@ -17,6 +17,7 @@ class SelfTransport(HostTransport):
 
     def __init__(self):
         _config.refuse_malformed()  # a malformed variable is refused at init, as with MPI (alone here)
+        self.check_nan = _config.check_nan()
         self._mail: dict = {}  # tag -> the messages this process sent itself, oldest first: (header, bytes)
 
     # ---- point-to-point: to itself, through a mailbox (the Communicator refuses a blocking send to itself)
