@@ -64,7 +64,7 @@ def main() -> int:
         for name, call, first, second in (
                 ("allreduce", lambda c, x: c.allreduce(x, "sum"), on, off),
                 ("async", lambda c, x: c.allreduce(x, "sum", async_op=True).wait(), on, off),
-                ("tree", lambda c, x: c.allreduce_tree(tree, "sum"), on, off),
+                ("tree", lambda c, x, tree=tree: c.allreduce_tree(tree, "sum"), on, off),
                 ("scan", None, None, off),
                 ("A/A", lambda c, x: c.allreduce(x, "sum"), off2, off)):
             if call is None:  # the scan alone against the allreduce off

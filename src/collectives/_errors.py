@@ -83,8 +83,9 @@ class NonFiniteError(CollectiveError):
     Attributes:
         collective: the call that was refused (``"allreduce"``, ...).
         found: ``{rank: (where, index, value)}``: for each rank whose input held one, the first non-finite
-            element: ``where`` the leaf of a tree (``"['w']"``; ``""`` for a single array), ``index`` its
-            position in that array (flat, C order) and ``value`` its text (``"nan"``, ``"inf"``, ``"-inf"``).
+            element: ``where`` the array that holds it (``"leaf ['w']"`` of a tree, ``"the gradient of
+            fc.weight"``; ``""`` for a single array), ``index`` its position in that array (flat, C order)
+            and ``value`` its text (``"nan"``, ``"inf"``, ``"-inf"``).
 
     Example:
         >>> import collectives as coll
@@ -104,7 +105,7 @@ class NonFiniteError(CollectiveError):
         parts = []
         for r in ranks:
             where, index, value = self.found[r]
-            parts.append(f"rank {r} ({value} at {f'leaf {where} ' if where else ''}index {index})")
+            parts.append(f"rank {r} ({value} at index {index}{f' of {where}' if where else ''})")
         super().__init__(
             f"{collective}: the input holds a non-finite value on {', '.join(parts)} (COLLECTIVES_CHECK_NAN=1; the first such element of each rank's input, its "
             f"flat index in C order). Nothing was reduced on any rank: every input is unchanged and the "

@@ -795,7 +795,7 @@ def allreduce_tree(engine, tree, op, bucket_bytes, asynchronous: bool = False):
     if engine.check_nan:  # COLLECTIVES_CHECK_NAN: every rank, the tree agreed, before anything moves (_finite)
         paths, index = flat.paths, prepared.index
         _finite.check(engine.host, what, _finite.scan(None if it.view is None else (it.view, it.info) for it in items),
-                      lambda n: render_path(paths[index[n]]))
+                      lambda n: f"leaf {render_path(paths[index[n]])}")
     plan = None if cached is None else cached[2]
     steps = None
     if asynchronous:

@@ -977,6 +977,7 @@ class MPITransport(HostTransport):
             child.__init__(part)  # collective over the part: its own duplicate, node communicator, settings
         finally:
             part.Free()
+        child.check_nan = child.check_nan or self.check_nan  # on if on for the parent (agreed there) or here
         return child
 
     def close(self):

@@ -67,7 +67,11 @@ class SelfTransport(HostTransport):
         pass
 
     def split(self, color, key):
-        return None if color is None else SelfTransport()
+        if color is None:
+            return None
+        child = SelfTransport()
+        child.check_nan = child.check_nan or self.check_nan  # on if on for the parent or here
+        return child
 
 
 class _Taken(Request):
