@@ -135,8 +135,8 @@ class Communicator:
         self._name: str | None = None  # "world", "world.2" (a split), "comm1" (init(comm=...)): for dumps
         self._splits = 0  # split() calls made on this communicator (names its children alike on every rank)
         _trace.register(self._engine)
-        # COLLECTIVES_CHECK_NAN (agreed by the transport): floating reductions' inputs are scanned in _prepare
-        # (_finite) before they move; the hot path, which skips _prepare, is then never filled (_fast_path)
+        # COLLECTIVES_CHECK_NAN (agreed by the transport): floating reductions' inputs are scanned before they
+        # move (_finite): in _prepare, and by the hot path's cached call (_fast_path caches it guarded)
         self._check_nan = bool(host.check_nan)
         self.check = bool(check)
         host.on_failure(self._forget_fast_paths)  # a failed transport: every later call takes the checks
@@ -991,9 +991,8 @@ class Communicator:
         ``("alltoall", dtype)`` (``op`` is that key: no op of one can find an entry of the other), taking ``run(x, out)``; NumPy arrays only (the block output is a new array).
         """
         global _torch_tensor, _strided
-        if self._check or self._check_nan or _call.naming_now()[0] is not None:  # (checked mode and the NaN
-            return  # check run in _prepare; a front end's own op name is not for later calls; a bucket's
-        # layout is: each hot call reads its own, see _described)
+        if self._check or _call.naming_now()[0] is not None:  # (a front end's own op name: not for later calls;
+            return  # a bucket's layout is: each hot call reads its own, see _described)
         if a is _arrays.NUMPY and x.__class__ is _ndarray:
             if view.dtype != x.dtype:  # the hot path hands run x itself: not for a reinterpreted view
                 return  # (ml_dtypes' bfloat16 and float8 from JAX travel as their storage integers)
@@ -1008,6 +1007,8 @@ class Communicator:
             if a is _arrays.NUMPY and op not in blocks:
                 reduced = op[1] if op[0] == "reduce_scatter" else None
                 run = _described(self._host, run, op[0], reduced, info)
+                if reduced is not None and self._check_nan and _finite.checks(info):  # COLLECTIVES_CHECK_NAN
+                    run = _finite.guarded(self._host, op[0], info, run, blocks=True)
                 self._hot_names.setdefault(run, (op[0], reduced, info.name))
                 blocks[op] = run
             return
@@ -1016,6 +1017,8 @@ class Communicator:
             return
         collective, reduced = ("broadcast", None) if op == "broadcast" else ("allreduce", op)
         run = _described(self._host, run, collective, reduced, info)
+        if reduced is not None and self._check_nan and _finite.checks(info):  # COLLECTIVES_CHECK_NAN: the
+            run = _finite.guarded(self._host, collective, info, run)  # scan and the exchange, then the call
         self._hot_names.setdefault(run, (collective, reduced, info.name))
         table.setdefault(x.dtype, run)
 
