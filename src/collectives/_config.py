@@ -22,6 +22,7 @@ variable                        meaning                                         
 ``COLLECTIVES_SIMULATE_NODES``  N: every N consecutive ranks of a node act as one node (tests)  unset
 ``COLLECTIVES_TRACE_BUFFER``    calls each communicator keeps in its record (``0``: none)    2000
 ``COLLECTIVES_TRACE_DIR``       where the per-rank trace dumps are written                   ``./collectives-trace``
+``COLLECTIVES_TRACE_FORMAT``    the dumps: ``collectives`` (JSON), ``torch`` or ``both``     ``collectives``
 ``COLLECTIVES_STALL_WARN_S``    seconds in one collective before a stall warning (``0``: off) 60
 ==============================  ===========================================================  ==========
 """
@@ -225,6 +226,19 @@ def trace_dir() -> str:
     return os.path.abspath(string("COLLECTIVES_TRACE_DIR", "collectives-trace"))
 
 
+TRACE_FORMATS = ("collectives", "torch", "both")
+
+
+def trace_format() -> str:
+    """What each rank's trace dump is written as (``COLLECTIVES_TRACE_FORMAT``): ``collectives`` (our JSON,
+    the default), ``torch`` (torch's flight-recorder pickle, for its ``fr_trace``, instead) or ``both``."""
+    value = string("COLLECTIVES_TRACE_FORMAT", "collectives").lower()
+    if value not in TRACE_FORMATS:
+        raise ValueError(f"environment variable COLLECTIVES_TRACE_FORMAT="
+                         f"{os.environ.get('COLLECTIVES_TRACE_FORMAT')!r}: expected collectives, torch or both")
+    return value
+
+
 def stall_warn_s() -> float | None:
     """Seconds one collective may wait before every waiting rank warns (``COLLECTIVES_STALL_WARN_S``;
     default 60, ``0``: never)."""
@@ -250,7 +264,7 @@ def _abort_on_error() -> bool:
 # read here first too, so that a malformed value is refused at init, where the ranks agree on it.
 READERS = (_backend_checked, check, check_nan, timeout, mpi_thread_level, max_count, bucket_bytes, shm,
            simulate_nodes, sync_pipeline, shm_threshold, shm_slot_bytes, _abort_on_error,
-           disable_nccl, cuda_aware_mpi, nccl_eager, trace_buffer, stall_warn_s)
+           disable_nccl, cuda_aware_mpi, nccl_eager, trace_buffer, trace_format, stall_warn_s)
 
 
 def problems() -> list[str]:

@@ -28,7 +28,8 @@ the sequence numbers moving, it asks the other ranks, through files in the same 
 has come, and logs once which ranks have not entered the call yet.
 
 ``python -m collectives trace DIR`` (``collectives._tracetool``) reads the dumps and says where the ranks
-diverged.
+diverged. With ``COLLECTIVES_TRACE_FORMAT=torch`` or ``both`` the dumps are (also) written in torch's
+flight-recorder format (``_trace_torch``), for ``python -m torch.distributed.flight_recorder.fr_trace``.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ import traceback
 import weakref
 from types import FrameType
 
-from . import _config
+from . import _config, _trace_torch
 
 FORMAT = "collectives-trace/1"
 POLL_S = 0.5  # how often the watcher thread looks for requests, queries and stalls
@@ -170,7 +171,7 @@ def start(job: str, rank: int, size: int) -> None:
     ``COLLECTIVES_TRACE_BUFFER=0``."""
     if _config.trace_buffer() == 0:
         return
-    _job.update(id=job, rank=rank, size=size, dir=_config.trace_dir())
+    _job.update(id=job, rank=rank, size=size, dir=_config.trace_dir(), format=_config.trace_format())
     if threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGUSR1"):
         try:
             if signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None):
@@ -251,8 +252,12 @@ def _path(kind: str, rank: int | None = None) -> str:
 
 
 def dump_path(rank: int | None = None) -> str:
-    """The file this rank's dump goes to (``<dir>/<job>.trace-rank<R>.json``)."""
-    return _path("trace", _job["rank"] if rank is None else rank) + ".json"
+    """The file this rank's dump goes to (``<dir>/<job>.trace-rank<R>.json``; with
+    ``COLLECTIVES_TRACE_FORMAT=torch``, torch's: ``<dir>/<job>.torch/collectives_trace_rank_<R>``)."""
+    rank = _job["rank"] if rank is None else rank
+    if _job.get("format") == "torch":
+        return _trace_torch.path(_job["dir"], _job["id"], rank)
+    return _path("trace", rank) + ".json"
 
 
 def _write(path: str, data) -> None:
@@ -294,6 +299,22 @@ def in_package(path: str) -> bool:
     return path.startswith(_PACKAGE)
 
 
+def user_frame(dump: dict) -> tuple[list | None, str]:
+    """The innermost frame outside the library of a rank's main thread in ``dump`` (a snapshot) or, where
+    the main thread is in the failure path, of the exception that ended the job; and what it is."""
+    threads = dump.get("threads", [])
+    main = next((t for t in threads if t.get("name") == "MainThread"), threads[0] if threads else None)
+    stack = [f for f in (main or {}).get("stack", []) if not in_package(f[0])]
+    if stack and main is not None:
+        return stack[-1], " (inside a collective)" if main.get("inside_collective") else ""
+    exc = dump.get("exception")
+    if exc:
+        raised = [f for f in exc["stack"] if not in_package(f[0])]
+        if raised:
+            return raised[-1], f" (where it raised {exc['type']})"
+    return None, ""
+
+
 def snapshot(reason: str, exc: BaseException | None = None) -> dict:
     """Everything a dump holds, as a dict (``exc``: the exception that ends the job, with its traceback)."""
     threads = _threads()
@@ -327,7 +348,14 @@ def dump(reason: str, *, tell_others: bool = False, exc: BaseException | None = 
                 if exc is not None and not _ending:
                     _ending.append(exc)
                 path = dump_path()
-                _write(path, snapshot(reason, exc if exc is not None else (_ending[0] if _ending else None)))
+                data = snapshot(reason, exc if exc is not None else (_ending[0] if _ending else None))
+                form = _job.get("format")
+                if form != "torch":
+                    _write(_path("trace", _job["rank"]) + ".json", data)
+                if form in ("torch", "both"):  # torch's format too (for its fr_trace): _trace_torch
+                    frame, _ = user_frame(data)
+                    _trace_torch.write(_trace_torch.path(_job["dir"], _job["id"], _job["rank"]),
+                                       _trace_torch.convert(data, frame[:3] if frame else None))
                 if tell_others and _job["size"] > 1:
                     _write(_path("request") + ".json", {"rank": _job["rank"], "reason": reason,
                                                         "time": time.time()})
@@ -372,8 +400,13 @@ def failure(reason: str, exc: BaseException | None = None) -> str | None:
     path = dump(reason, tell_others=True, exc=exc)
     if path is not None and len(_reasons) == 1 + sum(r.startswith("asked by") for r in _reasons[:-1]):
         try:
+            tool = f"`python -m collectives trace {_job['dir']}`"
+            if _job.get("format") in ("torch", "both"):
+                torch_dir = _trace_torch.directory(_job["dir"], _job["id"])
+                tool = ("" if _job.get("format") == "torch" else tool + "; ") + \
+                    f"torch's format: `python -m torch.distributed.flight_recorder.fr_trace {torch_dir}`"
             sys.stderr.write(f"collectives: trace written to {path} (every rank writes one; read them with "
-                             f"`python -m collectives trace {_job['dir']}`)\n")
+                             f"{tool})\n")
         except Exception:  # noqa: BLE001
             pass
     return path

@@ -71,25 +71,9 @@ def _groups(entered: dict[int, dict]) -> dict[tuple, list[int]]:
     return groups
 
 
-def _user_frame(dump: dict) -> tuple[list | None, str]:
-    """The innermost frame outside the library of a rank's main thread (or, where the main thread is in
-    the failure path, of the exception that ended the job), and what it is."""
-    threads = dump.get("threads", [])
-    main = next((t for t in threads if t.get("name") == "MainThread"), threads[0] if threads else None)
-    stack = [f for f in (main or {}).get("stack", []) if not _trace.in_package(f[0])]
-    if stack and main is not None:
-        return stack[-1], " (inside a collective)" if main.get("inside_collective") else ""
-    exc = dump.get("exception")
-    if exc:
-        raised = [f for f in exc["stack"] if not _trace.in_package(f[0])]
-        if raised:
-            return raised[-1], f" (where it raised {exc['type']})"
-    return None, ""
-
-
 def _where(dump: dict) -> str:
-    """Where a rank's stack shows it is (see :func:`_user_frame`)."""
-    frame, what = _user_frame(dump)
+    """Where a rank's stack shows it is (see :func:`collectives._trace.user_frame`)."""
+    frame, what = _trace.user_frame(dump)
     if frame is None:
         return "no stack outside the library in its dump"
     return f"{frame[0]}:{frame[1]} in {frame[2]}" + (f": {frame[3]}" if frame[3] else "") + what
@@ -116,7 +100,7 @@ def verdict(dumps: dict[int, dict]) -> list[str]:
         for r, rec in records.items():  # a hot-path call keeps no site: the one in progress is in the stack
             last = rec.get(per_rank[r]["seq"])
             if last is not None and last.get("site") is None and last.get("state") != "completed":
-                frame, _ = _user_frame(dumps[r])
+                frame, _ = _trace.user_frame(dumps[r])
                 if frame is not None:
                     last["site"] = frame[:3]
         seqs = {r: c["seq"] for r, c in per_rank.items()}
@@ -252,7 +236,10 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     job, dumps = load(args.dir, args.job)
     if not dumps:
-        print(f"no trace dumps in {args.dir}" + (f" for job {args.job}" if args.job else ""))
+        torch_dirs = sorted(glob.glob(os.path.join(args.dir, "*.torch")))
+        print(f"no trace dumps in {args.dir}" + (f" for job {args.job}" if args.job else "")
+              + (f" (dumps in torch's format, COLLECTIVES_TRACE_FORMAT=torch, are in {torch_dirs[-1]}: read them "
+                 f"with `python -m torch.distributed.flight_recorder.fr_trace DIR`)" if torch_dirs else ""))
         return 1
     size = max(d.get("size", 1) for d in dumps.values())
     missing = [r for r in range(size) if r not in dumps]

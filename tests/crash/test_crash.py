@@ -446,3 +446,56 @@ def test_the_hang_walkthrough_of_the_docs(n):
     first = trace_verdict(job).splitlines()[0]
     assert first.startswith("DIVERGENCE on world at call #5:") and f"rank {n - 1} never entered it" in first, first
     assert f"rank {n - 1} was at {line} in <module>: time.sleep(30)" in first, first
+
+
+# ---- the same dumps in torch's format (COLLECTIVES_TRACE_FORMAT=both, issue 35): torch's fr_trace agrees ----
+
+def fr_trace(job: Job) -> str:
+    """``python -m torch.distributed.flight_recorder.fr_trace`` on the job's torch-format dumps: its output."""
+    [torch_dir] = Path(job.trace_dir).glob("*.torch")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(torch_dir)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr  # read with no error
+    return proc.stdout + proc.stderr  # (its logger writes to stderr)
+
+
+TORCH_CASES = {  # scenario: (its environment, the call # of the divergence, the others' and the last rank's calls)
+    "trace-skip": ({"COLLECTIVES_TIMEOUT": 5}, 6, "all_reduce", "barrier"),
+    "trace-divergent": ({"COLLECTIVES_TIMEOUT": 5}, 4, "all_reduce", "broadcast"),
+    "clean-trace-stall": ({"COLLECTIVES_STALL_WARN_S": 2, "TRACE_SLEEP": 8, "TRACE_ASK_AT": 5}, 3, "all_reduce", None),
+}
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("scenario", list(TORCH_CASES))
+def test_torch_fr_trace_reads_the_dumps_and_agrees(scenario, n):
+    """With COLLECTIVES_TRACE_FORMAT=both every rank also writes torch's format; torch's own analyzer reads
+    the dumps with no error and names the same call and collectives as our verdict: a rank that never
+    entered the call (the sleep: "missing ranks"), or the two collectives called at that number (its culprit
+    ranks are those that differ from the first dump it reads, in the directory's order: the last rank, or
+    all the others)."""
+    pytest.importorskip("torch.distributed.flight_recorder.fr_trace")
+    env, seq, others_call, last_call = TORCH_CASES[scenario]
+    job = run(scenario, n, COLLECTIVES_TRACE_FORMAT="both", **env)
+    assert len(dumps_of(job)) == n, (dumps_of(job), job)
+    ours = trace_verdict(job).splitlines()[0]
+    assert ours.startswith(f"DIVERGENCE on world at call #{seq}:"), ours
+    torch_files = sorted(p.name for p in Path(job.trace_dir).glob("*.torch/*"))
+    assert torch_files == [f"collectives_trace_rank_{r}" for r in range(n)], torch_files
+    out = fr_trace(job)
+    assert "group info: world:default_pg" in out, out
+    others = set(range(n - 1))
+    if last_call is None:  # a rank that never entered the call
+        assert f"rank {n - 1} never entered it" in ours, ours
+        assert f"Not all ranks joining collective, sequence number: {seq}" in out, out
+        assert f"missing ranks: {{{n - 1}}}" in out and f"collective: nccl:{others_call}" in out, out
+        assert f"main at {SCENARIO}:{line_of('TRACE-STALL-ALLREDUCE')}" in out, out  # the call site, as ours
+        return
+    assert f"Collective sequence number: {seq} has errors" in out, out
+    culprits = {int(r) for r in re.findall(r"Culprit rank (\d+);", out)}
+    found = set(re.findall(r"found collective type: '(\w+)'", out))
+    expected = set(re.findall(r"Expected collective type: '(\w+)'", out))
+    if culprits == {n - 1}:  # it read a rank of the majority first
+        assert (expected, found) == ({others_call}, {last_call}), out
+    else:  # it read the last rank first: the others differ from it
+        assert culprits == others and (expected, found) == ({last_call}, {others_call}), out
