@@ -9,6 +9,10 @@ last call every rank completed. Missing dumps are named, not fatal; where a comm
 some of its ranks wrote none, the verdict is "INCOMPLETE" (never "no divergence": the missing rank may be
 the one that diverged), with the call the others wait in.
 
+``--stragglers`` ranks each communicator's ranks by how late they arrive at its calls (from the start
+times of the records that keep one: not the hot path's), most late first: how many calls each was the last
+to arrive at, and its mean, median and largest lateness behind the first rank to arrive.
+
 ``--timeline FILE`` writes a Chrome trace (the ``traceEvents`` JSON that chrome://tracing and Perfetto
 open): one lane per rank (a process) and communicator (a thread), one event per recorded call with its
 start and end (hot-path calls carry no times and are left out). ``--plot FILE.png`` draws the same with
@@ -181,6 +185,53 @@ def _incomplete(name: str, per_rank: dict[int, dict], absent: list[str]) -> str:
     return line
 
 
+def stragglers(dumps: dict[int, dict]) -> list[str]:
+    """The ranks of each communicator ranked by how late they arrive at its calls: for every call that every
+    rank's record holds with a start time (the general path's records: asynchronous calls, the torch
+    backend, gradient buckets, trees, barriers, the first call of a kind; a hot-path call keeps no time),
+    each rank's lateness is its start minus the earliest start of that call. The clocks are the hosts'
+    (``time.time()``): across nodes their offset adds to every lateness."""
+    comms: dict[str, dict[int, dict[int, float]]] = {}
+    seqs: dict[str, int] = {}
+    for rank, dump in dumps.items():
+        for c in dump.get("communicators", []):
+            if c.get("name") is None or c.get("seq") is None:
+                continue
+            comms.setdefault(c["name"], {})[rank] = {e["seq"]: e["start"] for e in c.get("records", [])
+                                                    if e.get("start")}
+            seqs[c["name"]] = max(seqs.get(c["name"], 0), c["seq"])
+    lines = []
+    for name in sorted(comms, key=lambda n: (n != "world", n)):
+        per = comms[name]
+        ranks = sorted(per)
+        if len(ranks) < 2:
+            continue
+        common = sorted(set.intersection(*(set(v) for v in per.values())))
+        if not common:
+            lines.append(f"stragglers on {name}: no call has a start time on every rank (hot-path calls keep none)")
+            continue
+        late: dict[int, list[float]] = {r: [] for r in ranks}
+        last = dict.fromkeys(ranks, 0)
+        for s in common:
+            starts = {r: per[r][s] for r in ranks}
+            first = min(starts.values())
+            for r in ranks:
+                late[r].append(starts[r] - first)
+            last[max(ranks, key=lambda r: starts[r])] += 1
+        order = sorted(ranks, key=lambda r: -sum(late[r]))
+        lines.append(f"stragglers on {name}: {len(common)} calls with a start time on every rank (of "
+                     f"{seqs[name]}; hot-path calls keep none), ranks from the latest:")
+        for r in order:
+            values = sorted(late[r])
+            mean = sum(values) / len(values)
+            lines.append(f"  rank {r}: last to arrive at {last[r]} of {len(common)} calls; late by {mean * 1e3:.1f} ms "
+                         f"on average (median {values[len(values) // 2] * 1e3:.1f} ms, max {values[-1] * 1e3:.1f} ms)")
+    hosts = {d.get("host") for d in dumps.values()}
+    if len(hosts) > 1:
+        lines.append(f"(the ranks ran on {len(hosts)} hosts: the offsets of their clocks add to these figures)")
+    return lines or ["stragglers: no communicator with records of two ranks or more"]
+
+
 def timeline(dumps: dict[int, dict]) -> dict:
     """The Chrome trace (``traceEvents``) of the dumps' records."""
     events = []
@@ -233,6 +284,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--job", help="the job id (default: the newest job in DIR)")
     ap.add_argument("--timeline", metavar="FILE", help="write a Chrome trace (JSON) of the records")
     ap.add_argument("--plot", metavar="FILE.png", help="draw the timeline (needs matplotlib)")
+    ap.add_argument("--stragglers", action="store_true",
+                    help="rank the ranks by how late they arrive at each call (from the records' start times)")
     args = ap.parse_args(argv)
     job, dumps = load(args.dir, args.job)
     if not dumps:
@@ -253,6 +306,10 @@ def main(argv: list[str]) -> int:
         reason = d.get("reason") or ""
         reason = reason if len(reason) <= 110 else reason[:110].rsplit(" ", 1)[0] + " ..."
         print(f"  rank {r} ({d.get('host')}, pid {d.get('pid')}): dumped for: {reason}\n    at {_where(d)}")
+    if args.stragglers:
+        print()
+        for line in stragglers(dumps):
+            print(line)
     if args.timeline or args.plot:
         trace = timeline(dumps)
         if args.timeline:

@@ -272,6 +272,15 @@ def main(name: str) -> None:
                 os.kill(os.getpid(), signal.SIGUSR1)
         assert (x == comm.size ** 21).all(), x
 
+    elif name == "clean-trace-slow":  # the last rank arrives late at every call (a straggler); the job goes on
+        before = x.copy()
+        for _ in range(8):
+            if comm.rank == last:
+                time.sleep(0.2)  # TRACE-SLOW-SLEEP
+            comm.allreduce(x, async_op=True).wait()  # the general path: its record keeps the start time
+        coll.dump_trace()
+        assert (x == before * comm.size ** 8).all(), x
+
     elif name == "clean-trace-fronts":  # the torch backend and DistributedOptimizer's buckets, recorded
         import torch
         import torch.distributed as dist

@@ -499,3 +499,21 @@ def test_torch_fr_trace_reads_the_dumps_and_agrees(scenario, n):
         assert (expected, found) == ({others_call}, {last_call}), out
     else:  # it read the last rank first: the others differ from it
         assert culprits == others and (expected, found) == ({last_call}, {others_call}), out
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_stragglers_ranks_the_slow_rank_first(n):
+    """The last rank sleeps 0.2 s before each of 8 asynchronous allreduces: ``--stragglers`` ranks it first,
+    the last to arrive at each of them, late by about 0.2 s (the median over the job's calls: most are those)."""
+    job = run("clean-trace-slow", n)
+    assert job.rc == 0, job
+    proc = subprocess.run([sys.executable, "-m", "collectives", "trace", job.trace_dir, "--stragglers"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.split("stragglers on world: ", 1)[1].splitlines()
+    calls = re.match(r"(\d+) calls with a start time on every rank \(of (\d+);", lines[0])
+    assert calls and calls[1] == calls[2] and int(calls[1]) >= 8, proc.stdout  # every call (none on the hot path)
+    m = re.match(rf"  rank {n - 1}: last to arrive at (\d+) of {calls[1]} calls; late by ([\d.]+) ms on average "
+                 r"\(median ([\d.]+) ms", lines[1])
+    assert m and int(m[1]) >= 8 and 150 < float(m[3]) < 1000, proc.stdout  # the 8 allreduces (the others: anyone)
+    assert sorted(int(re.match(r"  rank (\d+):", line)[1]) for line in lines[1:n + 1]) == list(range(n)), proc.stdout
