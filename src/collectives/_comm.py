@@ -128,6 +128,7 @@ class Communicator:
         # sequence they would make the ranks' records differ where nothing diverged)
         self._p2p_ring: deque | None = deque(maxlen=capacity) if capacity else None
         self._p2p_seq = 0
+        self._p2p_at = -1  # the collectives' sequence number when the last point-to-point call began
         self._hot_names: dict = {}  # a hot-path cached call -> (collective, op, dtype name)
         self._current = None  # the record of the call being validated (for its driver)
         self._calling: tuple | None = None  # the description of the call being validated (_call), for its driver
@@ -560,6 +561,7 @@ class Communicator:
         if ring is None:
             return None
         n = self._p2p_seq = self._p2p_seq + 1
+        self._p2p_at = self._seq
         self._last_activity = _time()
         rec = _trace.Record(n, what, None, None, getattr(x, "dtype", None), getattr(x, "shape", None),
                             getattr(x, "nbytes", None), "point-to-point, " + ("asynchronous" if asynchronous
@@ -1367,6 +1369,10 @@ class Engine:
         """The sequence number of the communicator's last call."""
         return self.communicator._seq
 
+    def trace_p2p_seq(self) -> int:
+        """The number of the communicator's last point-to-point call (numbered apart from the collectives)."""
+        return self.communicator._p2p_seq
+
     def trace_entries(self, inside: bool = False) -> list[dict]:
         """The record's entries, oldest first, as dicts (the last ``COLLECTIVES_TRACE_BUFFER``). A hot-path
         entry has no site or times; the last one is "started" when ``inside`` (a thread of the process is
@@ -1414,9 +1420,15 @@ class Engine:
                 "p2p": [r.as_dict() for r in (c._p2p_ring or ())]}
 
     def trace_last(self) -> tuple:
-        """``(name, last entry as a dict, when the sequence number last moved on the general path)``."""
+        """``(name, last entry as a dict, when the sequence number last moved on the general path)``: the
+        last collective, or the last point-to-point call where it is still in progress and no collective
+        was made since it began (then with ``"p2p": True``)."""
+        c = self.communicator
+        last = c._p2p_ring[-1] if c._p2p_ring else None
+        if last is not None and last.state == "started" and c._p2p_at == c._seq:
+            return self.trace_name(), dict(last.as_dict(), p2p=True), c._last_activity
         entries = self.trace_entries(True)
-        return self.trace_name(), (entries[-1] if entries else None), self.communicator._last_activity
+        return self.trace_name(), (entries[-1] if entries else None), c._last_activity
 
 
 # the methods whose hot path keeps no shape in the record (see _shape_in_progress)

@@ -40,6 +40,7 @@ import itertools
 import json
 import os
 import platform
+import re
 import select
 import signal
 import sys
@@ -490,7 +491,7 @@ def _watch() -> None:
             if stall is None:
                 continue
             inside = any(t["inside_collective"] for t in _threads())
-            total = sum(e.trace_seq() for e in list(_LIVE))
+            total = sum(e.trace_seq() + e.trace_p2p_seq() for e in list(_LIVE))  # (a call made: not stalled)
             now = time.monotonic()
             if not inside or total != last_total:
                 since, last_total, warned = now, total, False
@@ -542,6 +543,9 @@ def _stall(waited: float) -> None:
     if entry.get("site") is None and mine["where"]:  # a hot-path call keeps no site: the stack has it
         entry = dict(entry, site=mine["where"][:3])
     time.sleep(ANSWER_WAIT_S)
+    if entry.get("p2p"):
+        _stall_p2p(name, entry, waited, asked)
+        return
     behind, inside, silent = [], [], []
     for r in range(_job["size"]):
         if r == _job["rank"]:
@@ -567,6 +571,40 @@ def _stall(waited: float) -> None:
         text += f"; no answer from rank{'s' if len(silent) > 1 else ''} {','.join(map(str, silent))}"
     text += (" (a warning: the job goes on; COLLECTIVES_STALL_WARN_S sets when it is given, "
              "coll.dump_trace() or SIGUSR1 writes the record)\n")
+    try:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+_PEER = re.compile(r"\b(src|dst)=(any|\d+), tag=(\d+)")
+
+
+def _stall_p2p(name: str, entry: dict, waited: float, asked: float) -> None:
+    """The stall warning of a point-to-point call in progress (a send or recv whose peer has not made the
+    matching call): where the peer is (every other rank for a receive from any rank), from its answer."""
+    m = _PEER.search(entry.get("path") or "")
+    side, peer, tag = (m[1], m[2], m[3]) if m else ("src", "any", "?")
+    peers = [r for r in range(_job["size"]) if r != _job["rank"]] if peer == "any" else [int(peer)]
+    what = "from" if side == "src" else "to"
+    parts = []
+    for r in peers:
+        answer = _read(_path("progress", r) + ".json")
+        if answer is None or answer.get("time", 0) < asked - POLL_S:
+            parts.append(f"rank {r}: no answer")
+            continue
+        where = answer.get("where")
+        at = f"{where[0]}:{where[1]} in {where[2]}" if where else "an unknown place"
+        parts.append(f"rank {r} is at {at} (after collective #{answer.get('seqs', {}).get(name, 0)} on {name})")
+    detail = "point-to-point"
+    if entry.get("dtype") is not None and entry.get("shape") is not None:
+        detail += f", {entry['dtype']} {tuple(entry['shape'])}"
+    text = (f"collectives: stall: {entry['collective']} #{entry['seq']} ({detail}) {what} {'any rank' if peer == 'any' else f'rank {peer}'} with tag {tag} on {name}, called at "
+            f"{site_text(entry.get('site'))}, has waited {waited:.0f} s on rank {_job['rank']} of {_job['size']}; "
+            + "; ".join(parts) +
+            " (a warning: the job goes on; COLLECTIVES_STALL_WARN_S sets when it is given, coll.dump_trace() or "
+            "SIGUSR1 writes the record)\n")
     try:
         sys.stderr.write(text)
         sys.stderr.flush()

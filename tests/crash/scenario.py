@@ -272,6 +272,16 @@ def main(name: str) -> None:
                 os.kill(os.getpid(), signal.SIGUSR1)
         assert (x == comm.size ** 21).all(), x
 
+    elif name == "clean-trace-p2p-stall":  # the last rank waits in a recv; rank 0 computes before it sends
+        if comm.rank == 0 and comm.size > 1:
+            time.sleep(float(os.environ["TRACE_SLEEP"]))  # TRACE-P2P-SLEEP
+            comm.send(np.full(3, 7.0), last, tag=5)
+        elif comm.rank == last:
+            got = np.zeros(3)
+            comm.recv(got, src=0, tag=5)  # TRACE-P2P-RECV
+            assert (got == 7.0).all(), got
+        comm.barrier()
+
     elif name == "clean-trace-slow":  # the last rank arrives late at every call (a straggler); the job goes on
         before = x.copy()
         for _ in range(8):

@@ -517,3 +517,17 @@ def test_stragglers_ranks_the_slow_rank_first(n):
                  r"\(median ([\d.]+) ms", lines[1])
     assert m and int(m[1]) >= 8 and 150 < float(m[3]) < 1000, proc.stdout  # the 8 allreduces (the others: anyone)
     assert sorted(int(re.match(r"  rank (\d+):", line)[1]) for line in lines[1:n + 1]) == list(range(n)), proc.stdout
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_stall_warning_of_a_receive_names_the_sender_and_where_it_is(n):
+    """The last rank waits in a recv from rank 0, which computes first: the stall inspector names the
+    point-to-point call (not the last collective) and where rank 0 is."""
+    job = run("clean-trace-p2p-stall", n, COLLECTIVES_STALL_WARN_S=2, TRACE_SLEEP=7)
+    assert job.rc == 0, job
+    assert sorted(re.findall(r"^DONE (\d+)$", job.out, re.M)) == [str(r) for r in range(n)], job
+    warnings = re.findall(rf"^collectives: stall: recv #1 \(point-to-point, float64 \(3,\)\) from rank 0 with tag 5 "
+                          rf"on world, called at {re.escape(str(SCENARIO))}:{line_of('TRACE-P2P-RECV')} in main, has "
+                          rf"waited \d+ s on rank (\d) of {n}; rank 0 is at {re.escape(str(SCENARIO))}:"
+                          rf"{line_of('TRACE-P2P-SLEEP')} in main \(after collective #\d+ on world\)", job.err, re.M)
+    assert warnings == [str(n - 1)], job  # once, on the receiving rank
