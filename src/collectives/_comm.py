@@ -760,8 +760,8 @@ class Communicator:
         communicator, ranked by ``(key, rank here)``; a rank with ``color=None`` joins none and gets None.
         The new communicator has this one's settings (checked mode, ``COLLECTIVES_TIMEOUT``,
         ``COLLECTIVES_CHECK_NAN``), its own MPI communicator and, on first use of CUDA arrays, its own
-        device transport (its own NCCL communicator). ``close()`` releases it (collective over its ranks); closing this communicator
-        closes it too.
+        device transport (its own NCCL communicator). ``close()`` releases it (collective over its
+        ranks); closing this communicator closes it too.
 
         Args:
             color: a non-negative integer, or None.

@@ -5,7 +5,8 @@ first: for each communicator, the first sequence number at which the ranks' reco
 because some ranks never entered that call (their record ends before it) or because they called a
 different collective, op, root, dtype or shape there; the ranks on each side with their call sites; for a
 rank that never entered it, where its stack shows it was. Without a divergence: "no divergence" and the
-last call every rank completed. Missing dumps are named, not fatal; where a communicator's dumps agree but
+last call every rank completed. A call that the NaN check refused (``COLLECTIVES_CHECK_NAN=1``) is named
+first, with the ranks whose input held NaN or inf. Missing dumps are named, not fatal; where a communicator's dumps agree but
 some of its ranks wrote none, the verdict is "INCOMPLETE" (never "no divergence": the missing rank may be
 the one that diverged), with the call the others wait in.
 
@@ -135,7 +136,7 @@ def verdict(dumps: dict[int, dict]) -> list[str]:
             lines.append(f"no divergence on {name}: every rank's record agrees; the last call every rank completed "
                          f"is #{min(done)} (of up to #{max(c['seq'] for c in per_rank.values())})")
         lines.sort(key=lambda line: not line.startswith("INCOMPLETE"))  # the first line says it all
-        return lines or ["no records in the dumps (COLLECTIVES_TRACE_BUFFER=0?)"]
+        return _refused(comms, order) + lines or ["no records in the dumps (COLLECTIVES_TRACE_BUFFER=0?)"]
     s, name, entered, never, groups = findings[0]
     sides = []
     for ranks in sorted(groups.values()):
@@ -152,6 +153,25 @@ def verdict(dumps: dict[int, dict]) -> list[str]:
         recs = c.get("records", [])
         if recs:
             lines.append(f"  rank {r}'s last call on {name}: {_trace.describe(recs[-1])} ({recs[-1].get('state')})")
+    return lines
+
+
+def _refused(comms: dict[str, dict[int, dict]], order: list[str]) -> list[str]:
+    """The calls the NaN check refused (``COLLECTIVES_CHECK_NAN``: every rank's record of the call failed
+    with the same NonFiniteError), the last one of each communicator: which call, where, and the ranks
+    whose input held NaN or inf (the error names them)."""
+    lines = []
+    for name in order:
+        refused: dict[int, dict] = {}
+        for c in comms[name].values():
+            for e in c.get("records", []):
+                if (e.get("error") or "").startswith("NonFiniteError"):
+                    refused[e["seq"]] = e
+        if refused:
+            e = refused[max(refused)]
+            found = e["error"].split(" the input holds a non-finite value on ", 1)[-1].split(" (COLLECTIVES_CHECK_NAN", 1)[0]
+            lines.append(f"NON-FINITE INPUT on {name} at call #{e['seq']}: {_trace.describe(e)} at "
+                         f"{_trace.site_text(e.get('site'))} was refused on every rank: {found}")
     return lines
 
 

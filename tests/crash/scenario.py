@@ -282,6 +282,14 @@ def main(name: str) -> None:
             assert (got == 7.0).all(), got
         comm.barrier()
 
+    elif name == "trace-nan":  # COLLECTIVES_CHECK_NAN=1: the last rank's input holds a NaN; nobody catches it
+        comm.allreduce(x)
+        y = np.ones(6, np.float32)
+        if comm.rank == last:
+            y[4] = np.nan
+        mark(name)
+        comm.allreduce(y)  # TRACE-NAN-ALLREDUCE
+
     elif name == "clean-trace-slow":  # the last rank arrives late at every call (a straggler); the job goes on
         before = x.copy()
         for _ in range(8):

@@ -531,3 +531,19 @@ def test_stall_warning_of_a_receive_names_the_sender_and_where_it_is(n):
                           rf"waited \d+ s on rank (\d) of {n}; rank 0 is at {re.escape(str(SCENARIO))}:"
                           rf"{line_of('TRACE-P2P-SLEEP')} in main \(after collective #\d+ on world\)", job.err, re.M)
     assert warnings == [str(n - 1)], job  # once, on the receiving rank
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_trace_names_the_rank_whose_input_held_a_nan(n):
+    """COLLECTIVES_CHECK_NAN=1 and a NaN in the last rank's input, the NonFiniteError left uncaught: every
+    rank raises the same error (the job ends), and the verdict's first line names the call, its line and the
+    rank."""
+    job = run("trace-nan", n, COLLECTIVES_CHECK_NAN=1)
+    ended_promptly(job)
+    assert f"NonFiniteError: allreduce: the input holds a non-finite value on rank {n - 1} (nan at index 4)" \
+        in job.err, job
+    assert len(dumps_of(job)) == n, (dumps_of(job), job)
+    first = trace_verdict(job).splitlines()[0]
+    assert first == (f"NON-FINITE INPUT on world at call #4: allreduce #4 (op=sum, float32 (6,)) at {SCENARIO}:"
+                     f"{line_of('TRACE-NAN-ALLREDUCE')} in main was refused on every rank: rank {n - 1} (nan at "
+                     f"index 4)"), first
