@@ -34,6 +34,7 @@ from ._errors import (
     CollectiveTimeoutError,
     MismatchError,
     NcclError,
+    NonFiniteError,
 )
 from ._handles import Handle
 from ._optim import DistributedOptimizer
@@ -50,6 +51,7 @@ __all__ = [
     "Handle",
     "MismatchError",
     "NcclError",
+    "NonFiniteError",
     "__version__",
     "allgather",
     "allgather_object",

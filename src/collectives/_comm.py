@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _agree, _arrays, _buckets, _call, _config, _dtypes, _reduction, _registry, _trace, _tree
+from . import _agree, _arrays, _buckets, _call, _config, _dtypes, _finite, _reduction, _registry, _trace, _tree
 from ._backends import closed as _closed
 from ._backends import factory
 from ._backends.base import HostTransport
@@ -128,6 +128,7 @@ class Communicator:
         # sequence they would make the ranks' records differ where nothing diverged)
         self._p2p_ring: deque | None = deque(maxlen=capacity) if capacity else None
         self._p2p_seq = 0
+        self._p2p_at = -1  # the collectives' sequence number when the last point-to-point call began
         self._hot_names: dict = {}  # a hot-path cached call -> (collective, op, dtype name)
         self._current = None  # the record of the call being validated (for its driver)
         self._calling: tuple | None = None  # the description of the call being validated (_call), for its driver
@@ -135,6 +136,9 @@ class Communicator:
         self._name: str | None = None  # "world", "world.2" (a split), "comm1" (init(comm=...)): for dumps
         self._splits = 0  # split() calls made on this communicator (names its children alike on every rank)
         _trace.register(self._engine)
+        # COLLECTIVES_CHECK_NAN (agreed by the transport): floating reductions' inputs are scanned before they
+        # move (_finite): in _prepare, and by the hot path's cached call (_fast_path caches it guarded)
+        self._check_nan = bool(host.check_nan)
         self.check = bool(check)
         host.on_failure(self._forget_fast_paths)  # a failed transport: every later call takes the checks
 
@@ -557,6 +561,7 @@ class Communicator:
         if ring is None:
             return None
         n = self._p2p_seq = self._p2p_seq + 1
+        self._p2p_at = self._seq
         self._last_activity = _time()
         rec = _trace.Record(n, what, None, None, getattr(x, "dtype", None), getattr(x, "shape", None),
                             getattr(x, "nbytes", None), "point-to-point, " + ("asynchronous" if asynchronous
@@ -753,10 +758,10 @@ class Communicator:
 
         Collective: every rank of this communicator calls it. Ranks with the same ``color`` form one new
         communicator, ranked by ``(key, rank here)``; a rank with ``color=None`` joins none and gets None.
-        The new communicator has this one's settings (checked mode, ``COLLECTIVES_TIMEOUT``), its own
-        MPI communicator and, on first use of CUDA arrays, its own device transport (its own NCCL
-        communicator). ``close()`` releases it (collective over its ranks); closing this communicator
-        closes it too.
+        The new communicator has this one's settings (checked mode, ``COLLECTIVES_TIMEOUT``,
+        ``COLLECTIVES_CHECK_NAN``), its own MPI communicator and, on first use of CUDA arrays, its own
+        device transport (its own NCCL communicator). ``close()`` releases it (collective over its
+        ranks); closing this communicator closes it too.
 
         Args:
             color: a non-negative integer, or None.
@@ -895,6 +900,8 @@ class Communicator:
                                            0 if view is None else view.size, root if isinstance(root, int) else -1)
             if self.check:
                 self._agree(transport, collective, view, info, **args)
+            if self._check_nan and op is not _UNSET and _finite.checks(info):  # COLLECTIVES_CHECK_NAN
+                _finite.check(transport, collective, _finite.scan([(view, info)]))
         rec = self._current
         if rec is not None:
             rec.path = f"{rec.path}, {transport.name}"
@@ -1002,6 +1009,8 @@ class Communicator:
             if a is _arrays.NUMPY and op not in blocks:
                 reduced = op[1] if op[0] == "reduce_scatter" else None
                 run = _described(self._host, run, op[0], reduced, info)
+                if reduced is not None and self._check_nan and _finite.checks(info):  # COLLECTIVES_CHECK_NAN
+                    run = _finite.guarded(self._host, op[0], info, run, blocks=True)
                 self._hot_names.setdefault(run, (op[0], reduced, info.name))
                 blocks[op] = run
             return
@@ -1010,6 +1019,8 @@ class Communicator:
             return
         collective, reduced = ("broadcast", None) if op == "broadcast" else ("allreduce", op)
         run = _described(self._host, run, collective, reduced, info)
+        if reduced is not None and self._check_nan and _finite.checks(info):  # COLLECTIVES_CHECK_NAN: the
+            run = _finite.guarded(self._host, collective, info, run)  # scan and the exchange, then the call
         self._hot_names.setdefault(run, (collective, reduced, info.name))
         table.setdefault(x.dtype, run)
 
@@ -1291,6 +1302,11 @@ class Engine:
     def check(self) -> bool:
         return self.communicator.check
 
+    @property
+    def check_nan(self) -> bool:
+        """Whether floating reductions' inputs are checked for NaN and inf (``COLLECTIVES_CHECK_NAN``)."""
+        return self.communicator._check_nan
+
     def check_root(self, root) -> int:
         """``root`` as a valid rank of the communicator, or the TypeError/ValueError of the collectives."""
         return self.communicator._check_root(root)
@@ -1353,6 +1369,10 @@ class Engine:
         """The sequence number of the communicator's last call."""
         return self.communicator._seq
 
+    def trace_p2p_seq(self) -> int:
+        """The number of the communicator's last point-to-point call (numbered apart from the collectives)."""
+        return self.communicator._p2p_seq
+
     def trace_entries(self, inside: bool = False) -> list[dict]:
         """The record's entries, oldest first, as dicts (the last ``COLLECTIVES_TRACE_BUFFER``). A hot-path
         entry has no site or times; the last one is "started" when ``inside`` (a thread of the process is
@@ -1400,9 +1420,15 @@ class Engine:
                 "p2p": [r.as_dict() for r in (c._p2p_ring or ())]}
 
     def trace_last(self) -> tuple:
-        """``(name, last entry as a dict, when the sequence number last moved on the general path)``."""
+        """``(name, last entry as a dict, when the sequence number last moved on the general path)``: the
+        last collective, or the last point-to-point call where it is still in progress and no collective
+        was made since it began (then with ``"p2p": True``)."""
+        c = self.communicator
+        last = c._p2p_ring[-1] if c._p2p_ring else None
+        if last is not None and last.state == "started" and c._p2p_at == c._seq:
+            return self.trace_name(), dict(last.as_dict(), p2p=True), c._last_activity
         entries = self.trace_entries(True)
-        return self.trace_name(), (entries[-1] if entries else None), self.communicator._last_activity
+        return self.trace_name(), (entries[-1] if entries else None), c._last_activity
 
 
 # the methods whose hot path keeps no shape in the record (see _shape_in_progress)

@@ -5,6 +5,7 @@ variable                        meaning                                         
 ==============================  ===========================================================  ==========
 ``COLLECTIVES_BACKEND``         backend for ``init("auto")``: ``auto``, ``mpi``, ``self``    ``auto``
 ``COLLECTIVES_CHECK``           ``1``: cross-rank agreement check before every collective    ``0``
+``COLLECTIVES_CHECK_NAN``       ``1``: refuse a float reduction of NaN/inf (NonFiniteError)  ``0``
 ``COLLECTIVES_TIMEOUT``         seconds before a blocked collective is declared hung         unset/300
 ``COLLECTIVES_MPI_THREAD_LEVEL`` thread level when *we* initialise MPI                       ``serialized``
 ``COLLECTIVES_MAX_COUNT``       largest element count handed to one MPI call (chunking)      ``2**31-1``
@@ -21,6 +22,7 @@ variable                        meaning                                         
 ``COLLECTIVES_SIMULATE_NODES``  N: every N consecutive ranks of a node act as one node (tests)  unset
 ``COLLECTIVES_TRACE_BUFFER``    calls each communicator keeps in its record (``0``: none)    2000
 ``COLLECTIVES_TRACE_DIR``       where the per-rank trace dumps are written                   ``./collectives-trace``
+``COLLECTIVES_TRACE_FORMAT``    the dumps: ``collectives`` (JSON), ``torch`` or ``both``     ``collectives``
 ``COLLECTIVES_STALL_WARN_S``    seconds in one collective before a stall warning (``0``: off) 60
 ==============================  ===========================================================  ==========
 """
@@ -81,6 +83,13 @@ def backend() -> str:
 
 def check() -> bool:
     return flag("COLLECTIVES_CHECK")
+
+
+def check_nan() -> bool:
+    """``COLLECTIVES_CHECK_NAN=1``: every rank scans the input of a floating reduction for NaN and inf
+    before it moves, and every rank raises ``NonFiniteError`` when one has any (``_finite``); read when a
+    host transport is made, on if any rank of it sets it (agreed: the check is one more collective)."""
+    return flag("COLLECTIVES_CHECK_NAN")
 
 
 def timeout() -> float | None:
@@ -239,6 +248,19 @@ def trace_dir() -> str:
     return os.path.abspath(string("COLLECTIVES_TRACE_DIR", "collectives-trace"))
 
 
+TRACE_FORMATS = ("collectives", "torch", "both")
+
+
+def trace_format() -> str:
+    """What each rank's trace dump is written as (``COLLECTIVES_TRACE_FORMAT``): ``collectives`` (our JSON,
+    the default), ``torch`` (torch's flight-recorder pickle, for its ``fr_trace``, instead) or ``both``."""
+    value = string("COLLECTIVES_TRACE_FORMAT", "collectives").lower()
+    if value not in TRACE_FORMATS:
+        raise ValueError(f"environment variable COLLECTIVES_TRACE_FORMAT="
+                         f"{os.environ.get('COLLECTIVES_TRACE_FORMAT')!r}: expected collectives, torch or both")
+    return value
+
+
 def stall_warn_s() -> float | None:
     """Seconds one collective may wait before every waiting rank warns (``COLLECTIVES_STALL_WARN_S``;
     default 60, ``0``: never)."""
@@ -262,9 +284,9 @@ def _abort_on_error() -> bool:
 
 # Every reader of a variable that can be malformed. A variable read later (at first use, or per call) is
 # read here first too, so that a malformed value is refused at init, where the ranks agree on it.
-READERS = (_backend_checked, check, timeout, mpi_thread_level, max_count, bucket_bytes, shm,
+READERS = (_backend_checked, check, check_nan, timeout, mpi_thread_level, max_count, bucket_bytes, shm,
            simulate_nodes, sync_pipeline, shm_threshold, shm_slot_bytes, _abort_on_error,
-           disable_nccl, cuda_aware_mpi, nccl_eager, trace_buffer, stall_warn_s)
+           disable_nccl, cuda_aware_mpi, nccl_eager, trace_buffer, trace_format, stall_warn_s)
 
 
 def problems() -> list[str]:

@@ -16,6 +16,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "MismatchError",
     "NcclError",
+    "NonFiniteError",
 ]
 
 
@@ -66,6 +67,53 @@ class CollectiveTimeoutError(CollectiveError):
         >>> issubclass(coll.CollectiveTimeoutError, coll.CollectiveError)
         True
     """
+
+
+class NonFiniteError(CollectiveError):
+    """A floating reduction's input held NaN or infinity on some rank (``COLLECTIVES_CHECK_NAN=1``).
+
+    With the check on, every rank scans its input of ``allreduce``, ``reduce``, ``reduce_scatter``,
+    ``allreduce_tree`` (and so of the gradient buckets, ``DistributedOptimizer`` and the torch backend's
+    reductions) before anything moves; the ranks exchange what they found (one small collective) and, if
+    any rank's input holds a NaN or an infinity, every rank raises this same error, naming each such rank,
+    the first such element of its input and its value. Nothing was reduced on any rank: every input is
+    left untouched and the communicator stays usable. An asynchronous call (``async_op=True``, the torch
+    backend's work) raises it from ``wait()``.
+
+    Attributes:
+        collective: the call that was refused (``"allreduce"``, ...).
+        found: ``{rank: (where, index, value)}``: for each rank whose input held one, the first non-finite
+            element: ``where`` the array that holds it (``"leaf ['w']"`` of a tree, ``"the gradient of
+            fc.weight"``; ``""`` for a single array), ``index`` its position in that array (flat, C order)
+            and ``value`` its text (``"nan"``, ``"inf"``, ``"-inf"``).
+
+    Example:
+        >>> import collectives as coll
+        >>> err = coll.NonFiniteError("allreduce", {1: ("", 3, "nan")})
+        >>> isinstance(err, coll.CollectiveError), sorted(err.found)
+        (True, [1])
+        >>> print(err)  # doctest: +ELLIPSIS
+        allreduce: the input holds a non-finite value on rank 1 (nan at index 3) ...
+        >>> import pickle; pickle.loads(pickle.dumps(err)).found
+        {1: ('', 3, 'nan')}
+    """
+
+    def __init__(self, collective: str, found: dict):
+        self.collective = collective
+        self.found = {int(r): tuple(v) for r, v in found.items()}
+        ranks = sorted(self.found)
+        parts = []
+        for r in ranks:
+            where, index, value = self.found[r]
+            parts.append(f"rank {r} ({value} at index {index}{f' of {where}' if where else ''})")
+        super().__init__(
+            f"{collective}: the input holds a non-finite value on {', '.join(parts)} (COLLECTIVES_CHECK_NAN=1; the first such element of each rank's input, its "
+            f"flat index in C order). Nothing was reduced on any rank: every input is unchanged and the "
+            f"communicator is usable; find where the values of the ranks named became NaN or inf (a division "
+            f"by zero, a log of 0, a learning rate too high, an overflow in float16)")
+
+    def __reduce__(self):
+        return (type(self), (self.collective, self.found))
 
 
 class NcclError(CollectiveError):

@@ -72,7 +72,7 @@ import numpy as np
 from . import _agree, _call
 from ._comm import engine_of
 from ._buckets import solo_bytes
-from ._errors import MismatchError
+from ._errors import MismatchError, NonFiniteError
 from ._handles import Handle
 
 MISSING_GRADS = ("error", "zero")
@@ -439,8 +439,8 @@ class Buckets:
         if self.poisoned is None and not self.finished:
             try:
                 self.finish()
-            except MismatchError as exc:  # raised by step() (or average_gradients()), as without overlap
-                self.deferred = exc
+            except (MismatchError, NonFiniteError) as exc:  # raised by step() (or average_gradients()), as
+                self.deferred = exc  # without overlap
 
     def _leave_ready(self) -> None:
         buckets = self.buckets
@@ -502,7 +502,10 @@ class Buckets:
                 # no network or other core runs it while they compute, and the non-blocking form would only
                 # finish later, after a costlier start). The same bits (tests/mpi/test_training.py). (Its
                 # hot path once warm.)
-                b.handle = Handle.completed("allreduce", self.comm.allreduce(buf, self.op))
+                try:
+                    b.handle = Handle.completed("allreduce", self.comm.allreduce(buf, self.op))
+                except NonFiniteError as exc:  # COLLECTIVES_CHECK_NAN: held for finish(), as a handle's
+                    b.handle = Handle.completed("allreduce", error=exc)
             else:
                 self._start(b, buf)
 
@@ -566,8 +569,14 @@ class Buckets:
         if self.flag_handle is None:
             self._send_flag()
         gathers = []
+        refused = None
         for b in self.buckets:
-            out = b.handle.wait()
+            try:
+                out = b.handle.wait()
+            except NonFiniteError as exc:  # COLLECTIVES_CHECK_NAN: agreed, so every rank's same buckets fail
+                b.handle = None
+                refused = refused or self._nonfinite(b, exc)
+                continue
             b.handle = None
             if b.narrow is not None:
                 out = self._compressed(b, out)
@@ -582,6 +591,9 @@ class Buckets:
         flag, self.flag_handle = self.flag_handle, None
         assert flag is not None  # started with the buckets (above)
         flag.wait()
+        if refused is not None:  # every collective of the round is complete: drop the round, .grad unchanged
+            self._reset()
+            raise refused
         skipped: set = set()
         if int(self.flag[0]) or int(self.flag[1]) != -int(self.flag[2]):
             skipped = self._settle_missing()
@@ -601,6 +613,17 @@ class Buckets:
         elif self.op != "mean":  # what this round left in .grad: a later backward pass must not add to it
             self.left = [weakref.ref(s.param.grad) for s in self.slots if s.param.grad is not None]
         self.finished = True
+
+    def _nonfinite(self, b: _Bucket, exc: NonFiniteError) -> NonFiniteError:
+        """The NonFiniteError of bucket ``b``, naming the parameters whose gradients hold the values found
+        (the layout is the same on every rank: so is the message)."""
+        found = {}
+        for r, (where, index, value) in exc.found.items():
+            s = next((s for s in b.slots if s.offset <= index < s.offset + s.numel), None)
+            found[r] = (where, index, value) if s is None else (f"the gradient of {s.name}", index - s.offset, value)
+        named = NonFiniteError(f"DistributedOptimizer ({exc.collective} of a gradient bucket)", found)
+        named.__cause__ = exc
+        return named
 
     def _grads_reset(self) -> bool:
         """Whether every gradient this round left was replaced since (``zero_grad(set_to_none=True)``)."""

@@ -28,7 +28,8 @@ the sequence numbers moving, it asks the other ranks, through files in the same 
 has come, and logs once which ranks have not entered the call yet.
 
 ``python -m collectives trace DIR`` (``collectives._tracetool``) reads the dumps and says where the ranks
-diverged.
+diverged. With ``COLLECTIVES_TRACE_FORMAT=torch`` or ``both`` the dumps are (also) written in torch's
+flight-recorder format (``_trace_torch``), for ``python -m torch.distributed.flight_recorder.fr_trace``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import itertools
 import json
 import os
 import platform
+import re
 import select
 import signal
 import sys
@@ -48,7 +50,7 @@ import traceback
 import weakref
 from types import FrameType
 
-from . import _config
+from . import _config, _trace_torch
 
 FORMAT = "collectives-trace/1"
 POLL_S = 0.5  # how often the watcher thread looks for requests, queries and stalls
@@ -170,7 +172,7 @@ def start(job: str, rank: int, size: int) -> None:
     ``COLLECTIVES_TRACE_BUFFER=0``."""
     if _config.trace_buffer() == 0:
         return
-    _job.update(id=job, rank=rank, size=size, dir=_config.trace_dir())
+    _job.update(id=job, rank=rank, size=size, dir=_config.trace_dir(), format=_config.trace_format())
     if threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGUSR1"):
         try:
             if signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None):
@@ -251,8 +253,12 @@ def _path(kind: str, rank: int | None = None) -> str:
 
 
 def dump_path(rank: int | None = None) -> str:
-    """The file this rank's dump goes to (``<dir>/<job>.trace-rank<R>.json``)."""
-    return _path("trace", _job["rank"] if rank is None else rank) + ".json"
+    """The file this rank's dump goes to (``<dir>/<job>.trace-rank<R>.json``; with
+    ``COLLECTIVES_TRACE_FORMAT=torch``, torch's: ``<dir>/<job>.torch/collectives_trace_rank_<R>``)."""
+    rank = _job["rank"] if rank is None else rank
+    if _job.get("format") == "torch":
+        return _trace_torch.path(_job["dir"], _job["id"], rank)
+    return _path("trace", rank) + ".json"
 
 
 def _write(path: str, data) -> None:
@@ -294,6 +300,22 @@ def in_package(path: str) -> bool:
     return path.startswith(_PACKAGE)
 
 
+def user_frame(dump: dict) -> tuple[list | None, str]:
+    """The innermost frame outside the library of a rank's main thread in ``dump`` (a snapshot) or, where
+    the main thread is in the failure path, of the exception that ended the job; and what it is."""
+    threads = dump.get("threads", [])
+    main = next((t for t in threads if t.get("name") == "MainThread"), threads[0] if threads else None)
+    stack = [f for f in (main or {}).get("stack", []) if not in_package(f[0])]
+    if stack and main is not None:
+        return stack[-1], " (inside a collective)" if main.get("inside_collective") else ""
+    exc = dump.get("exception")
+    if exc:
+        raised = [f for f in exc["stack"] if not in_package(f[0])]
+        if raised:
+            return raised[-1], f" (where it raised {exc['type']})"
+    return None, ""
+
+
 def snapshot(reason: str, exc: BaseException | None = None) -> dict:
     """Everything a dump holds, as a dict (``exc``: the exception that ends the job, with its traceback)."""
     threads = _threads()
@@ -327,7 +349,14 @@ def dump(reason: str, *, tell_others: bool = False, exc: BaseException | None = 
                 if exc is not None and not _ending:
                     _ending.append(exc)
                 path = dump_path()
-                _write(path, snapshot(reason, exc if exc is not None else (_ending[0] if _ending else None)))
+                data = snapshot(reason, exc if exc is not None else (_ending[0] if _ending else None))
+                form = _job.get("format")
+                if form != "torch":
+                    _write(_path("trace", _job["rank"]) + ".json", data)
+                if form in ("torch", "both"):  # torch's format too (for its fr_trace): _trace_torch
+                    frame, _ = user_frame(data)
+                    _trace_torch.write(_trace_torch.path(_job["dir"], _job["id"], _job["rank"]),
+                                       _trace_torch.convert(data, frame[:3] if frame else None))
                 if tell_others and _job["size"] > 1:
                     _write(_path("request") + ".json", {"rank": _job["rank"], "reason": reason,
                                                         "time": time.time()})
@@ -372,8 +401,13 @@ def failure(reason: str, exc: BaseException | None = None) -> str | None:
     path = dump(reason, tell_others=True, exc=exc)
     if path is not None and len(_reasons) == 1 + sum(r.startswith("asked by") for r in _reasons[:-1]):
         try:
+            tool = f"`python -m collectives trace {_job['dir']}`"
+            if _job.get("format") in ("torch", "both"):
+                torch_dir = _trace_torch.directory(_job["dir"], _job["id"])
+                tool = ("" if _job.get("format") == "torch" else tool + "; ") + \
+                    f"torch's format: `python -m torch.distributed.flight_recorder.fr_trace {torch_dir}`"
             sys.stderr.write(f"collectives: trace written to {path} (every rank writes one; read them with "
-                             f"`python -m collectives trace {_job['dir']}`)\n")
+                             f"{tool})\n")
         except Exception:  # noqa: BLE001
             pass
     return path
@@ -460,7 +494,7 @@ def _watch() -> None:
             if stall is None:
                 continue
             inside = any(t["inside_collective"] for t in _threads())
-            total = sum(e.trace_seq() for e in list(_LIVE))
+            total = sum(e.trace_seq() + e.trace_p2p_seq() for e in list(_LIVE))  # (a call made: not stalled)
             now = time.monotonic()
             if not inside or total != last_total:
                 since, last_total, warned = now, total, False
@@ -518,6 +552,9 @@ def _stall(waited: float) -> None:
     if entry.get("site") is None and mine["where"]:  # a hot-path call keeps no site: the stack has it
         entry = dict(entry, site=mine["where"][:3])
     time.sleep(ANSWER_WAIT_S)
+    if entry.get("p2p"):
+        _stall_p2p(name, entry, waited, asked)
+        return
     behind, inside, elsewhere, silent = [], [], [], []
     for r in range(_job["size"]):
         if r == _job["rank"]:
@@ -553,6 +590,40 @@ def _stall(waited: float) -> None:
         text += f"; no answer from rank{'s' if len(silent) > 1 else ''} {','.join(map(str, silent))}"
     text += (" (a warning: the job goes on; COLLECTIVES_STALL_WARN_S sets when it is given, "
              "coll.dump_trace() or SIGUSR1 writes the record)\n")
+    try:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+_PEER = re.compile(r"\b(src|dst)=(any|\d+), tag=(\d+)")
+
+
+def _stall_p2p(name: str, entry: dict, waited: float, asked: float) -> None:
+    """The stall warning of a point-to-point call in progress (a send or recv whose peer has not made the
+    matching call): where the peer is (every other rank for a receive from any rank), from its answer."""
+    m = _PEER.search(entry.get("path") or "")
+    side, peer, tag = (m[1], m[2], m[3]) if m else ("src", "any", "?")
+    peers = [r for r in range(_job["size"]) if r != _job["rank"]] if peer == "any" else [int(peer)]
+    what = "from" if side == "src" else "to"
+    parts = []
+    for r in peers:
+        answer = _read(_path("progress", r) + ".json")
+        if answer is None or answer.get("time", 0) < asked - POLL_S:
+            parts.append(f"rank {r}: no answer")
+            continue
+        where = answer.get("where")
+        at = f"{where[0]}:{where[1]} in {where[2]}" if where else "an unknown place"
+        parts.append(f"rank {r} is at {at} (after collective #{answer.get('seqs', {}).get(name, 0)} on {name})")
+    detail = "point-to-point"
+    if entry.get("dtype") is not None and entry.get("shape") is not None:
+        detail += f", {entry['dtype']} {tuple(entry['shape'])}"
+    text = (f"collectives: stall: {entry['collective']} #{entry['seq']} ({detail}) {what} {'any rank' if peer == 'any' else f'rank {peer}'} with tag {tag} on {name}, called at "
+            f"{site_text(entry.get('site'))}, has waited {waited:.0f} s on rank {_job['rank']} of {_job['size']}; "
+            + "; ".join(parts) +
+            " (a warning: the job goes on; COLLECTIVES_STALL_WARN_S sets when it is given, coll.dump_trace() or "
+            "SIGUSR1 writes the record)\n")
     try:
         sys.stderr.write(text)
         sys.stderr.flush()

@@ -5,9 +5,14 @@ first: for each communicator, the first sequence number at which the ranks' reco
 because some ranks never entered that call (their record ends before it) or because they called a
 different collective, op, root, dtype or shape there; the ranks on each side with their call sites; for a
 rank that never entered it, where its stack shows it was. Without a divergence: "no divergence" and the
-last call every rank completed. Missing dumps are named, not fatal; where a communicator's dumps agree but
+last call every rank completed. A call that the NaN check refused (``COLLECTIVES_CHECK_NAN=1``) is named
+first, with the ranks whose input held NaN or inf. Missing dumps are named, not fatal; where a communicator's dumps agree but
 some of its ranks wrote none, the verdict is "INCOMPLETE" (never "no divergence": the missing rank may be
 the one that diverged), with the call the others wait in.
+
+``--stragglers`` ranks each communicator's ranks by how late they arrive at its calls (from the start
+times of the records that keep one: not the hot path's), most late first: how many calls each was the last
+to arrive at, and its mean, median and largest lateness behind the first rank to arrive.
 
 ``--timeline FILE`` writes a Chrome trace (the ``traceEvents`` JSON that chrome://tracing and Perfetto
 open): one lane per rank (a process) and communicator (a thread), one event per recorded call with its
@@ -71,25 +76,9 @@ def _groups(entered: dict[int, dict]) -> dict[tuple, list[int]]:
     return groups
 
 
-def _user_frame(dump: dict) -> tuple[list | None, str]:
-    """The innermost frame outside the library of a rank's main thread (or, where the main thread is in
-    the failure path, of the exception that ended the job), and what it is."""
-    threads = dump.get("threads", [])
-    main = next((t for t in threads if t.get("name") == "MainThread"), threads[0] if threads else None)
-    stack = [f for f in (main or {}).get("stack", []) if not _trace.in_package(f[0])]
-    if stack and main is not None:
-        return stack[-1], " (inside a collective)" if main.get("inside_collective") else ""
-    exc = dump.get("exception")
-    if exc:
-        raised = [f for f in exc["stack"] if not _trace.in_package(f[0])]
-        if raised:
-            return raised[-1], f" (where it raised {exc['type']})"
-    return None, ""
-
-
 def _where(dump: dict) -> str:
-    """Where a rank's stack shows it is (see :func:`_user_frame`)."""
-    frame, what = _user_frame(dump)
+    """Where a rank's stack shows it is (see :func:`collectives._trace.user_frame`)."""
+    frame, what = _trace.user_frame(dump)
     if frame is None:
         return "no stack outside the library in its dump"
     return f"{frame[0]}:{frame[1]} in {frame[2]}" + (f": {frame[3]}" if frame[3] else "") + what
@@ -116,7 +105,7 @@ def verdict(dumps: dict[int, dict]) -> list[str]:
         for r, rec in records.items():  # a hot-path call keeps no site: the one in progress is in the stack
             last = rec.get(per_rank[r]["seq"])
             if last is not None and last.get("site") is None and last.get("state") != "completed":
-                frame, _ = _user_frame(dumps[r])
+                frame, _ = _trace.user_frame(dumps[r])
                 if frame is not None:
                     last["site"] = frame[:3]
         seqs = {r: c["seq"] for r, c in per_rank.items()}
@@ -147,7 +136,7 @@ def verdict(dumps: dict[int, dict]) -> list[str]:
             lines.append(f"no divergence on {name}: every rank's record agrees; the last call every rank completed "
                          f"is #{min(done)} (of up to #{max(c['seq'] for c in per_rank.values())})")
         lines.sort(key=lambda line: not line.startswith("INCOMPLETE"))  # the first line says it all
-        return lines or ["no records in the dumps (COLLECTIVES_TRACE_BUFFER=0?)"]
+        return _refused(comms, order) + lines or ["no records in the dumps (COLLECTIVES_TRACE_BUFFER=0?)"]
     s, name, entered, never, groups = findings[0]
     sides = []
     for ranks in sorted(groups.values()):
@@ -164,6 +153,25 @@ def verdict(dumps: dict[int, dict]) -> list[str]:
         recs = c.get("records", [])
         if recs:
             lines.append(f"  rank {r}'s last call on {name}: {_trace.describe(recs[-1])} ({recs[-1].get('state')})")
+    return lines
+
+
+def _refused(comms: dict[str, dict[int, dict]], order: list[str]) -> list[str]:
+    """The calls the NaN check refused (``COLLECTIVES_CHECK_NAN``: every rank's record of the call failed
+    with the same NonFiniteError), the last one of each communicator: which call, where, and the ranks
+    whose input held NaN or inf (the error names them)."""
+    lines = []
+    for name in order:
+        refused: dict[int, dict] = {}
+        for c in comms[name].values():
+            for e in c.get("records", []):
+                if (e.get("error") or "").startswith("NonFiniteError"):
+                    refused[e["seq"]] = e
+        if refused:
+            e = refused[max(refused)]
+            found = e["error"].split(" the input holds a non-finite value on ", 1)[-1].split(" (COLLECTIVES_CHECK_NAN", 1)[0]
+            lines.append(f"NON-FINITE INPUT on {name} at call #{e['seq']}: {_trace.describe(e)} at "
+                         f"{_trace.site_text(e.get('site'))} was refused on every rank: {found}")
     return lines
 
 
@@ -195,6 +203,53 @@ def _incomplete(name: str, per_rank: dict[int, dict], absent: list[str]) -> str:
         calls = sorted({_trace.describe(e) for e in waiting.values()})
         line += f"; {_ranks(waiting)} wait{'' if len(waiting) > 1 else 's'} in {' / '.join(calls)}"
     return line
+
+
+def stragglers(dumps: dict[int, dict]) -> list[str]:
+    """The ranks of each communicator ranked by how late they arrive at its calls: for every call that every
+    rank's record holds with a start time (the general path's records: asynchronous calls, the torch
+    backend, gradient buckets, trees, barriers, the first call of a kind; a hot-path call keeps no time),
+    each rank's lateness is its start minus the earliest start of that call. The clocks are the hosts'
+    (``time.time()``): across nodes their offset adds to every lateness."""
+    comms: dict[str, dict[int, dict[int, float]]] = {}
+    seqs: dict[str, int] = {}
+    for rank, dump in dumps.items():
+        for c in dump.get("communicators", []):
+            if c.get("name") is None or c.get("seq") is None:
+                continue
+            comms.setdefault(c["name"], {})[rank] = {e["seq"]: e["start"] for e in c.get("records", [])
+                                                    if e.get("start")}
+            seqs[c["name"]] = max(seqs.get(c["name"], 0), c["seq"])
+    lines = []
+    for name in sorted(comms, key=lambda n: (n != "world", n)):
+        per = comms[name]
+        ranks = sorted(per)
+        if len(ranks) < 2:
+            continue
+        common = sorted(set.intersection(*(set(v) for v in per.values())))
+        if not common:
+            lines.append(f"stragglers on {name}: no call has a start time on every rank (hot-path calls keep none)")
+            continue
+        late: dict[int, list[float]] = {r: [] for r in ranks}
+        last = dict.fromkeys(ranks, 0)
+        for s in common:
+            starts = {r: per[r][s] for r in ranks}
+            first = min(starts.values())
+            for r in ranks:
+                late[r].append(starts[r] - first)
+            last[max(ranks, key=lambda r: starts[r])] += 1
+        order = sorted(ranks, key=lambda r: -sum(late[r]))
+        lines.append(f"stragglers on {name}: {len(common)} calls with a start time on every rank (of "
+                     f"{seqs[name]}; hot-path calls keep none), ranks from the latest:")
+        for r in order:
+            values = sorted(late[r])
+            mean = sum(values) / len(values)
+            lines.append(f"  rank {r}: last to arrive at {last[r]} of {len(common)} calls; late by {mean * 1e3:.1f} ms "
+                         f"on average (median {values[len(values) // 2] * 1e3:.1f} ms, max {values[-1] * 1e3:.1f} ms)")
+    hosts = {d.get("host") for d in dumps.values()}
+    if len(hosts) > 1:
+        lines.append(f"(the ranks ran on {len(hosts)} hosts: the offsets of their clocks add to these figures)")
+    return lines or ["stragglers: no communicator with records of two ranks or more"]
 
 
 def timeline(dumps: dict[int, dict]) -> dict:
@@ -249,10 +304,15 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--job", help="the job id (default: the newest job in DIR)")
     ap.add_argument("--timeline", metavar="FILE", help="write a Chrome trace (JSON) of the records")
     ap.add_argument("--plot", metavar="FILE.png", help="draw the timeline (needs matplotlib)")
+    ap.add_argument("--stragglers", action="store_true",
+                    help="rank the ranks by how late they arrive at each call (from the records' start times)")
     args = ap.parse_args(argv)
     job, dumps = load(args.dir, args.job)
     if not dumps:
-        print(f"no trace dumps in {args.dir}" + (f" for job {args.job}" if args.job else ""))
+        torch_dirs = sorted(glob.glob(os.path.join(args.dir, "*.torch")))
+        print(f"no trace dumps in {args.dir}" + (f" for job {args.job}" if args.job else "")
+              + (f" (dumps in torch's format, COLLECTIVES_TRACE_FORMAT=torch, are in {torch_dirs[-1]}: read them "
+                 f"with `python -m torch.distributed.flight_recorder.fr_trace DIR`)" if torch_dirs else ""))
         return 1
     size = max(d.get("size", 1) for d in dumps.values())
     missing = [r for r in range(size) if r not in dumps]
@@ -266,6 +326,10 @@ def main(argv: list[str]) -> int:
         reason = d.get("reason") or ""
         reason = reason if len(reason) <= 110 else reason[:110].rsplit(" ", 1)[0] + " ..."
         print(f"  rank {r} ({d.get('host')}, pid {d.get('pid')}): dumped for: {reason}\n    at {_where(d)}")
+    if args.stragglers:
+        print()
+        for line in stragglers(dumps):
+            print(line)
     if args.timeline or args.plot:
         trace = timeline(dumps)
         if args.timeline:

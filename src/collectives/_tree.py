@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _agree, _arrays, _buckets, _config, _dtypes, _ops
+from . import _agree, _arrays, _buckets, _config, _dtypes, _finite, _ops
 from ._agree import render_path
 from ._threads import collective
 
@@ -792,6 +792,10 @@ def allreduce_tree(engine, tree, op, bucket_bytes, asynchronous: bool = False):
     agree(engine, what, header, entries, error, digest)
     assert flat is not None  # agree() raised the error of a tree that did not flatten
     items = prepared.items
+    if engine.check_nan:  # COLLECTIVES_CHECK_NAN: every rank, the tree agreed, before anything moves (_finite)
+        paths, index = flat.paths, prepared.index
+        _finite.check(engine.host, what, _finite.scan(None if it.view is None else (it.view, it.info) for it in items),
+                      lambda n: f"leaf {render_path(paths[index[n]])}")
     plan = None if cached is None else cached[2]
     steps = None
     if asynchronous:

@@ -280,6 +280,33 @@ def main(name: str) -> None:
                 os.kill(os.getpid(), signal.SIGUSR1)
         assert (x == comm.size ** 21).all(), x
 
+    elif name == "clean-trace-p2p-stall":  # the last rank waits in a recv; rank 0 computes before it sends
+        if comm.rank == 0 and comm.size > 1:
+            time.sleep(float(os.environ["TRACE_SLEEP"]))  # TRACE-P2P-SLEEP
+            comm.send(np.full(3, 7.0), last, tag=5)
+        elif comm.rank == last:
+            got = np.zeros(3)
+            comm.recv(got, src=0, tag=5)  # TRACE-P2P-RECV
+            assert (got == 7.0).all(), got
+        comm.barrier()
+
+    elif name == "trace-nan":  # COLLECTIVES_CHECK_NAN=1: the last rank's input holds a NaN; nobody catches it
+        comm.allreduce(x)
+        y = np.ones(6, np.float32)
+        if comm.rank == last:
+            y[4] = np.nan
+        mark(name)
+        comm.allreduce(y)  # TRACE-NAN-ALLREDUCE
+
+    elif name == "clean-trace-slow":  # the last rank arrives late at every call (a straggler); the job goes on
+        before = x.copy()
+        for _ in range(8):
+            if comm.rank == last:
+                time.sleep(0.2)  # TRACE-SLOW-SLEEP
+            comm.allreduce(x, async_op=True).wait()  # the general path: its record keeps the start time
+        coll.dump_trace()
+        assert (x == before * comm.size ** 8).all(), x
+
     elif name == "clean-trace-fronts":  # the torch backend and DistributedOptimizer's buckets, recorded
         import torch
         import torch.distributed as dist

@@ -509,3 +509,104 @@ def test_the_hang_walkthrough_of_the_docs(n):
     first = trace_verdict(job).splitlines()[0]
     assert first.startswith("DIVERGENCE on world at call #5:") and f"rank {n - 1} never entered it" in first, first
     assert f"rank {n - 1} was at {line} in <module>: time.sleep(30)" in first, first
+
+
+# ---- the same dumps in torch's format (COLLECTIVES_TRACE_FORMAT=both, issue 35): torch's fr_trace agrees ----
+
+def fr_trace(job: Job) -> str:
+    """``python -m torch.distributed.flight_recorder.fr_trace`` on the job's torch-format dumps: its output."""
+    [torch_dir] = Path(job.trace_dir).glob("*.torch")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(torch_dir)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr  # read with no error
+    return proc.stdout + proc.stderr  # (its logger writes to stderr)
+
+
+TORCH_CASES = {  # scenario: (its environment, the call # of the divergence, the others' and the last rank's calls)
+    "trace-skip": ({"COLLECTIVES_TIMEOUT": 5}, 6, "all_reduce", "barrier"),
+    "trace-divergent": ({"COLLECTIVES_TIMEOUT": 5}, 4, "all_reduce", "broadcast"),
+    "clean-trace-stall": ({"COLLECTIVES_STALL_WARN_S": 2, "TRACE_SLEEP": 8, "TRACE_ASK_AT": 5}, 3, "all_reduce", None),
+}
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("scenario", list(TORCH_CASES))
+def test_torch_fr_trace_reads_the_dumps_and_agrees(scenario, n):
+    """With COLLECTIVES_TRACE_FORMAT=both every rank also writes torch's format; torch's own analyzer reads
+    the dumps with no error and names the same call and collectives as our verdict: a rank that never
+    entered the call (the sleep: "missing ranks"), or the two collectives called at that number (its culprit
+    ranks are those that differ from the first dump it reads, in the directory's order: the last rank, or
+    all the others)."""
+    pytest.importorskip("torch.distributed.flight_recorder.fr_trace")
+    env, seq, others_call, last_call = TORCH_CASES[scenario]
+    job = run(scenario, n, COLLECTIVES_TRACE_FORMAT="both", **env)
+    assert len(dumps_of(job)) == n, (dumps_of(job), job)
+    ours = trace_verdict(job).splitlines()[0]
+    assert ours.startswith(f"DIVERGENCE on world at call #{seq}:"), ours
+    torch_files = sorted(p.name for p in Path(job.trace_dir).glob("*.torch/*"))
+    assert torch_files == [f"collectives_trace_rank_{r}" for r in range(n)], torch_files
+    out = fr_trace(job)
+    assert "group info: world:default_pg" in out, out
+    others = set(range(n - 1))
+    if last_call is None:  # a rank that never entered the call
+        assert f"rank {n - 1} never entered it" in ours, ours
+        assert f"Not all ranks joining collective, sequence number: {seq}" in out, out
+        assert f"missing ranks: {{{n - 1}}}" in out and f"collective: nccl:{others_call}" in out, out
+        assert f"main at {SCENARIO}:{line_of('TRACE-STALL-ALLREDUCE')}" in out, out  # the call site, as ours
+        return
+    assert f"Collective sequence number: {seq} has errors" in out, out
+    culprits = {int(r) for r in re.findall(r"Culprit rank (\d+);", out)}
+    found = set(re.findall(r"found collective type: '(\w+)'", out))
+    expected = set(re.findall(r"Expected collective type: '(\w+)'", out))
+    if culprits == {n - 1}:  # it read a rank of the majority first
+        assert (expected, found) == ({others_call}, {last_call}), out
+    else:  # it read the last rank first: the others differ from it
+        assert culprits == others and (expected, found) == ({last_call}, {others_call}), out
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_stragglers_ranks_the_slow_rank_first(n):
+    """The last rank sleeps 0.2 s before each of 8 asynchronous allreduces: ``--stragglers`` ranks it first,
+    the last to arrive at each of them, late by about 0.2 s (the median over the job's calls: most are those)."""
+    job = run("clean-trace-slow", n)
+    assert job.rc == 0, job
+    proc = subprocess.run([sys.executable, "-m", "collectives", "trace", job.trace_dir, "--stragglers"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.split("stragglers on world: ", 1)[1].splitlines()
+    calls = re.match(r"(\d+) calls with a start time on every rank \(of (\d+);", lines[0])
+    assert calls and calls[1] == calls[2] and int(calls[1]) >= 8, proc.stdout  # every call (none on the hot path)
+    m = re.match(rf"  rank {n - 1}: last to arrive at (\d+) of {calls[1]} calls; late by ([\d.]+) ms on average "
+                 r"\(median ([\d.]+) ms", lines[1])
+    assert m and int(m[1]) >= 8 and 150 < float(m[3]) < 1000, proc.stdout  # the 8 allreduces (the others: anyone)
+    assert sorted(int(re.match(r"  rank (\d+):", line)[1]) for line in lines[1:n + 1]) == list(range(n)), proc.stdout
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_stall_warning_of_a_receive_names_the_sender_and_where_it_is(n):
+    """The last rank waits in a recv from rank 0, which computes first: the stall inspector names the
+    point-to-point call (not the last collective) and where rank 0 is."""
+    job = run("clean-trace-p2p-stall", n, COLLECTIVES_STALL_WARN_S=2, TRACE_SLEEP=7)
+    assert job.rc == 0, job
+    assert sorted(re.findall(r"^DONE (\d+)$", job.out, re.M)) == [str(r) for r in range(n)], job
+    warnings = re.findall(rf"^collectives: stall: recv #1 \(point-to-point, float64 \(3,\)\) from rank 0 with tag 5 "
+                          rf"on world, called at {re.escape(str(SCENARIO))}:{line_of('TRACE-P2P-RECV')} in main, has "
+                          rf"waited \d+ s on rank (\d) of {n}; rank 0 is at {re.escape(str(SCENARIO))}:"
+                          rf"{line_of('TRACE-P2P-SLEEP')} in main \(after collective #\d+ on world\)", job.err, re.M)
+    assert warnings == [str(n - 1)], job  # once, on the receiving rank
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_trace_names_the_rank_whose_input_held_a_nan(n):
+    """COLLECTIVES_CHECK_NAN=1 and a NaN in the last rank's input, the NonFiniteError left uncaught: every
+    rank raises the same error (the job ends), and the verdict's first line names the call, its line and the
+    rank."""
+    job = run("trace-nan", n, COLLECTIVES_CHECK_NAN=1)
+    ended_promptly(job)
+    assert f"NonFiniteError: allreduce: the input holds a non-finite value on rank {n - 1} (nan at index 4)" \
+        in job.err, job
+    assert len(dumps_of(job)) == n, (dumps_of(job), job)
+    first = trace_verdict(job).splitlines()[0]
+    assert first == (f"NON-FINITE INPUT on world at call #4: allreduce #4 (op=sum, float32 (6,)) at {SCENARIO}:"
+                     f"{line_of('TRACE-NAN-ALLREDUCE')} in main was refused on every rank: rank {n - 1} (nan at "
+                     f"index 4)"), first

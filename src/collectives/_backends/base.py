@@ -77,6 +77,9 @@ class HostTransport(abc.ABC):
     # transfer it makes; a transport that checks calls beside them (MPI's fingerprint) compares it
     caller: tuple | None = None
     checks_beside = False  # whether even its blocking calls are checked beside them (the deadline transport)
+    # COLLECTIVES_CHECK_NAN: whether the engine scans the inputs of floating reductions for NaN/inf before they
+    # move (collectives._finite); the same on every rank (the MPI transport agrees on it when made)
+    check_nan = False
     _float16 = True
 
     # ---- the failed state: once failed, failed for good ----

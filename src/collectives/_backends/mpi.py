@@ -151,10 +151,11 @@ def _warn_faulty(MPI, bad: list) -> None:
         RuntimeWarning, stacklevel=4)
 
 
-def _agreed_settings(comm, local_size: int, faulty: Sequence = ()) -> tuple[int, bool, frozenset]:
+def _agreed_settings(comm, local_size: int, faulty: Sequence = ()) -> tuple[int, bool, frozenset, bool]:
     """What every rank must share, agreed in one allreduce when the MPI transport is made (collective):
     ``(shared-memory threshold in bytes, or shm.NEVER when the path is off; whether synchronize may use the
-    point-to-point pipeline; the (dtype, op) pairs of PROBED_OPS that some rank's MPI reduces wrongly)``.
+    point-to-point pipeline; the (dtype, op) pairs of PROBED_OPS that some rank's MPI reduces wrongly;
+    whether floating reductions are checked for NaN/inf, COLLECTIVES_CHECK_NAN)``.
 
     A pair any rank's probe failed (:func:`faulty_ops`) is faulty on every rank: the dtype a buffer travels
     in must be the same everywhere.
@@ -162,17 +163,18 @@ def _agreed_settings(comm, local_size: int, faulty: Sequence = ()) -> tuple[int,
     Every rank must take the same path for the same call. The shared-memory allreduce is off if any rank
     has ``COLLECTIVES_SHM=0`` or if no node holds more than one rank (nothing to share), else it starts at
     the largest threshold any rank asked for; the pipeline of ``synchronize`` is off if any rank has
-    ``COLLECTIVES_SYNC_PIPELINE=0``.
+    ``COLLECTIVES_SYNC_PIPELINE=0``; the NaN check is on if any rank has ``COLLECTIVES_CHECK_NAN=1`` (it is
+    one more collective before each checked call: every rank must make it).
     """
     from mpi4py import MPI
 
     flags = [1 if pair in faulty else 0 for pair in PROBED_OPS]
     mine = np.array([0 if _config.shm() else 1, _config.shm_threshold(), local_size,
-                     0 if _config.sync_pipeline() else 1, *flags], dtype=np.int64)
+                     0 if _config.sync_pipeline() else 1, 1 if _config.check_nan() else 0, *flags], dtype=np.int64)
     comm.Allreduce(MPI.IN_PLACE, mine, MPI.MAX)
-    disabled, threshold, max_local, no_pipeline = (int(v) for v in mine[:4])
-    agreed = frozenset(pair for pair, flag in zip(PROBED_OPS, mine[4:]) if flag)
-    return (shm.NEVER if disabled or max_local < 2 else threshold), not no_pipeline, agreed
+    disabled, threshold, max_local, no_pipeline, check_nan = (int(v) for v in mine[:5])
+    agreed = frozenset(pair for pair, flag in zip(PROBED_OPS, mine[5:]) if flag)
+    return (shm.NEVER if disabled or max_local < 2 else threshold), not no_pipeline, agreed, bool(check_nan)
 
 
 def _reduces_locally(MPI, datatype) -> bool:
@@ -244,7 +246,8 @@ class MPITransport(HostTransport):
             group.Free()
             world.Free()
         faulty = faulty_ops(MPI, self._ops, self._types)  # per transport: local, 1-2 ms (42 small reductions)
-        self._shm_threshold, self._pipeline, self._faulty = _agreed_settings(self.comm, self.local_size, faulty)
+        (self._shm_threshold, self._pipeline, self._faulty,
+         self.check_nan) = _agreed_settings(self.comm, self.local_size, faulty)
         if self._faulty and self.rank == 0:
             _warn_faulty(MPI, sorted(self._faulty, key=PROBED_OPS.index))
         # One MPI communicator per kind of collective (a "lane"), so that MPI can never match one collective
@@ -974,6 +977,7 @@ class MPITransport(HostTransport):
             child.__init__(part)  # collective over the part: its own duplicate, node communicator, settings
         finally:
             part.Free()
+        child.check_nan = child.check_nan or self.check_nan  # on if on for the parent (agreed there) or here
         return child
 
     def close(self):

@@ -17,6 +17,7 @@ class SelfTransport(HostTransport):
 
     def __init__(self):
         _config.refuse_malformed()  # a malformed variable is refused at init, as with MPI (alone here)
+        self.check_nan = _config.check_nan()
         self._mail: dict = {}  # tag -> the messages this process sent itself, oldest first: (header, bytes)
 
     # ---- point-to-point: to itself, through a mailbox (the Communicator refuses a blocking send to itself)
@@ -66,7 +67,11 @@ class SelfTransport(HostTransport):
         pass
 
     def split(self, color, key):
-        return None if color is None else SelfTransport()
+        if color is None:
+            return None
+        child = SelfTransport()
+        child.check_nan = child.check_nan or self.check_nan  # on if on for the parent or here
+        return child
 
 
 class _Taken(Request):
