@@ -185,9 +185,7 @@ def exact_bound_holds(result: np.ndarray, units: np.ndarray, op: str, words: int
             assert abs(exact) > float(np.finfo(real).max), (j, r)
             continue
         e = max(math.frexp(float(v))[1] for v in col)  # |x| < 2**e for every term
-        ulp = float(np.spacing(np.array(abs(r), dtype=real))) if r else float(np.finfo(real).smallest_subnormal)
-        if dtype == "bfloat16":
-            ulp *= 2.0 ** 16  # bfloat16 keeps 8 of float32's 24 bits
+        ulp = ulp_of(r, dtype)
         quantum = Fraction(2) ** (e - _reproducible.S * words)
         bound = n * quantum + Fraction(ulp) / 2 if op == "sum" else quantum + 2 * Fraction(ulp)
         assert abs(Fraction(r) - exact) <= bound, (j, r, float(exact), float(bound))
@@ -339,3 +337,12 @@ def test_reproducible_against_ordinary_is_a_mismatch(comm, mode):
         assert "reproducible sum" in str(info.value), str(info.value)
         if mode == "checked":  # refused before anything moved
             assert x.tobytes() == before.tobytes()
+
+
+PRECISION = {"float16": (11, -24), "bfloat16": (8, -133), "float32": (24, -149), "float64": (53, -1074)}
+
+
+def ulp_of(r: float, dtype: str) -> float:
+    """The spacing of ``dtype``'s values at ``r`` (its binade's; complex: of a part)."""
+    bits, tiny = PRECISION[{"complex64": "float32", "complex128": "float64"}.get(dtype, dtype)]
+    return math.ldexp(1.0, max(math.frexp(r)[1] - bits, tiny)) if r else math.ldexp(1.0, tiny)
