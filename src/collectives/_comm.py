@@ -109,6 +109,7 @@ class Communicator:
         self._fast_blocks: dict = {}  # ("reduce_scatter", op, dtype) or ("alltoall", dtype) -> the same
         self._runners: dict = {}  # (op, DType) -> (transport, reduction call); see _runner
         self._pool = _buckets.Pool()  # the fused collectives' flat buffers (_buckets)
+        self._scratch: dict = {}  # what -> a buffer the blocking reproducible sums reuse (see _reused)
         self._plans: OrderedDict = OrderedDict()  # tree structure -> (description, digest, plan) (_tree)
         self._size = host.size  # a plain attribute for the hot path
         self._subs: list = []  # communicators made by split(), closed with this one
@@ -636,22 +637,29 @@ class Communicator:
         return not (self._reproducible and _reproducible.applies(info, op))
 
     def _summing(self, transport, operation: str, stack, info, op: str, asynchronous: bool, extra: tuple = (), *,
-                 receives: bool = True, out=None):
+                 receives: bool = True, out=None, calling=None):
         """The steps of a reproducible sum or mean (``_reproducible``) of ``stack``, this rank's units
         (``(k, n)``, contiguous, ``info``'s storage dtype): the exponent codes allreduced with max at the
         call (:meth:`_exponents`), then the fixed-point words with ``operation`` (allreduce; reduce to
-        ``extra[0]``; reduce_scatter: each rank its block), decoded into ``out`` where ``receives``."""
+        ``extra[0]``; reduce_scatter: each rank its block), decoded into ``out`` where ``receives``.
+        ``calling``: the call's description (``_call``; default: the one the validation made)."""
         size = self._size
-        codes = _reproducible.codes(stack, info)
-        self._exponents(transport, codes, asynchronous)
+        calling = self._calling if calling is None else calling
+        n = _reproducible.elements(stack.shape[1], info)
+        codes = _reproducible.codes(stack, info, out=self._reused("codes", _reproducible.code_dtype(info), n,
+                                                                  asynchronous))
+        self._exponents(transport, codes, asynchronous, calling)
+        tail = operation != "reduce_scatter"
+        wire = self._reused("words", np.dtype(np.float64), _reproducible.wire_size(stack.shape[1], info, tail),
+                            asynchronous)
         if operation == "reduce_scatter":
-            wire = _reproducible.encode(stack, info, codes, blocks=size, tail=False)
+            _reproducible.encode(stack, info, codes, blocks=size, tail=False, out=wire)
             block = np.empty(wire.size // size, dtype=wire.dtype)
             yield _Step(transport, "reduce_scatter", (wire, block, "sum"))
             m = codes.size // size
             _reproducible.decode(block, info, codes[self.rank * m:(self.rank + 1) * m], op, out, terms=size)
             return
-        wire = _reproducible.encode(stack, info, codes)
+        _reproducible.encode(stack, info, codes, out=wire)
         yield _Step(transport, operation, (wire, "sum", *extra))
         if not receives:
             return
@@ -662,18 +670,31 @@ class Communicator:
                              f"{_reproducible.MAX_TERMS} and then the groups' results")
         _reproducible.decode(wire, info, codes, op, out)
 
-    def _exponents(self, transport, codes, asynchronous: bool) -> None:
+    SCRATCH_BYTES = 256 * 2**20  # the largest buffer a communicator keeps for reproducible sums
+
+    def _reused(self, what: str, dtype: np.dtype, n: int, asynchronous: bool) -> np.ndarray:
+        """``n`` elements of ``dtype`` for a reproducible sum's ``what`` ("codes", "words"): a buffer the
+        blocking calls reuse (writing into memory already mapped is much faster than into a new large
+        array), up to :data:`SCRATCH_BYTES`; a new one for an asynchronous call (it is in use until
+        ``wait()``) or a larger buffer."""
+        if asynchronous or n * dtype.itemsize > self.SCRATCH_BYTES:
+            return np.empty(n, dtype=dtype)
+        buf = self._scratch.get(what)
+        if buf is None or buf.dtype != dtype or buf.size < n:
+            buf = self._scratch[what] = np.empty(n, dtype=dtype)
+        return buf[:n]
+
+    def _exponents(self, transport, codes, asynchronous: bool, calling) -> None:
         """The first collective of a reproducible sum: the exponent codes allreduced with max, completed at
         the call in both modes (the words' collective needs its result; a transfer started later, at a
         ``done()`` on one rank and a ``wait()`` on another, could meet the ranks' other collectives in
         another order). Asynchronous: started with its fingerprint, as every asynchronous transfer is."""
         cinfo = _dtypes.from_numpy(codes.dtype)
         if asynchronous:
-            for request in self._reducing(transport, "allreduce", codes, cinfo, "max", (), _nothing,
-                                          calling=self._calling):
+            for request in self._reducing(transport, "allreduce", codes, cinfo, "max", (), _nothing, calling=calling):
                 request.wait()
             return
-        transport.caller = self._calling
+        transport.caller = calling
         try:
             self._runner(transport, cinfo, "max")(codes)
         finally:
@@ -738,14 +759,14 @@ class Communicator:
                     pass
             outstanding.pop(id(h), None)  # (finishing removed it already; a handle that failed too)
 
-    def _async_tree(self, tree, op, bucket_bytes) -> Handle:
+    def _async_tree(self, tree, op, bucket_bytes, reproducible) -> Handle:
         """:meth:`allreduce_tree` with ``async_op=True``: its buckets' transfers (``_tree``) in a Handle."""
         self._host.usable()
         if not _enter(False):
             _refuse_thread("allreduce_tree")
         rec = self._begin_record("allreduce_tree", None, op, None, "tree buckets, asynchronous")
         try:
-            steps = _tree.allreduce_tree(self._engine, tree, op, bucket_bytes, True)
+            steps = _tree.allreduce_tree(self._engine, tree, op, bucket_bytes, True, reproducible)
         except BaseException as exc:
             if rec is not None:
                 rec.finish(exc)
@@ -1176,6 +1197,7 @@ class Communicator:
         host, self._host = self._host, CLOSED  # every later use raises BackendUnavailableError (_closed)
         self._fast, self._fast_broadcast, self._fast_blocks, self._runners = {}, {}, {}, {}
         self._pool = _buckets.Pool()
+        self._scratch = {}
         self._plans.clear()
         devices, self._devices = list(self._devices.values()), {}
         for d in devices:  # device transports first: NCCL communicators were set up over the host one
@@ -1194,19 +1216,20 @@ class Communicator:
     def _tree_call(self, name, run, *args):
         return run(self._engine, *args)
 
-    def allreduce_tree(self, tree, op: str = "mean", *, bucket_bytes: int | None = None, async_op: bool = False):
+    def allreduce_tree(self, tree, op: str = "mean", *, bucket_bytes: int | None = None, async_op: bool = False,
+                       reproducible: bool | None = None):
         """Reduce every array leaf of ``tree``, fused. See :func:`collectives.allreduce_tree`.
 
         With ``async_op=True`` every fused host transfer (one per bucket and large leaf) is started as a
         non-blocking collective at the call; ``wait()`` returns the tree. CUDA leaves and Python ints are
         reduced at the call."""
         if async_op:
-            return self._async_tree(tree, op, bucket_bytes)
-        return self._reduce_tree(tree, op, bucket_bytes)
+            return self._async_tree(tree, op, bucket_bytes, reproducible)
+        return self._reduce_tree(tree, op, bucket_bytes, reproducible)
 
     @_traced("allreduce_tree", path="tree buckets")
-    def _reduce_tree(self, tree, op, bucket_bytes):
-        return _tree.allreduce_tree(self._engine, tree, op, bucket_bytes)
+    def _reduce_tree(self, tree, op, bucket_bytes, reproducible):
+        return _tree.allreduce_tree(self._engine, tree, op, bucket_bytes, False, reproducible)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1427,6 +1450,34 @@ class Engine:
         """The asynchronous steps of a reduction of ``buf`` under the host rules (a generator of requests,
         for a :class:`~collectives.Handle`), returning ``finish()``."""
         return self.communicator._reducing(transport, operation, buf, info, op, extra, finish, **kwargs)
+
+    @property
+    def reproducible(self) -> bool:
+        """The communicator's default of ``reproducible=`` (:attr:`Communicator.reproducible`)."""
+        return self.communicator.reproducible
+
+    def summing(self, transport, buf, info, op: str) -> None:
+        """Allreduce the contiguous host buffer ``buf`` of ``info``'s storage dtype in place with the
+        reproducible ``op`` (sum or mean, ``_reproducible``), blocking."""
+        c = self.communicator
+        calling = _call.describe("allreduce", f"reproducible {op}", info, _reproducible.elements(buf.size, info))
+        for step in c._summing(transport, "allreduce", buf.reshape(1, -1), info, op, False, out=buf,
+                               calling=calling):
+            transport.caller = calling
+            try:
+                getattr(transport, step.operation)(*step.args)
+            finally:
+                transport.caller = None
+
+    def summing_steps(self, transport, buf, info, op: str, finish):
+        """:meth:`summing` as the asynchronous steps of a :class:`~collectives.Handle` (a generator of
+        requests, started here up to the first), returning ``finish()``."""
+        c = self.communicator
+        calling = _call.describe("allreduce", f"reproducible {op}", info, _reproducible.elements(buf.size, info))
+        for step in c._summing(transport, "allreduce", buf.reshape(1, -1), info, op, True, out=buf,
+                               calling=calling):
+            yield _started(transport, calling, step.operation, step.args)
+        return finish()
 
     def reduces_on_the_callers_cpus(self) -> bool:
         """Whether a blocking host allreduce is computed by the ranks' own CPUs (every rank on one node):
@@ -2197,7 +2248,8 @@ def synchronize(tree, root: int = 0, *, comm=None, bucket_bytes: int | None = No
     return _resolve(comm).synchronize(tree, root, bucket_bytes=bucket_bytes)
 
 
-def allreduce_tree(tree, op: str = "mean", *, comm=None, bucket_bytes: int | None = None, async_op: bool = False):
+def allreduce_tree(tree, op: str = "mean", *, comm=None, bucket_bytes: int | None = None, async_op: bool = False,
+                   reproducible: bool | None = None):
     """Reduce every array leaf of ``tree`` over all ranks, fused into few collectives.
 
     Every rank must call it with the same ``op`` and a tree of the same structure (checked first, with
@@ -2226,6 +2278,11 @@ def allreduce_tree(tree, op: str = "mean", *, comm=None, bucket_bytes: int | Non
         async_op: return a :class:`Handle` at once; every fused host transfer is started as a
             non-blocking collective at the call, and ``handle.wait()`` returns what the blocking call
             returns. Leave the leaves alone until then. CUDA leaves and Python ints are reduced at the call.
+        reproducible: ``True`` (op ``"sum"`` or ``"mean"``): every float and complex leaf is summed as
+            :func:`allreduce` with ``reproducible=True`` does, element by element, so the bits do not depend
+            on the number of ranks nor on ``bucket_bytes`` (integer leaves are exact anyway; a float leaf
+            without a reproducible sum, such as longdouble, is a TypeError). ``None``: the communicator's
+            default (:attr:`Communicator.reproducible`). Host leaves only.
 
     Returns:
         The tree with the reduced values: ``tree`` itself when every leaf was reduced in place.
@@ -2244,4 +2301,5 @@ def allreduce_tree(tree, op: str = "mean", *, comm=None, bucket_bytes: int | Non
         >>> bool((out["w"] == mean).all()) and out["b"].tolist() == [1.0, 1.0] and out["loss"] == mean
         True
     """
-    return _resolve(comm).allreduce_tree(tree, op, bucket_bytes=bucket_bytes, async_op=async_op)
+    return _resolve(comm).allreduce_tree(tree, op, bucket_bytes=bucket_bytes, async_op=async_op,
+                                         reproducible=reproducible)

@@ -149,15 +149,23 @@ def _reals(a: np.ndarray, fmt: Format) -> np.ndarray:
     return a.view(fmt.real) if fmt.real is not None else a
 
 
-def codes(units: np.ndarray, info: _dtypes.DType) -> np.ndarray:
+def code_dtype(info: _dtypes.DType) -> np.dtype:
+    """The dtype of ``info``'s exponent codes (uint8; int16 for float64 and complex128)."""
+    return format_of(info).code
+
+
+def codes(units: np.ndarray, info: _dtypes.DType, out: np.ndarray | None = None) -> np.ndarray:
     """The exponent codes of a stack of units (``(k, n)``, contiguous, ``info``'s storage dtype; ``k`` may
-    be 0): per element the largest code over the units (a new array of :func:`elements` entries, of the
-    format's code dtype), to be allreduced with ``max``."""
+    be 0): per element the largest code over the units (an array of :func:`elements` entries of
+    :func:`code_dtype`: ``out``, else a new one), to be allreduced with ``max``."""
     fmt = format_of(info)
     k = units.shape[0]
     units = _reals(units, fmt)  # (k, n): complex as (k, 2n) real parts
     n = units.shape[1]
-    out = np.zeros(n, dtype=fmt.code)  # no unit: the identity of max (-0.0's code)
+    if out is None:
+        out = np.empty(n, dtype=fmt.code)
+    if k == 0:
+        out[...] = 0  # no unit: the identity of max (-0.0's code)
     top = np.dtype(fmt.bits).itemsize * 8 - 1
     narrow = fmt.emask == np.iinfo(fmt.code).max  # the code dtype holds exactly the exponent field
     spare = np.empty(min(n, CHUNK), dtype=fmt.code)

@@ -346,3 +346,38 @@ def ulp_of(r: float, dtype: str) -> float:
     """The spacing of ``dtype``'s values at ``r`` (its binade's; complex: of a part)."""
     bits, tiny = PRECISION[{"complex64": "float32", "complex128": "float64"}.get(dtype, dtype)]
     return math.ldexp(1.0, max(math.frexp(r)[1] - bits, tiny)) if r else math.ldexp(1.0, tiny)
+
+
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_allreduce_tree_at_every_size_and_bucket_size(comm, op):
+    """allreduce_tree(reproducible=True): each float leaf the bits of allreduce_units of the ranks' leaves,
+    at every size, for every bucket size, blocking and asynchronous; integer leaves exact as ever."""
+    names = ("float32", "float64", "float16", "complex64")
+    data = {name: global_units(name, seed=20 + i, units=comm.size, count=40 + 9 * i) for i, name in enumerate(names)}
+    for s in range(1, comm.size + 1):
+        with first(comm, s) as sub:
+            if sub is None:
+                continue
+            with alone(sub) as solo:
+                want = {name: solo.allreduce_units(d[:s], op).tobytes() for name, d in data.items()}
+            for bucket_bytes in (64, 1024, 1 << 20):
+                for async_op in (False, True):
+                    tree = {name: d[sub.rank].copy() for name, d in data.items()}
+                    if op == "sum":  # (the mean of an integer leaf is refused)
+                        tree["steps"] = np.arange(3, dtype=np.int64) + sub.rank
+                    h = sub.allreduce_tree(tree, op, bucket_bytes=bucket_bytes, reproducible=True, async_op=async_op)
+                    out = h.wait() if async_op else h
+                    for name in names:
+                        assert out[name].tobytes() == want[name], (s, bucket_bytes, async_op, name)
+                    if op == "sum":
+                        assert out["steps"].tolist() == [i * s + s * (s - 1) // 2 for i in range(3)]
+
+
+def test_allreduce_tree_bad_calls(comm):
+    with pytest.raises(ValueError, match="op='sum' and op='mean'"):
+        coll.allreduce_tree({"w": np.ones(2)}, "max", reproducible=True)
+    with pytest.raises(TypeError, match=r"\['w'\].*float16, bfloat16, float32, float64"):
+        coll.allreduce_tree({"w": np.ones(2, dtype=np.longdouble)}, "sum", reproducible=True)
+    with pytest.raises(TypeError, match="True, False or None"):
+        coll.allreduce_tree({"w": np.ones(2)}, "sum", reproducible=1)
+    assert coll.allreduce_tree({"w": np.ones(2)}, "max", reproducible=False)["w"].tolist() == [1.0, 1.0]
