@@ -381,3 +381,79 @@ def test_allreduce_tree_bad_calls(comm):
     with pytest.raises(TypeError, match="True, False or None"):
         coll.allreduce_tree({"w": np.ones(2)}, "sum", reproducible=1)
     assert coll.allreduce_tree({"w": np.ones(2)}, "max", reproducible=False)["w"].tolist() == [1.0, 1.0]
+
+
+MICRO = 6  # micro-batches of the global batch: the units of the world-size-invariant step
+STEPS = 20
+
+
+def _torch_training(c, torch):
+    """K steps of a small MLP, each step's gradient the reproducible mean of one unit per micro-batch
+    (this rank's share of the global batch): the recipe of docs/guide-data-parallel.md."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(MICRO, 4, 5, generator=g)
+    y = torch.randn(MICRO, 4, 1, generator=g)
+    params = list(model.parameters())
+    for _ in range(STEPS):
+        units = []
+        for i in range(c.rank, MICRO, c.size):  # this rank's micro-batches, one backward pass each
+            model.zero_grad(set_to_none=True)
+            torch.nn.functional.mse_loss(model(x[i]), y[i]).backward()
+            units.append(torch.cat([p.grad.reshape(-1) for p in params]))
+        stack = torch.stack(units) if units else torch.zeros(0, sum(p.numel() for p in params))
+        mean = coll.allreduce_units(stack, "mean", comm=c)
+        offset = 0
+        for p in params:
+            p.grad = mean[offset:offset + p.numel()].reshape(p.shape).clone()
+            offset += p.numel()
+        opt.step()
+    return b"".join(p.detach().numpy().tobytes() for p in params)
+
+
+def _jax_training(c, jax, optax):
+    jnp = jax.numpy
+    key = jax.random.PRNGKey(0)
+    k1, k2, k3 = jax.random.split(key, 3)
+    params = {"w": jax.random.normal(k1, (5, 8)) * 0.3, "v": jax.random.normal(k2, (8,)) * 0.3}
+    x = jax.random.normal(k3, (MICRO, 4, 5))
+    y = jnp.sum(x, axis=-1)
+
+    def loss(p, xb, yb):
+        return jnp.mean((jnp.tanh(xb @ p["w"]) @ p["v"] - yb) ** 2)
+
+    grad = jax.jit(jax.grad(loss))
+    opt = optax.adam(1e-2)
+    state = opt.init(params)
+    for _ in range(STEPS):
+        units = [grad(params, x[i], y[i]) for i in range(c.rank, MICRO, c.size)]
+        mean = {}
+        for name in params:
+            stack = (np.stack([np.asarray(u[name]) for u in units]) if units
+                     else np.zeros((0,) + params[name].shape, np.float32))
+            mean[name] = jnp.asarray(coll.allreduce_units(stack, "mean", comm=c))
+        updates, state = opt.update(mean, state, params)
+        params = optax.apply_updates(params, updates)
+    return b"".join(np.asarray(params[k]).tobytes() for k in sorted(params))
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_training_steps_are_the_same_bits_at_every_size(comm, framework):
+    """The world-size-invariant step: K steps of an MLP on a fixed global batch of micro-batches give
+    parameters bitwise identical at every number of ranks (sub-communicators of every size)."""
+    if framework == "torch":
+        torch = pytest.importorskip("torch")
+        torch.set_num_threads(1)
+        run = lambda c: _torch_training(c, torch)
+    else:
+        jax = pytest.importorskip("jax")
+        optax = pytest.importorskip("optax")
+        run = lambda c: _jax_training(c, jax, optax)
+    with alone(comm) as solo:
+        want = run(solo)
+    for s in range(2, comm.size + 1):
+        with first(comm, s) as sub:
+            if sub is not None:
+                assert run(sub) == want, s

@@ -169,3 +169,32 @@ def ulp_of(r: float, dtype: str) -> float:
     """The spacing of ``dtype``'s values at ``r`` (its binade's; complex: of a part)."""
     bits, tiny = PRECISION[{"complex64": "float32", "complex128": "float64"}.get(dtype, dtype)]
     return math.ldexp(1.0, max(math.frexp(r)[1] - bits, tiny)) if r else math.ldexp(1.0, tiny)
+
+
+@pytest.mark.parametrize("name", ["float32", "float64"])
+def test_normal_terms_give_the_correctly_rounded_sum(name):
+    """The measured claim of docs/semantics.md, smaller: seeded normal terms, 8 and 64 per element."""
+    dtype = np.dtype(name)
+    for k in (8, 64):
+        values = np.random.default_rng(k).standard_normal((k, 300)).astype(dtype).astype(np.float64)
+        got = summed(values, name, "sum", [list(range(k))], [0])
+        for j in range(values.shape[1]):
+            exact = sum(map(Fraction, values[:, j].tolist()), Fraction(0))
+            want = float(exact) if name == "float64" else _round_f32(exact)
+            assert float(got[j]) == want, (k, j)
+
+
+def _round_f32(exact: Fraction) -> float:
+    """``exact`` correctly rounded to float32 (ties to even), without a float64 in between."""
+    if exact == 0:
+        return 0.0
+    e = math.frexp(float(exact))[1]
+    if abs(exact) < Fraction(2) ** (e - 1):  # float() rounded up into the next binade
+        e -= 1
+    scale = Fraction(2) ** (e - 24)
+    q = exact / scale
+    n = math.floor(q)
+    rest = q - n
+    if rest > Fraction(1, 2) or (rest == Fraction(1, 2) and n % 2):
+        n += 1
+    return float(n * scale)
