@@ -457,3 +457,43 @@ def test_training_steps_are_the_same_bits_at_every_size(comm, framework):
         with first(comm, s) as sub:
             if sub is not None:
                 assert run(sub) == want, s
+
+
+def test_distributed_optimizer_under_the_default(comm):
+    """COLLECTIVES_REPRODUCIBLE=1: DistributedOptimizer's gradient reductions (overlapped buckets, one
+    fused allreduce_tree, sharded state's reduce-scatter) are reproducible sums of one unit per rank:
+    every mode gives the parameters of the recipe with one micro-batch per rank, bit for bit."""
+    torch = pytest.importorskip("torch")
+    if comm.backend != "mpi":
+        pytest.skip("needs the MPI backend (a communicator made under the variable)")
+    torch.set_num_threads(1)
+
+    def run(c, mode):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(c.size, 4, 5, generator=g), torch.randn(c.size, 4, 1, generator=g)
+        inner = torch.optim.Adam(model.parameters(), lr=1e-2)
+        opt = inner if mode == "recipe" else coll.DistributedOptimizer(
+            inner, comm=c, overlap=mode != "fused", shard_state=mode == "sharded", bucket_bytes=256)
+        params = list(model.parameters())
+        for _ in range(5):
+            opt.zero_grad(set_to_none=True)
+            torch.nn.functional.mse_loss(model(x[c.rank]), y[c.rank]).backward()
+            if mode == "recipe":
+                flat = torch.cat([p.grad.reshape(-1) for p in params])[None]
+                mean = coll.allreduce_units(flat, "mean", comm=c)
+                offset = 0
+                for p in params:
+                    p.grad = mean[offset:offset + p.numel()].reshape(p.shape).clone()
+                    offset += p.numel()
+            opt.step()
+        if mode != "recipe":
+            opt.close()
+        return b"".join(p.detach().numpy().tobytes() for p in params)
+
+    with communicator(COLLECTIVES_REPRODUCIBLE=1) as c:
+        assert c.reproducible
+        want = run(c, "recipe")
+        for mode in ("overlap", "fused", "sharded"):
+            assert run(c, mode) == want, mode
