@@ -58,7 +58,7 @@ from . import _dtypes
 
 MAX_TERMS = 1 << 16  # terms per element a reproducible sum may have (every rank's units together)
 S = 52 - 16  # fraction bits of one word: MAX_TERMS words below 2**S sum to below 2**52 (exact in float64)
-CHUNK = 1 << 14  # elements per piece of the conversions
+CHUNK = 1 << 15  # elements per piece of the conversions
 OPS = ("sum", "mean")
 _NAN_AT, _PINF_AT = 2.0 ** 34, 2.0 ** 17  # a special element's first word: NaNs * 2**34 + infs * 2**17 + -infs
 _FIELD = 1 << 17
@@ -220,6 +220,18 @@ def encode(units: np.ndarray, info: _dtypes.DType, global_codes: np.ndarray, *, 
     special = bool(global_codes.size) and int(global_codes.max()) == fmt.emask
     chunk = min(m, CHUNK)
     exponent = np.empty(chunk, dtype=_I32)
+    if k == 1 and nwords == 1 and blocks == 1 and not special and fmt is not _BFLOAT16:  # the common case
+        x, shift = units[0], fmt.shift
+        with np.errstate(all="ignore"):
+            for lo in range(0, m, CHUNK):
+                hi = min(m, lo + CHUNK)
+                e = exponent[:hi - lo]
+                np.subtract(shift, global_codes[lo:hi], out=e, dtype=_I32)
+                y = rows[0, 0, lo:hi]
+                np.copyto(y, x[lo:hi])
+                np.ldexp(y, e, out=y)
+                np.trunc(y, out=y)
+        return wire
     spare = np.empty((nwords, chunk), dtype=_F64)  # the second and later units' words, before they are added
     low = np.empty(chunk, dtype=_F64) if nwords == 2 else None
     with np.errstate(all="ignore"):
