@@ -61,7 +61,6 @@ S = 52 - 16  # fraction bits of one word: MAX_TERMS words below 2**S sum to belo
 CHUNK = 1 << 15  # elements per piece of the conversions
 OPS = ("sum", "mean")
 _NAN_AT, _PINF_AT = 2.0 ** 34, 2.0 ** 17  # a special element's first word: NaNs * 2**34 + infs * 2**17 + -infs
-_FIELD = 1 << 17
 _F64 = np.dtype(np.float64)
 _F32 = np.dtype(np.float32)
 _I32 = np.dtype(np.int32)
@@ -220,7 +219,7 @@ def encode(units: np.ndarray, info: _dtypes.DType, global_codes: np.ndarray, *, 
     special = bool(global_codes.size) and int(global_codes.max()) == fmt.emask
     chunk = min(m, CHUNK)
     exponent = np.empty(chunk, dtype=_I32)
-    if k == 1 and nwords == 1 and blocks == 1 and not special and fmt is not _BFLOAT16:  # the common case
+    if k == 1 and nwords == 1 and blocks == 1 and fmt is not _BFLOAT16:  # the common case
         x, shift = units[0], fmt.shift
         with np.errstate(all="ignore"):
             for lo in range(0, m, CHUNK):
@@ -231,6 +230,8 @@ def encode(units: np.ndarray, info: _dtypes.DType, global_codes: np.ndarray, *, 
                 np.copyto(y, x[lo:hi])
                 np.ldexp(y, e, out=y)
                 np.trunc(y, out=y)
+                if special:
+                    _specials_in(units[:, lo:hi], fmt, global_codes[lo:hi], [y])
         return wire
     spare = np.empty((nwords, chunk), dtype=_F64)  # the second and later units' words, before they are added
     low = np.empty(chunk, dtype=_F64) if nwords == 2 else None
@@ -269,18 +270,18 @@ def encode(units: np.ndarray, info: _dtypes.DType, global_codes: np.ndarray, *, 
 def _specials_in(units: np.ndarray, fmt: Format, c: np.ndarray, targets: list) -> None:
     """Where some term (on any rank) is inf or NaN, the first word counts this rank's NaNs, +infs and
     -infs (in fields of 17 bits: MAX_TERMS fits), the others are 0."""
-    where = np.flatnonzero(c == fmt.emask)
-    if not where.size:
+    special = c == fmt.emask
+    if not special.any():
         return
-    counts = np.zeros(where.size, dtype=_F64)
+    counts = np.zeros(c.size, dtype=_F64)
     for u in range(units.shape[0]):
-        v = _float64(units[u, where], fmt)
+        v = _dtypes.bf16_to_f32(units[u]) if fmt is _BFLOAT16 else units[u]
         counts += np.isnan(v) * _NAN_AT
         counts += (v == np.inf) * _PINF_AT
         counts += v == -np.inf
-    targets[0][where] = counts
+    np.copyto(targets[0], counts, where=special)
     for t in targets[1:]:
-        t[where] = 0.0
+        np.copyto(t, 0.0, where=special)
 
 
 def decode(summed: np.ndarray, info: _dtypes.DType, global_codes: np.ndarray, op: str, out: np.ndarray, *,
@@ -327,14 +328,17 @@ def decode(summed: np.ndarray, info: _dtypes.DType, global_codes: np.ndarray, op
 
 
 def _specials_out(first: np.ndarray, fmt: Format, c: np.ndarray, v: np.ndarray) -> None:
-    where = np.flatnonzero(c == fmt.emask)
-    w = first[where].astype(np.int64)
+    """Where some term was inf or NaN: NaN if some was NaN, or +inf and -inf were both there; else the inf."""
+    special = c == fmt.emask
+    if not special.any():
+        return
+    w = first.astype(np.int64)  # (elsewhere the first word is a sum of words, below 2**52: masked out below)
     nan = (w >> 34) != 0
-    pinf = ((w >> 17) % _FIELD) != 0
-    ninf = (w % _FIELD) != 0
+    pinf = ((w >> 17) & 0x1FFFF) != 0
+    ninf = (w & 0x1FFFF) != 0
     result = np.where(pinf, np.inf, -np.inf)
     result[nan | (pinf & ninf)] = np.nan
-    v[where] = result
+    np.copyto(v, result, where=special)
 
 
 def _store(v: np.ndarray, out: np.ndarray, fmt: Format) -> None:
