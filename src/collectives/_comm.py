@@ -91,6 +91,7 @@ class Communicator:
         local_size: the number of the group's processes on this node.
         backend: ``"mpi"`` or ``"self"``.
         check: whether a cross-rank agreement check runs before every collective.
+        reproducible: whether float and complex sums and means default to ``reproducible=True``.
 
     Example:
         >>> import numpy as np, collectives as coll
