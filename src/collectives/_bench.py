@@ -5,6 +5,7 @@
     mpiexec -n 2 python -m collectives bench -o sum,mean -d float64 --check
     mpiexec -n 4 python -m collectives bench -c allreduce_tree --leaves 16 --json > out.json
     mpiexec -n 2 python -m collectives bench -a torch-cuda -d bfloat16   # on GPUs, one per rank
+    mpiexec -n 2 python -m collectives bench -o sum,mean --reproducible  # reproducible=True sums
 
 For each collective, reduction op and size, every rank times ``-n`` calls one by one (after ``-w``
 warm-up calls; a barrier between calls, outside the timed region, as the OSU benchmarks do), takes the
@@ -21,7 +22,9 @@ Sizes are bytes per rank (the buffer each rank passes: for reduce_scatter and al
   algorithm, so it can be compared with the hardware's bandwidth (memory bandwidth on one node) and
   across rank counts.
 
-``--check`` runs one more call per size on patterned data and counts the wrong elements over all ranks
+``--reproducible`` makes float and complex sums and means reproducible (``comm.reproducible = True``,
+as ``COLLECTIVES_REPRODUCIBLE=1`` does, which the bench also honours): run the bench with and without it
+to see the mode's cost. ``--check`` runs one more call per size on patterned data and counts the wrong elements over all ranks
 (exit status 1 if any). Progress goes to stderr on sweeps that take more than a few seconds.
 """
 
@@ -327,7 +330,7 @@ def header(coll, comm, arrays: Arrays, args) -> dict:
             "array_library": f"{arrays.name} {arrays.version}", "device": arrays.device,
             "ranks": comm.size, "local_size": comm.local_size, "backend": comm.backend,
             "machine": f"{platform.machine()}, {_cpu_count()} cores", "dtype": arrays.dtype_name,
-            "iters": args.iters or "auto", "warmup": args.warmup}
+            "iters": args.iters or "auto", "warmup": args.warmup, "reproducible": comm.reproducible}
     if comm.backend == "mpi":
         from mpi4py import MPI
         import mpi4py
@@ -368,6 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("-r", "--root", type=int, default=0, help="root of broadcast/reduce/synchronize (0)")
     ap.add_argument("--leaves", type=int, default=8, help="leaves of the tree collectives' tree (8)")
     ap.add_argument("--check", action="store_true", help="verify results (one more call per size)")
+    ap.add_argument("--reproducible", action="store_true",
+                    help="float sums and means with reproducible=True (as COLLECTIVES_REPRODUCIBLE=1)")
     ap.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     ap.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
     return ap
@@ -399,6 +404,8 @@ def main(argv=None) -> int:
     import collectives as coll
 
     comm = coll.init()
+    if args.reproducible:
+        comm.reproducible = True
     if any(c in TREE for c in names) and not hasattr(coll, "synchronize"):
         names = [c for c in names if c not in TREE]
     if not 0 <= args.root < comm.size:
@@ -482,7 +489,8 @@ def print_table(info: dict, collective: str, op, rows: list[dict], check: bool) 
               "medians across ranks")
         print("# algbw = bytes/time; busbw = algbw * 2(n-1)/n (allreduce), (n-1)/n (allgather, "
               "reduce_scatter, alltoall), 1 (broadcast, reduce); GB = 1e9 B")
-    title = collective + (f" op={op}" if op else "") + f" dtype={info['dtype']}"
+    title = collective + (f" op={op}" if op else "") + f" dtype={info['dtype']}" + (
+        " reproducible" if info.get("reproducible") and op in ("sum", "mean") else "")
     print(f"#\n# {title}")
     cols = f"{'size':>10} {'count':>11} {'iters':>5} {'time(us)':>11} {'min(us)':>11} {'max(us)':>11} " \
            f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11}"

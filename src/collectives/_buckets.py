@@ -43,7 +43,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from . import _arrays, _dtypes, _reduction
+from . import _arrays, _dtypes, _reduction, _reproducible
 
 SOLO_BYTES = 256 << 10  # allreduce: leaves this big are reduced in their own memory (measured)
 BROADCAST_SOLO_BYTES = 4 << 20  # broadcast: leaves this big are broadcast in their own memory (measured)
@@ -304,15 +304,18 @@ def _broadcast_many(host, items: list[Item], is_root: bool, root: int, bucket_by
 # allreduce
 
 
-def allreduce_plan(engine, items: list[Item], op: str, bucket_bytes: int) -> Plan:
-    """The plan of :func:`allreduce`: buckets per (device kind, dtype, wire dtype), offsets in elements."""
+def allreduce_plan(engine, items: list[Item], op: str, bucket_bytes: int, reproducible: bool = False) -> Plan:
+    """The plan of :func:`allreduce`: buckets per (device kind, dtype, wire dtype), offsets in elements.
+    ``reproducible``: float and complex leaves are packed as they are (their storage dtype), to be summed
+    reproducibly (``_reproducible``)."""
     host = engine.transport_for(_arrays.HOST)
     wires: dict = {}
 
     def wire(item):
         w = wires.get(item.info)
         if w is None:
-            w = wires[item.info] = _reduction.value_dtype(item.info, op, host.reduces)
+            w = wires[item.info] = (item.info.storage if reproducible and _reproducible.applies(item.info, op)
+                                    else _reduction.value_dtype(item.info, op, host.reduces))
         return w
 
     hosted = [item for item in items if item.view is not None]
@@ -330,32 +333,44 @@ def allreduce_plan(engine, items: list[Item], op: str, bucket_bytes: int) -> Pla
     return Plan(_device_groups(items), [position[id(item)] for item in solos], laid)
 
 
-def allreduce(engine, items: list[Item], op: str, bucket_bytes: int, the_plan: Plan | None = None) -> Plan:
-    """Reduce every item over all ranks with ``op`` (already validated against every item's dtype).
+def allreduce(engine, items: list[Item], op: str, bucket_bytes: int, the_plan: Plan | None = None, *,
+              reproducible: bool = False) -> Plan:
+    """Reduce every item over all ranks with ``op`` (already validated against every item's dtype);
+    ``reproducible``: float and complex items summed reproducibly (element by element, so the buckets do
+    not change the bits).
 
     Returns the plan used; pass it back as ``the_plan`` for items of the same agreed description.
     """
     if the_plan is None:
-        the_plan = allreduce_plan(engine, items, op, bucket_bytes)
-    for buf, info, finish in _allreduce_parts(engine, items, op, the_plan, pooled=True):
-        engine.runner(engine.transport_for(_arrays.HOST), info, op)(buf)  # the rules of _reduction
+        the_plan = allreduce_plan(engine, items, op, bucket_bytes, reproducible)
+    for buf, info, finish in _allreduce_parts(engine, items, op, the_plan, pooled=True, reproducible=reproducible):
+        host = engine.transport_for(_arrays.HOST)
+        if reproducible and _reproducible.applies(info, op):
+            engine.summing(host, buf, info, op)
+        else:
+            engine.runner(host, info, op)(buf)  # the rules of _reduction
         finish()
     return the_plan
 
 
-def start_allreduce(engine, items: list[Item], op: str, bucket_bytes: int, the_plan: Plan | None = None):
+def start_allreduce(engine, items: list[Item], op: str, bucket_bytes: int, the_plan: Plan | None = None, *,
+                    reproducible: bool = False):
     """:func:`allreduce` as non-blocking transfers: ``(plan, steps)``. Every host transfer (one per solo
     leaf and bucket, in the plan's order, the same on every rank) starts here; ``steps`` is a generator
     that yields each transfer's request in turn (``_handles``) and unpacks its bucket once it is
     complete. Buckets get buffers of their own (not the pool: several may be in flight). Device leaves
     are reduced here, blocking."""
     if the_plan is None:
-        the_plan = allreduce_plan(engine, items, op, bucket_bytes)
-    parts = list(_allreduce_parts(engine, items, op, the_plan, pooled=False))  # every bucket packed now
+        the_plan = allreduce_plan(engine, items, op, bucket_bytes, reproducible)
+    parts = list(_allreduce_parts(engine, items, op, the_plan, pooled=False,  # every bucket packed now
+                                  reproducible=reproducible))
     host = engine.transport_for(_arrays.HOST) if parts else None
     started = []
     for buf, info, finish in parts:
-        run = engine.reducing(host, "allreduce", buf, info, op, (), finish)
+        if reproducible and _reproducible.applies(info, op):
+            run = engine.summing_steps(host, buf, info, op, finish)
+        else:
+            run = engine.reducing(host, "allreduce", buf, info, op, (), finish)
         try:
             started.append((run, next(run)))  # starts the transfer
         except StopIteration:  # ran at the call (see Communicator._reducing)
@@ -373,18 +388,20 @@ def start_allreduce(engine, items: list[Item], op: str, bucket_bytes: int, the_p
     return the_plan, steps()
 
 
-def _allreduce_parts(engine, items, op, the_plan, *, pooled: bool):
+def _allreduce_parts(engine, items, op, the_plan, *, pooled: bool, reproducible: bool = False):
     """The parts of :func:`allreduce` (a generator, to be run to its end): device leaves reduced first
     (by their transports), then for the host leaves ``(buf, info, finish)``, one per solo leaf and bucket
     in the plan's order: the contiguous buffer to allreduce under ``info``'s rules (a bucket's, packed and
     widened when it is yielded), and ``finish()`` to put the result back (unpacking, rounding back).
     ``pooled``: buckets in the communicator's pool buffers, so each must be finished before the next is
-    taken; else in buffers of their own."""
+    taken; else in buffers of their own. ``reproducible``: a bucket of float or complex items holds them as
+    they are, reduced under ``info`` = their dtype's (even at one rank: a reproducible sum of one term is
+    its value, but NaN as the canonical NaN, as at any number of ranks)."""
     if not items:
         return
     for transport, group in zip(_device_transports(engine, items, the_plan.devices), the_plan.devices):
         _allreduce_device(transport, [items[pos] for pos in group], op)
-    if engine.size == 1:  # the reduction of one rank is the identity: only immutable leaves need new arrays
+    if engine.size == 1 and not reproducible:  # the reduction of one rank is the identity: only immutable leaves need new arrays
         for item in items:
             if item.view is not None and not item.writable_in_place():
                 item.take(lambda target, view=item.view: np.copyto(target, view))
@@ -399,7 +416,9 @@ def _allreduce_parts(engine, items, op, the_plan, *, pooled: bool):
             yield buf, item.info, lambda item=item, buf=buf: item.take(lambda target: np.copyto(target, buf))
     for (_, name, wire), total, entries in the_plan.buckets:
         buf = engine.pool.take(wire, total) if pooled else np.empty(total, dtype=wire)
-        bf16 = name == "bfloat16"
+        info = items[entries[0][0]].info
+        as_they_are = reproducible and _reproducible.applies(info, op)  # (the bucket's items share their dtype)
+        bf16 = name == "bfloat16" and not as_they_are
         for pos, off, n in entries:  # pack (widening on the way)
             view = items[pos].view
             if bf16:
@@ -408,7 +427,7 @@ def _allreduce_parts(engine, items, op, the_plan, *, pooled: bool):
                 bits <<= 16
             else:
                 buf[off:off + n].reshape(view.shape)[...] = view
-        yield buf, _dtypes.from_numpy(wire), lambda buf=buf, entries=entries, bf16=bf16: _unpack(
+        yield buf, info if as_they_are else _dtypes.from_numpy(wire), lambda buf=buf, entries=entries, bf16=bf16: _unpack(
             items, buf, entries, bf16)
 
 

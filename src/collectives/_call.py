@@ -6,7 +6,8 @@ the wire (after bool became uint8, floats' min/max ordered integers, mean a sum)
 
 - ``collective``: allreduce, reduce, broadcast, ... (:data:`COLLECTIVES`);
 - ``op``: the op as the caller named it (mean is not sum; the torch backend's AVG and PREMUL_SUM are ops
-  of their own, named through :func:`naming`);
+  of their own, named through :func:`naming`; a reproducible sum or mean, ``reproducible=True``, is
+  ``"reproducible sum"`` or ``"reproducible mean"``, never matched by an ordinary sum);
 - ``dtype``: a 62-bit digest of the caller's dtype described exactly (its name, kind, byte order, item
   size, datetime unit, fields: :func:`dtype_code`), the same for the same dtype in any process;
 - ``structure``: the layout a tree bucket or a gradient bucket belongs to (0 for a single array);
@@ -40,7 +41,8 @@ import numpy as np
 from ._dtypes import DType, from_numpy
 
 COLLECTIVES = ("allreduce", "reduce", "broadcast", "allgather", "reduce_scatter", "alltoall", "barrier", "gather")
-OPS = ("sum", "prod", "min", "max", "mean", "avg", "premul_sum")  # the library's and the torch backend's
+OPS = ("sum", "prod", "min", "max", "mean", "avg", "premul_sum",  # the library's and the torch backend's
+       "reproducible sum", "reproducible mean")  # reproducible=True (_reproducible): calls of their own
 FIELDS = ("collective", "op", "dtype", "structure", "root", "count")  # in this order (see describe)
 _OP_CODES = {name: i for i, name in enumerate(OPS)}
 _MASK = (1 << 62) - 1  # codes stay below 2**62: the fingerprint carries each field and its negation

@@ -26,7 +26,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _agree, _arrays, _buckets, _call, _config, _dtypes, _finite, _reduction, _registry, _trace, _tree
+from . import (_agree, _arrays, _buckets, _call, _config, _dtypes, _finite, _ops, _reduction, _registry,
+               _reproducible, _trace, _tree)
 from ._backends import closed as _closed
 from ._backends import factory
 from ._backends.base import HostTransport
@@ -91,6 +92,7 @@ class Communicator:
         local_size: the number of the group's processes on this node.
         backend: ``"mpi"`` or ``"self"``.
         check: whether a cross-rank agreement check runs before every collective.
+        reproducible: whether float and complex sums and means default to ``reproducible=True``.
 
     Example:
         >>> import numpy as np, collectives as coll
@@ -109,6 +111,7 @@ class Communicator:
         self._fast_blocks: dict = {}  # ("reduce_scatter", op, dtype) or ("alltoall", dtype) -> the same
         self._runners: dict = {}  # (op, DType) -> (transport, reduction call); see _runner
         self._pool = _buckets.Pool()  # the fused collectives' flat buffers (_buckets)
+        self._scratch: dict = {}  # what -> a buffer the blocking reproducible sums reuse (see _reused)
         self._plans: OrderedDict = OrderedDict()  # tree structure -> (description, digest, plan) (_tree)
         self._size = host.size  # a plain attribute for the hot path
         self._subs: list = []  # communicators made by split(), closed with this one
@@ -132,6 +135,7 @@ class Communicator:
         self._hot_names: dict = {}  # a hot-path cached call -> (collective, op, dtype name)
         self._current = None  # the record of the call being validated (for its driver)
         self._calling: tuple | None = None  # the description of the call being validated (_call), for its driver
+        self._repro = False  # whether the call being validated is a reproducible sum (_prepare), for its steps
         self._last_activity = 0.0  # when the sequence number last moved (the stall inspector's choice)
         self._name: str | None = None  # "world", "world.2" (a split), "comm1" (init(comm=...)): for dumps
         self._splits = 0  # split() calls made on this communicator (names its children alike on every rank)
@@ -139,6 +143,7 @@ class Communicator:
         # COLLECTIVES_CHECK_NAN (agreed by the transport): floating reductions' inputs are scanned before they
         # move (_finite): in _prepare, and by the hot path's cached call (_fast_path caches it guarded)
         self._check_nan = bool(host.check_nan)
+        self._reproducible = _config.reproducible()  # the default of reproducible= (see the property)
         self.check = bool(check)
         host.on_failure(self._forget_fast_paths)  # a failed transport: every later call takes the checks
 
@@ -155,6 +160,18 @@ class Communicator:
         self._check = bool(value)
         self._fast, self._fast_broadcast, self._fast_blocks = {}, {}, {}  # the hot path skips the check: empty it (unchecked
         # calls refill it, see _fast_path)
+
+    @property
+    def reproducible(self) -> bool:
+        """Whether float and complex sums and means default to ``reproducible=True`` (settable; initially
+        ``COLLECTIVES_REPRODUCIBLE``; a communicator made by :meth:`split` starts with its parent's). Other
+        pairs (integer sums, min, max) give the same bits at any number of ranks anyway."""
+        return self._reproducible
+
+    @reproducible.setter
+    def reproducible(self, value) -> None:
+        self._reproducible = bool(value)
+        self._fast, self._fast_blocks = {}, {}  # cached ordinary calls: not for calls that are now reproducible
 
     # ---- identity ----
     @property
@@ -279,16 +296,16 @@ class Communicator:
             self._fast_path("broadcast", x, a, view, info, used)
         return place()
 
-    def allreduce(self, x, op: str = "sum", *, async_op: bool = False):
+    def allreduce(self, x, op: str = "sum", *, async_op: bool = False, reproducible: bool | None = None):
         """Reduce ``x`` over all ranks, result on every rank. See :func:`collectives.allreduce`."""
         if async_op:
-            return self._async("allreduce", self._allreduce, x, op)
+            return self._async("allreduce", self._allreduce, x, op, reproducible)
         if not _enter(False):  # another thread is inside a collective: refused (_threads)
             _refuse_thread("allreduce")
         try:
             cls = x.__class__
-            try:
-                table = self._fast.get(op, _NONE)
+            try:  # (reproducible given: the general path, which never caches a reproducible call)
+                table = self._fast.get(op, _NONE) if reproducible is None else _NONE
             except TypeError:  # an unhashable op: the general path says what is wrong with it
                 table = _NONE
             if cls is _ndarray:  # the hot path (see _fast_path)
@@ -310,35 +327,61 @@ class Communicator:
                     run(x.detach().numpy() if x.requires_grad else x.numpy())
                     _arrays.bump_versions((x,))  # written behind autograd's back: as under no_grad
                     return x
-            return self._blocking(self._allreduce(x, op, False))
+            return self._blocking(self._allreduce(x, op, reproducible, False))
         except Exception as exc:  # noqa: BLE001 - re-raised (MPI errors as CollectiveError)
             self._note_failure(exc, x)
             reraise(exc, "allreduce")
         finally:
             _leave()
 
-    def _allreduce(self, x, op, asynchronous: bool):
-        a, transport, view, info, op, _ = self._prepare("allreduce", x, op=op, asynchronous=asynchronous)
+    def _allreduce(self, x, op, reproducible, asynchronous: bool):
+        a, transport, view, info, op, _ = self._prepare("allreduce", x, op=op, asynchronous=asynchronous,
+                                                        reproducible=reproducible)
         if transport.array_level:
             return a.written(x, (yield _Step(transport, "allreduce", (x, a, op), device=True)))
         buf, place = self._placing(x, a, view, info)
+        if self._repro:
+            yield from self._summing(transport, "allreduce", buf.reshape(1, -1), info, op, asynchronous, out=buf)
+            return place()
         used = yield self._reduction(transport, "allreduce", buf, info, op, asynchronous)
-        if used is not None:
+        if used is not None and self._cacheable(info, op):
             self._fast_path(op, x, a, view, info, used)
         return place()
 
+    @collective("allreduce_units")
+    def allreduce_units(self, units, op: str = "sum", *, async_op: bool = False):
+        """The reproducible sum or mean of every rank's units. See :func:`collectives.allreduce_units`."""
+        if async_op:
+            return self._async("allreduce", self._allreduce_units, units, op)
+        return self._blocking(self._allreduce_units(units, op, False))
+
+    def _allreduce_units(self, units, op, asynchronous: bool):
+        a, transport, view, info, op, _ = self._prepare("allreduce", units, op=op, asynchronous=asynchronous,
+                                                        reproducible=True, units=True)
+        out = np.empty(view.shape[1:], dtype=view.dtype)
+        stack = _contiguous(view).reshape(view.shape[0], out.size)
+        yield from self._summing(transport, "allreduce", stack, info, op, asynchronous, out=out)
+        return a.wrap(out, info, units)
+
     @collective("reduce")
-    def reduce(self, x, op: str = "sum", root: int = 0, *, async_op: bool = False):
+    def reduce(self, x, op: str = "sum", root: int = 0, *, async_op: bool = False, reproducible: bool | None = None):
         """Reduce ``x`` over all ranks, result on ``root``. See :func:`collectives.reduce`."""
         if async_op:
-            return self._async("reduce", self._reduce, x, op, root)
-        return self._blocking(self._reduce(x, op, root, False))
+            return self._async("reduce", self._reduce, x, op, root, reproducible)
+        return self._blocking(self._reduce(x, op, root, reproducible, False))
 
-    def _reduce(self, x, op, root, asynchronous: bool):
-        a, transport, view, info, op, root = self._prepare("reduce", x, op=op, root=root, asynchronous=asynchronous)
+    def _reduce(self, x, op, root, reproducible, asynchronous: bool):
+        a, transport, view, info, op, root = self._prepare("reduce", x, op=op, root=root, asynchronous=asynchronous,
+                                                           reproducible=reproducible)
         if transport.array_level:
             out = yield _Step(transport, "reduce", (x, a, op, root), device=True)
             return a.written(x, out) if self.rank == root else x
+        if self._repro:
+            receives = self.rank == root
+            buf, place = self._placing(x, a, view, info) if receives else (_contiguous(view), None)
+            yield from self._summing(transport, "reduce", buf.reshape(1, -1), info, op, asynchronous, (root,),
+                                     receives=receives, out=buf)
+            return place() if receives else x  # type: ignore[misc]
         if self.rank != root:  # non-root ranks contribute x and get it back unchanged
             yield self._reduction(transport, "reduce", _contiguous(view), info, op, asynchronous, (root,),
                                   receives=False)
@@ -378,14 +421,14 @@ class Communicator:
                                           root))
         return None if out is None else a.wrap(out, info, x)
 
-    def reduce_scatter(self, x, op: str = "sum", *, async_op: bool = False):
+    def reduce_scatter(self, x, op: str = "sum", *, async_op: bool = False, reproducible: bool | None = None):
         """This rank's block of the reduction of ``x``. See :func:`collectives.reduce_scatter`."""
         if async_op:
-            return self._async("reduce_scatter", self._reduce_scatter, x, op)
+            return self._async("reduce_scatter", self._reduce_scatter, x, op, reproducible)
         if not _enter(False):  # another thread is inside a collective: refused (_threads)
             _refuse_thread("reduce_scatter")
         try:
-            if x.__class__ is _ndarray:  # the hot path (see _fast_path): the call the general path chose
+            if x.__class__ is _ndarray and reproducible is None:  # the hot path (see _fast_path)
                 try:
                     run = self._fast_blocks.get(("reduce_scatter", op, x.dtype))
                 except TypeError:  # an unhashable op: the general path says what is wrong with it
@@ -398,20 +441,24 @@ class Communicator:
                         ring[n & self._mask] = run, x.shape
                     run(x, out)
                     return out
-            return self._blocking(self._reduce_scatter(x, op, False))
+            return self._blocking(self._reduce_scatter(x, op, reproducible, False))
         except Exception as exc:  # noqa: BLE001 - re-raised (MPI errors as CollectiveError)
             self._note_failure(exc, x)
             reraise(exc, "reduce_scatter")
         finally:
             _leave()
 
-    def _reduce_scatter(self, x, op, asynchronous: bool):
+    def _reduce_scatter(self, x, op, reproducible, asynchronous: bool):
         a, transport, view, info, op, _ = self._prepare("reduce_scatter", x, op=op, blocks=True,
-                                                        asynchronous=asynchronous)
+                                                        asynchronous=asynchronous, reproducible=reproducible)
         if transport.array_level:
             return (yield _Step(transport, "reduce_scatter", (x, a, op), device=True))
         size = self._size
         out = np.empty((view.shape[0] // size,) + view.shape[1:], dtype=view.dtype)
+        if self._repro:
+            yield from self._summing(transport, "reduce_scatter", _contiguous(view).reshape(1, -1), info, op,
+                                     asynchronous, out=out)
+            return a.wrap(out, info, x)
         if not _reduction.scatters(info, op):  # longdouble min/max: the block of an allreduce, same bits
             buf = np.array(view, order="C")
             yield self._reduction(transport, "allreduce", buf, info, op, asynchronous)
@@ -419,7 +466,7 @@ class Communicator:
             return a.wrap(out, info, x)
         used = yield self._reduction(transport, "reduce_scatter", _contiguous(view), info, op, asynchronous,
                                      out=out)
-        if used is not None:
+        if used is not None and self._cacheable(info, op):
             self._fast_path(("reduce_scatter", op, view.dtype), x, a, view, info, used, self._fast_blocks)
         return a.wrap(out, info, x)
 
@@ -591,6 +638,75 @@ class Communicator:
                                          transport.reduces, receives=receives)
         return _Step(transport, operation, args, run)
 
+    def _cacheable(self, info, op) -> bool:
+        """Whether the hot path may keep the ordinary call of (dtype, op): not where the communicator's
+        default makes that pair reproducible (the hot path would run the ordinary call)."""
+        return not (self._reproducible and _reproducible.applies(info, op))
+
+    def _summing(self, transport, operation: str, stack, info, op: str, asynchronous: bool, extra: tuple = (), *,
+                 receives: bool = True, out=None, calling=None):
+        """The steps of a reproducible sum or mean (``_reproducible``) of ``stack``, this rank's units
+        (``(k, n)``, contiguous, ``info``'s storage dtype): the exponent codes allreduced with max at the
+        call (:meth:`_exponents`), then the fixed-point words with ``operation`` (allreduce; reduce to
+        ``extra[0]``; reduce_scatter: each rank its block), decoded into ``out`` where ``receives``.
+        ``calling``: the call's description (``_call``; default: the one the validation made)."""
+        size = self._size
+        calling = self._calling if calling is None else calling
+        n = _reproducible.elements(stack.shape[1], info)
+        codes = _reproducible.codes(stack, info, out=self._reused("codes", _reproducible.code_dtype(info), n,
+                                                                  asynchronous))
+        self._exponents(transport, codes, asynchronous, calling)
+        tail = operation != "reduce_scatter"
+        wire = self._reused("words", np.dtype(np.float64), _reproducible.wire_size(stack.shape[1], info, tail),
+                            asynchronous)
+        if operation == "reduce_scatter":
+            _reproducible.encode(stack, info, codes, blocks=size, tail=False, out=wire)
+            block = np.empty(wire.size // size, dtype=wire.dtype)
+            yield _Step(transport, "reduce_scatter", (wire, block, "sum"))
+            m = codes.size // size
+            _reproducible.decode(block, info, codes[self.rank * m:(self.rank + 1) * m], op, out, terms=size)
+            return
+        _reproducible.encode(stack, info, codes, out=wire)
+        yield _Step(transport, operation, (wire, "sum", *extra))
+        if not receives:
+            return
+        terms = int(wire[-1])
+        if terms > _reproducible.MAX_TERMS:  # (allreduce_units only: every rank learns it alike)
+            raise ValueError(f"allreduce_units: {terms} units on all ranks together, more than a reproducible sum "
+                             f"takes ({_reproducible.MAX_TERMS}); sum the units in groups of at most "
+                             f"{_reproducible.MAX_TERMS} and then the groups' results")
+        _reproducible.decode(wire, info, codes, op, out)
+
+    SCRATCH_BYTES = 256 * 2**20  # the largest buffer a communicator keeps for reproducible sums
+
+    def _reused(self, what: str, dtype: np.dtype, n: int, asynchronous: bool) -> np.ndarray:
+        """``n`` elements of ``dtype`` for a reproducible sum's ``what`` ("codes", "words"): a buffer the
+        blocking calls reuse (writing into memory already mapped is much faster than into a new large
+        array), up to :data:`SCRATCH_BYTES`; a new one for an asynchronous call (it is in use until
+        ``wait()``) or a larger buffer."""
+        if asynchronous or n * dtype.itemsize > self.SCRATCH_BYTES:
+            return np.empty(n, dtype=dtype)
+        buf = self._scratch.get(what)
+        if buf is None or buf.dtype != dtype or buf.size < n:
+            buf = self._scratch[what] = np.empty(n, dtype=dtype)
+        return buf[:n]
+
+    def _exponents(self, transport, codes, asynchronous: bool, calling) -> None:
+        """The first collective of a reproducible sum: the exponent codes allreduced with max, completed at
+        the call in both modes (the words' collective needs its result; a transfer started later, at a
+        ``done()`` on one rank and a ``wait()`` on another, could meet the ranks' other collectives in
+        another order). Asynchronous: started with its fingerprint, as every asynchronous transfer is."""
+        cinfo = _dtypes.from_numpy(codes.dtype)
+        if asynchronous:
+            for request in self._reducing(transport, "allreduce", codes, cinfo, "max", (), _nothing, calling=calling):
+                request.wait()
+            return
+        transport.caller = calling
+        try:
+            self._runner(transport, cinfo, "max")(codes)
+        finally:
+            transport.caller = None
+
     # ---- asynchronous collectives (async_op=True) ----
     def _async(self, what: str, define, *args) -> Handle:
         """A :class:`Handle` running the steps ``define(*args, True)`` (see _requests): validation (and
@@ -650,14 +766,14 @@ class Communicator:
                     pass
             outstanding.pop(id(h), None)  # (finishing removed it already; a handle that failed too)
 
-    def _async_tree(self, tree, op, bucket_bytes) -> Handle:
+    def _async_tree(self, tree, op, bucket_bytes, reproducible) -> Handle:
         """:meth:`allreduce_tree` with ``async_op=True``: its buckets' transfers (``_tree``) in a Handle."""
         self._host.usable()
         if not _enter(False):
             _refuse_thread("allreduce_tree")
         rec = self._begin_record("allreduce_tree", None, op, None, "tree buckets, asynchronous")
         try:
-            steps = _tree.allreduce_tree(self._engine, tree, op, bucket_bytes, True)
+            steps = _tree.allreduce_tree(self._engine, tree, op, bucket_bytes, True, reproducible)
         except BaseException as exc:
             if rec is not None:
                 rec.finish(exc)
@@ -800,6 +916,7 @@ class Communicator:
         if sub is None:
             return None
         child = Communicator(sub, check=self.check)
+        child._reproducible = self._reproducible
         child._name = f"{self._name}.{self._splits}"  # the same on every rank of the child (split is collective)
         self._subs = [s for s in self._subs if not s.closed]  # a closed one is released (not kept to the end)
         self._subs.append(child)
@@ -859,7 +976,7 @@ class Communicator:
                              f"{self.size} rows")
 
     def _prepare(self, collective: str, x, op=_UNSET, root=_UNSET, blocks: bool = False,
-                 asynchronous: bool = False):
+                 asynchronous: bool = False, reproducible=None, units: bool = False):
         """Validate a call, choose its transport and, in checked mode, agree on it with the other ranks.
 
         Every check runs before any communication. In checked mode a rank whose own arguments are invalid
@@ -867,10 +984,15 @@ class Communicator:
         TypeError/ValueError. Returns ``(adapter, transport, view, info, op, root)``; ``view`` and
         ``info`` (the NumPy view of x's memory and its dtype entry) are None for device transports.
         ``asynchronous`` (``async_op=True``) is part of what the ranks agree on: MPI does not match a
-        non-blocking collective with a blocking one.
+        non-blocking collective with a blocking one. ``reproducible`` (a sum or mean: the caller's argument,
+        None for the communicator's default) sets ``self._repro`` for the call's steps; a reproducible call
+        is described, and agreed, with its op named ``"reproducible sum"`` or ``"reproducible mean"``.
+        ``units``: ``x`` is a stack of units (:meth:`allreduce_units`), whose leading dimension may differ
+        between ranks (described and agreed by one unit's shape).
         """
         args: dict[str, object] = {"async_op": True} if asynchronous else {}
         view = info = None
+        self._repro = False
         self._current = self._begin_record(collective, x, None if op is _UNSET else op, None if root is _UNSET else root,
                                      "asynchronous" if asynchronous else "blocking")
         try:
@@ -882,11 +1004,21 @@ class Communicator:
                 root = args["root"] = self._check_root(root)
             if blocks:
                 self._check_blocks(collective, x)
+            if units:
+                _check_units(x)
+            if op is not _UNSET and device[0] not in _arrays.HOST_DEVICE_TYPES:
+                _no_device_reproducible(x, op, reproducible, self._reproducible)
             transport = self._local_transport(device)
             if transport is not None and not transport.array_level:
                 view, info = a.host_view(x)
                 if op is not _UNSET:
                     _dtypes.check_reduction(info, op)
+                    self._repro = _wants_reproducible(reproducible, self._reproducible, info, op)
+                    if self._repro:
+                        args["op"] = f"reproducible {op}"
+                        if self._size > _reproducible.MAX_TERMS:
+                            raise ValueError(f"reproducible sums take at most {_reproducible.MAX_TERMS} terms per "
+                                             f"element, and this communicator has {self._size} ranks")
         except Exception as exc:
             if self.check:  # the others wait in the agreement step: tell them, then raise (see _agree)
                 _agree.agree(self._host, collective, (), None, exc)
@@ -896,15 +1028,16 @@ class Communicator:
             transport = self._transport_for(device)
         elif not transport.array_level:
             # the call as the user made it (_call): what the fingerprint beside each transfer compares
-            self._calling = _call.describe(collective, op if isinstance(op, str) else None, info,
-                                           0 if view is None else view.size, root if isinstance(root, int) else -1)
+            shape = view.shape[1:] if units else view.shape  # type: ignore[union-attr]
+            self._calling = _call.describe(collective, args.get("op") if isinstance(op, str) else None, info,  # type: ignore[arg-type]
+                                           int(np.prod(shape, dtype=np.int64)), root if isinstance(root, int) else -1)
             if self.check:
-                self._agree(transport, collective, view, info, **args)
+                self._agree(transport, collective, view, info, shape, **args)
             if self._check_nan and op is not _UNSET and _finite.checks(info):  # COLLECTIVES_CHECK_NAN
                 _finite.check(transport, collective, _finite.scan([(view, info)]))
         rec = self._current
         if rec is not None:
-            rec.path = f"{rec.path}, {transport.name}"
+            rec.path = f"{rec.path}, {transport.name}" + (", reproducible" if self._repro else "")
         return a, transport, view, info, op, root
 
     def _begin_record(self, collective: str, x=None, op=None, root=None, path: str = "blocking"):
@@ -1044,13 +1177,13 @@ class Communicator:
         _agree.agree(self._transport_for(_arrays.HOST), collective, header)
 
     @staticmethod
-    def _agree(transport, collective, view, info, **args):
+    def _agree(transport, collective, view, info, shape, **args):
         named, structure = _call.naming_now()  # the op as the caller named it (_call), as the fingerprint has it
         if named is not None and "op" in args:
             args["op"] = named
         if structure:
             args["structure"] = structure
-        header = (*args.items(), ("shape", tuple(view.shape)), ("dtype", info.name), ("device", "host"))
+        header = (*args.items(), ("shape", tuple(shape)), ("dtype", info.name), ("device", "host"))
         _agree.agree(transport, collective, header)
 
     # ---- helpers ----
@@ -1077,6 +1210,7 @@ class Communicator:
         host, self._host = self._host, CLOSED  # every later use raises BackendUnavailableError (_closed)
         self._fast, self._fast_broadcast, self._fast_blocks, self._runners = {}, {}, {}, {}
         self._pool = _buckets.Pool()
+        self._scratch = {}
         self._plans.clear()
         devices, self._devices = list(self._devices.values()), {}
         for d in devices:  # device transports first: NCCL communicators were set up over the host one
@@ -1095,19 +1229,20 @@ class Communicator:
     def _tree_call(self, name, run, *args):
         return run(self._engine, *args)
 
-    def allreduce_tree(self, tree, op: str = "mean", *, bucket_bytes: int | None = None, async_op: bool = False):
+    def allreduce_tree(self, tree, op: str = "mean", *, bucket_bytes: int | None = None, async_op: bool = False,
+                       reproducible: bool | None = None):
         """Reduce every array leaf of ``tree``, fused. See :func:`collectives.allreduce_tree`.
 
         With ``async_op=True`` every fused host transfer (one per bucket and large leaf) is started as a
         non-blocking collective at the call; ``wait()`` returns the tree. CUDA leaves and Python ints are
         reduced at the call."""
         if async_op:
-            return self._async_tree(tree, op, bucket_bytes)
-        return self._reduce_tree(tree, op, bucket_bytes)
+            return self._async_tree(tree, op, bucket_bytes, reproducible)
+        return self._reduce_tree(tree, op, bucket_bytes, reproducible)
 
     @_traced("allreduce_tree", path="tree buckets")
-    def _reduce_tree(self, tree, op, bucket_bytes):
-        return _tree.allreduce_tree(self._engine, tree, op, bucket_bytes)
+    def _reduce_tree(self, tree, op, bucket_bytes, reproducible):
+        return _tree.allreduce_tree(self._engine, tree, op, bucket_bytes, False, reproducible)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1333,6 +1468,34 @@ class Engine:
         """The asynchronous steps of a reduction of ``buf`` under the host rules (a generator of requests,
         for a :class:`~collectives.Handle`), returning ``finish()``."""
         return self.communicator._reducing(transport, operation, buf, info, op, extra, finish, **kwargs)
+
+    @property
+    def reproducible(self) -> bool:
+        """The communicator's default of ``reproducible=`` (:attr:`Communicator.reproducible`)."""
+        return self.communicator.reproducible
+
+    def summing(self, transport, buf, info, op: str) -> None:
+        """Allreduce the contiguous host buffer ``buf`` of ``info``'s storage dtype in place with the
+        reproducible ``op`` (sum or mean, ``_reproducible``), blocking."""
+        c = self.communicator
+        calling = _call.describe("allreduce", f"reproducible {op}", info, _reproducible.elements(buf.size, info))
+        for step in c._summing(transport, "allreduce", buf.reshape(1, -1), info, op, False, out=buf,
+                               calling=calling):
+            transport.caller = calling
+            try:
+                getattr(transport, step.operation)(*step.args)
+            finally:
+                transport.caller = None
+
+    def summing_steps(self, transport, buf, info, op: str, finish):
+        """:meth:`summing` as the asynchronous steps of a :class:`~collectives.Handle` (a generator of
+        requests, started here up to the first), returning ``finish()``."""
+        c = self.communicator
+        calling = _call.describe("allreduce", f"reproducible {op}", info, _reproducible.elements(buf.size, info))
+        for step in c._summing(transport, "allreduce", buf.reshape(1, -1), info, op, True, out=buf,
+                               calling=calling):
+            yield _started(transport, calling, step.operation, step.args)
+        return finish()
 
     def reduces_on_the_callers_cpus(self) -> bool:
         """Whether a blocking host allreduce is computed by the ranks' own CPUs (every rank on one node):
@@ -1578,6 +1741,45 @@ def _block_for(wire: np.ndarray, out: np.ndarray, size: int) -> np.ndarray:
     return np.empty(wire.size // size, dtype=wire.dtype)
 
 
+def _wants_reproducible(reproducible, default: bool, info, op: str) -> bool:
+    """Whether a reduction of ``info`` with ``op`` runs reproducibly: the caller's ``reproducible`` (True:
+    validated, TypeError/ValueError for a pair without a reproducible sum), else the communicator's
+    ``default`` where it applies (float and complex sums and means)."""
+    if reproducible is None:
+        return default and _reproducible.applies(info, op)
+    if not isinstance(reproducible, (bool, np.bool_)):
+        raise TypeError(f"reproducible must be True, False or None (the communicator's default), got "
+                        f"{type(reproducible).__name__} {reproducible!r}")
+    if reproducible:
+        _reproducible.check(info, op)
+    return bool(reproducible)
+
+
+def _no_device_reproducible(x, op, reproducible, default: bool) -> None:
+    """A reproducible sum of an array outside host memory: not available (ValueError, before anything)."""
+    if reproducible is False or (reproducible is None and not default):
+        return
+    name = str(getattr(x, "dtype", "")).replace("torch.", "")
+    if reproducible is None and not (op in _reproducible.OPS and _ops.kind_of(name) in "fc"):
+        return
+    raise ValueError(f"reproducible sums run on host memory; this {name} array is on "
+                     f"{_arrays.device_name(_arrays.adapter(x).device(x))}: copy it to host memory first (x.cpu()), "
+                     f"or pass reproducible=False" + (" (COLLECTIVES_REPRODUCIBLE=1 asks for reproducible sums)"
+                                                      if reproducible is None else ""))
+
+
+def _check_units(x) -> None:
+    """A stack of units (:meth:`Communicator.allreduce_units`): at least one dimension, the leading one
+    counting this rank's units (0 or more, at most ``MAX_TERMS``)."""
+    shape = tuple(getattr(x, "shape", ()))
+    if not shape:
+        raise ValueError("allreduce_units needs a stack of units: an array whose leading dimension counts this "
+                         "rank's units (0 or more), got a 0-d array; pass x[None] for one unit")
+    if shape[0] > _reproducible.MAX_TERMS:
+        raise ValueError(f"allreduce_units: {shape[0]} units on this rank, more than a reproducible sum takes "
+                         f"({_reproducible.MAX_TERMS} on all ranks together)")
+
+
 def _check_split(color, key) -> tuple[int | None, int]:
     """Validated ``(color, key)`` for :meth:`Communicator.split`."""
     if color is not None:
@@ -1680,10 +1882,11 @@ def broadcast(x, root: int = 0, *, comm=None, async_op: bool = False):
     return c.broadcast(x, root)
 
 
-def allreduce(x, op: str = "sum", *, comm=None, async_op: bool = False):
+def allreduce(x, op: str = "sum", *, comm=None, async_op: bool = False, reproducible: bool | None = None):
     """Combine ``x`` element-wise over all ranks; every rank gets the result.
 
-    Every rank must call it with the same ``op`` and an array of the same shape and dtype.
+    Every rank must call it with the same ``op``, the same ``reproducible`` and an array of the same shape
+    and dtype.
 
     Args:
         x: an array in host memory.
@@ -1694,6 +1897,12 @@ def allreduce(x, op: str = "sum", *, comm=None, async_op: bool = False):
         async_op: return a :class:`Handle` at once instead of the result; ``handle.wait()`` returns the
             result (the same bits). Also on :func:`broadcast`, :func:`reduce`, :func:`allgather`,
             :func:`reduce_scatter`, :func:`alltoall` and :func:`allreduce_tree`; see docs/semantics.md.
+        reproducible: ``True``: a sum or mean of float16, bfloat16, float32, float64 or complex whose bits
+            are the same at any number of ranks, in any rank order, on any transport (summed in exact
+            fixed point: within a documented bound of the exact sum, NaN/inf/-0.0 as IEEE gives them; see
+            docs/semantics.md); about 2.25 times the bytes of the ordinary call. Another op or dtype is a
+            ValueError/TypeError. ``None`` (default): the communicator's :attr:`Communicator.reproducible`
+            (``COLLECTIVES_REPRODUCIBLE``). For several units per rank, see :func:`allreduce_units`.
 
     Returns:
         The result, in ``x`` itself when it is writable (see :func:`broadcast`), else a new array.
@@ -1705,18 +1914,64 @@ def allreduce(x, op: str = "sum", *, comm=None, async_op: bool = False):
         >>> x = np.array([1.0, 2.0]) * (comm.rank + 1)
         >>> coll.allreduce(x, op="mean").tolist() == [(comm.size + 1) / 2, comm.size + 1.0]
         True
+        >>> y = np.array([1e8, 1.0, -1e8], dtype=np.float32)[comm.rank % 3:][:1]   # one term per rank
+        >>> _ = coll.allreduce(y, op="sum", reproducible=True)    # the same bits at 1, 2, 3 ... ranks
     """
     c = (_world or init()) if comm is None else _resolve(comm)
     if async_op:
-        return c.allreduce(x, op, async_op=True)
-    return c.allreduce(x, op)
+        return c.allreduce(x, op, async_op=True, reproducible=reproducible)
+    if reproducible is None:
+        return c.allreduce(x, op)
+    return c.allreduce(x, op, reproducible=reproducible)
 
 
-def reduce(x, op: str = "sum", root: int = 0, *, comm=None, async_op: bool = False):
+def allreduce_units(units, op: str = "sum", *, comm=None, async_op: bool = False):
+    """The reproducible sum (or mean) of every rank's units: the same bits for any split of the same units
+    among any number of ranks.
+
+    A rank may hold several units of the global data (rows, micro-batches, per-sample gradients): ``units``
+    stacks this rank's along its leading dimension (any count, 0 included; it may differ between ranks).
+    The result is the sum (``"mean"``: divided by the number of units on all ranks together) of all ranks'
+    units, each unit a term of one exact fixed-point sum (see docs/semantics.md): bitwise the same whatever
+    the number of ranks, whichever rank holds which unit and in which order. Every rank must call it with
+    the same ``op``, dtype and unit shape (``units.shape[1:]``).
+
+    Args:
+        units: an array of shape ``(k, *shape)`` in host memory, of float16, bfloat16, float32, float64 or
+            complex64/128; left unchanged.
+        op: ``"sum"`` or ``"mean"``.
+        comm: a :class:`Communicator` or an mpi4py communicator (default: :func:`world`).
+        async_op: return a :class:`Handle`; ``wait()`` returns the result.
+
+    Returns:
+        A new array of shape ``units.shape[1:]``, of the units' library and dtype, on every rank. No unit on
+        any rank: zeros (sum) or NaN (mean).
+
+    Raises:
+        TypeError, ValueError: another op or dtype, a 0-d array, more than 65536 units in all.
+
+    Example:
+        >>> import numpy as np, collectives as coll
+        >>> comm = coll.world()
+        >>> rows = np.arange(12.0).reshape(6, 2) / 7           # six units of global data, on every rank
+        >>> mine = rows[comm.rank::comm.size]                 # this rank's share (any split will do)
+        >>> total = coll.allreduce_units(mine, op="sum")
+        >>> alone = comm.split(color=comm.rank)               # every rank a communicator of its own
+        >>> solo = coll.allreduce_units(rows, comm=alone)     # all six units on one process
+        >>> total.tobytes() == solo.tobytes()
+        True
+        >>> alone.close()
+    """
+    return _resolve(comm).allreduce_units(units, op, async_op=async_op)
+
+
+def reduce(x, op: str = "sum", root: int = 0, *, comm=None, async_op: bool = False,
+           reproducible: bool | None = None):
     """Combine ``x`` element-wise over all ranks; only ``root`` gets the result.
 
-    Every rank must call it with the same ``op``, ``root``, shape and dtype. Same op/dtype rules as
-    :func:`allreduce`.
+    Every rank must call it with the same ``op``, ``root``, ``reproducible``, shape and dtype. Same
+    op/dtype rules as :func:`allreduce` (and ``reproducible=True``: the bits of :func:`allreduce`'s
+    reproducible sum, on ``root``).
 
     Returns:
         On ``root``: the result (in ``x`` when writable, else a new array). On every other rank: ``x``
@@ -1730,7 +1985,7 @@ def reduce(x, op: str = "sum", root: int = 0, *, comm=None, async_op: bool = Fal
         >>> y.tolist() == ([comm.size] * 2 if comm.rank == 0 else [1, 1])
         True
     """
-    return _resolve(comm).reduce(x, op, root, async_op=async_op)
+    return _resolve(comm).reduce(x, op, root, async_op=async_op, reproducible=reproducible)
 
 
 def allgather(x, *, comm=None, async_op: bool = False):
@@ -1783,14 +2038,15 @@ def gather(x, root: int = 0, *, comm=None, async_op: bool = False):
     return _resolve(comm).gather(x, root, async_op=async_op)
 
 
-def reduce_scatter(x, op: str = "sum", *, comm=None, async_op: bool = False):
+def reduce_scatter(x, op: str = "sum", *, comm=None, async_op: bool = False, reproducible: bool | None = None):
     """Reduce ``x`` over all ranks and give each rank one block of the result.
 
     The leading dimension of ``x`` is split into ``size`` equal blocks; rank r gets block r of the
     element-wise reduction (what ``allreduce(x, op)[r * n : (r + 1) * n]`` would hold, bit for bit, with
     ``n = x.shape[0] // size``). Every rank must call it with the same ``op`` and an array of the same
     shape and dtype. Same op/dtype rules as :func:`allreduce` (mean, float16/bfloat16 accumulated in
-    float32, float min/max with NaN winning and -0.0 < +0.0).
+    float32, float min/max with NaN winning and -0.0 < +0.0; ``reproducible=True``: the blocks of
+    :func:`allreduce`'s reproducible sum, bit for bit).
 
     Args:
         x: an array (host memory, or CUDA memory of torch/CuPy) whose ``x.shape[0]`` is divisible by the
@@ -1814,7 +2070,7 @@ def reduce_scatter(x, op: str = "sum", *, comm=None, async_op: bool = False):
         >>> mine.shape, mine.tolist() == [(comm.size * x[comm.rank]).tolist()]
         ((1, 2), True)
     """
-    return _resolve(comm).reduce_scatter(x, op, async_op=async_op)
+    return _resolve(comm).reduce_scatter(x, op, async_op=async_op, reproducible=reproducible)
 
 
 def alltoall(x, *, comm=None, async_op: bool = False):
@@ -2025,7 +2281,8 @@ def synchronize(tree, root: int = 0, *, comm=None, bucket_bytes: int | None = No
     return _resolve(comm).synchronize(tree, root, bucket_bytes=bucket_bytes)
 
 
-def allreduce_tree(tree, op: str = "mean", *, comm=None, bucket_bytes: int | None = None, async_op: bool = False):
+def allreduce_tree(tree, op: str = "mean", *, comm=None, bucket_bytes: int | None = None, async_op: bool = False,
+                   reproducible: bool | None = None):
     """Reduce every array leaf of ``tree`` over all ranks, fused into few collectives.
 
     Every rank must call it with the same ``op`` and a tree of the same structure (checked first, with
@@ -2054,6 +2311,11 @@ def allreduce_tree(tree, op: str = "mean", *, comm=None, bucket_bytes: int | Non
         async_op: return a :class:`Handle` at once; every fused host transfer is started as a
             non-blocking collective at the call, and ``handle.wait()`` returns what the blocking call
             returns. Leave the leaves alone until then. CUDA leaves and Python ints are reduced at the call.
+        reproducible: ``True`` (op ``"sum"`` or ``"mean"``): every float and complex leaf is summed as
+            :func:`allreduce` with ``reproducible=True`` does, element by element, so the bits do not depend
+            on the number of ranks nor on ``bucket_bytes`` (integer leaves are exact anyway; a float leaf
+            without a reproducible sum, such as longdouble, is a TypeError). ``None``: the communicator's
+            default (:attr:`Communicator.reproducible`). Host leaves only.
 
     Returns:
         The tree with the reduced values: ``tree`` itself when every leaf was reduced in place.
@@ -2072,4 +2334,5 @@ def allreduce_tree(tree, op: str = "mean", *, comm=None, bucket_bytes: int | Non
         >>> bool((out["w"] == mean).all()) and out["b"].tolist() == [1.0, 1.0] and out["loss"] == mean
         True
     """
-    return _resolve(comm).allreduce_tree(tree, op, bucket_bytes=bucket_bytes, async_op=async_op)
+    return _resolve(comm).allreduce_tree(tree, op, bucket_bytes=bucket_bytes, async_op=async_op,
+                                         reproducible=reproducible)

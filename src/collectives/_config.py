@@ -24,6 +24,7 @@ variable                        meaning                                         
 ``COLLECTIVES_TRACE_DIR``       where the per-rank trace dumps are written                   ``./collectives-trace``
 ``COLLECTIVES_TRACE_FORMAT``    the dumps: ``collectives`` (JSON), ``torch`` or ``both``     ``collectives``
 ``COLLECTIVES_STALL_WARN_S``    seconds in one collective before a stall warning (``0``: off) 60
+``COLLECTIVES_REPRODUCIBLE``    ``1``: float sums and means are reproducible by default      ``0``
 ==============================  ===========================================================  ==========
 """
 
@@ -90,6 +91,12 @@ def check_nan() -> bool:
     before it moves, and every rank raises ``NonFiniteError`` when one has any (``_finite``); read when a
     host transport is made, on if any rank of it sets it (agreed: the check is one more collective)."""
     return flag("COLLECTIVES_CHECK_NAN")
+
+
+def reproducible() -> bool:
+    """``COLLECTIVES_REPRODUCIBLE=1``: a communicator's float and complex sums and means default to
+    ``reproducible=True`` (the same bits at any number of ranks; see docs/semantics.md)."""
+    return flag("COLLECTIVES_REPRODUCIBLE")
 
 
 def timeout() -> float | None:
@@ -286,7 +293,7 @@ def _abort_on_error() -> bool:
 # read here first too, so that a malformed value is refused at init, where the ranks agree on it.
 READERS = (_backend_checked, check, check_nan, timeout, mpi_thread_level, max_count, bucket_bytes, shm,
            simulate_nodes, sync_pipeline, shm_threshold, shm_slot_bytes, _abort_on_error,
-           disable_nccl, cuda_aware_mpi, nccl_eager, trace_buffer, trace_format, stall_warn_s)
+           disable_nccl, cuda_aware_mpi, nccl_eager, trace_buffer, trace_format, stall_warn_s, reproducible)
 
 
 def problems() -> list[str]:

@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _agree, _arrays, _buckets, _config, _dtypes, _finite, _ops
+from . import _agree, _arrays, _buckets, _config, _dtypes, _finite, _ops, _reproducible
 from ._agree import render_path
 from ._threads import collective
 
@@ -738,12 +738,15 @@ _SCALARS = (bool, int, float, complex, np.generic)
 
 
 @collective("allreduce_tree")
-def allreduce_tree(engine, tree, op, bucket_bytes, asynchronous: bool = False):
+def allreduce_tree(engine, tree, op, bucket_bytes, asynchronous: bool = False, reproducible=None):
     """:func:`collectives.allreduce_tree` on the communicator of ``engine``; ``asynchronous``: the steps of a
     :class:`~collectives.Handle` instead (a generator: every host transfer started here, the tree
-    returned once they are complete; see ``_buckets.start_allreduce``)."""
+    returned once they are complete; see ``_buckets.start_allreduce``). ``reproducible``: True, False or
+    None (the communicator's default): float and complex leaves summed reproducibly (``_reproducible``),
+    part of what the ranks agree on."""
     what = "allreduce_tree"
     header: tuple[tuple[str, Any], ...] = (("op", op), ("bucket_bytes", bucket_bytes))
+    repro = False
     entries, error, flat = None, None, None
     prepared = _Leaves()
     scalars: list[tuple[int, type]] = []  # (position in prepared.items, the scalar's type)
@@ -755,6 +758,9 @@ def allreduce_tree(engine, tree, op, bucket_bytes, asynchronous: bool = False):
         if asynchronous:  # agreed on: MPI does not match a non-blocking collective with a blocking one
             header += (("async_op", True),)
         op = _dtypes.check_op(op)
+        repro = _reproducible_tree(reproducible, engine.reproducible, op)
+        if repro:
+            header += (("reproducible", True),)
         flat = flatten(tree)
         sig = prepared.sig
         seen: dict[int, int] = {}
@@ -786,7 +792,7 @@ def allreduce_tree(engine, tree, op, bucket_bytes, asynchronous: bool = False):
         if cached is not None:
             entries, digest = cached[0], cached[1]
         else:
-            entries, error = _reduce_entries(flat, prepared, op)
+            entries, error = _reduce_entries(flat, prepared, op, repro)
     except Exception as exc:  # noqa: BLE001 - held, raised on every rank by agree()
         error = exc
     agree(engine, what, header, entries, error, digest)
@@ -799,9 +805,9 @@ def allreduce_tree(engine, tree, op, bucket_bytes, asynchronous: bool = False):
     plan = None if cached is None else cached[2]
     steps = None
     if asynchronous:
-        plan, steps = _buckets.start_allreduce(engine, items, op, header[1][1], plan)
+        plan, steps = _buckets.start_allreduce(engine, items, op, header[1][1], plan, reproducible=repro)
     else:
-        plan = _buckets.allreduce(engine, items, op, header[1][1], plan)
+        plan = _buckets.allreduce(engine, items, op, header[1][1], plan, reproducible=repro)
     if key is not None and cached is None:
         assert entries is not None  # agree() raised the error of a tree that was not described
         _remember(engine, key, what, header, entries, plan)
@@ -857,7 +863,27 @@ def _exact(engine, values: list[int], op: str) -> list[int]:
     return [_EXACT[op](column) for column in zip(*gathered)]
 
 
-def _reduce_entries(flat: Flat, prepared: _Leaves, op: str) -> tuple[tuple, BaseException | None]:
+def _reproducible_tree(reproducible, default: bool, op: str) -> bool:
+    """Whether allreduce_tree sums reproducibly: ``reproducible`` (True: only for sum and mean, else
+    ValueError), else the communicator's ``default`` where ``op`` is a sum or mean."""
+    if reproducible is None:
+        return default and op in _reproducible.OPS
+    if not isinstance(reproducible, (bool, np.bool_)):
+        raise TypeError(f"reproducible must be True, False or None (the communicator's default), got "
+                        f"{type(reproducible).__name__} {reproducible!r}")
+    if reproducible and op not in _reproducible.OPS:
+        raise ValueError(f"reproducible=True applies to op='sum' and op='mean', got op={op!r}: min and max give "
+                         f"the same bits at any number of ranks already; drop reproducible=True")
+    return bool(reproducible)
+
+
+def _reproducible_leaf(info: _dtypes.DType, op: str) -> None:
+    """A float or complex leaf of a reproducible tree must have a reproducible sum (integers are exact)."""
+    if info.kind in "fc":
+        _reproducible.check(info, op)
+
+
+def _reduce_entries(flat: Flat, prepared: _Leaves, op: str, repro: bool = False) -> tuple[tuple, BaseException | None]:
     """The description entries of allreduce_tree's tree, and the first error to hold (the slow path)."""
     entries = []
     error = None
@@ -877,6 +903,8 @@ def _reduce_entries(flat: Flat, prepared: _Leaves, op: str) -> tuple[tuple, Base
                 desc, err = prepared.describe(item), None
                 try:
                     _dtypes.check_reduction(item.info, op)
+                    if repro:
+                        _reproducible_leaf(item.info, op)
                 except TypeError as exc:
                     err = _at(path, exc)
             entries.append((path, desc))
@@ -896,6 +924,8 @@ def _reduce_entries(flat: Flat, prepared: _Leaves, op: str) -> tuple[tuple, Base
             entries.append((path, f"a {name} scalar ({info.name})"))
             try:
                 _dtypes.check_reduction(info, op)
+                if repro:
+                    _reproducible_leaf(info, op)
             except TypeError as exc:
                 error = error or _at(path, TypeError(f"{name} scalar: {exc}"))
         else:

@@ -23,7 +23,7 @@ LAYERS = {
     "_backends.mpi": 1, "_backends.device": 1, "_backends.cuda": 1, "_backends.nccl": 1,
     "_backends.factory": 1, "_backends.closed": 1, "_backends": 1,
     # 2: reduction rules
-    "_reduction": 2,
+    "_reduction": 2, "_reproducible": 2,
     # 3: trees and buckets
     "_buckets": 3, "_tree": 3,
     # 4: the Communicator, init and the public functions

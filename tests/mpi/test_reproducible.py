@@ -1,0 +1,499 @@
+"""Reproducible sums (issue 36): the same bits at any number of ranks, for any split of the same units.
+
+The global data (units: rows of random values with extreme exponents, cancelling pairs, subnormals, and
+rows holding NaN, inf and -0.0) is made from a seed on every rank. The reference is the reproducible sum
+of all units on a communicator of one rank (``comm.split(color=comm.rank)``), computed on every rank; the
+sums of the same units split among sub-communicators of every size from 1 to the world size, in several
+splits (round robin, blocks, all on one rank, reversed rank order), asynchronous or not, must equal it
+byte for byte; ``allreduce(..., reproducible=True)`` (one unit per rank), ``reduce`` and
+``reduce_scatter`` must give the bits of the same units through ``allreduce_units``. Every element is
+checked against the exact sum (``fractions.Fraction``) within the documented bound, and the specials
+against IEEE addition. Mismatched calls (reproducible on some ranks, ordinary on others) raise
+MismatchError where the library's checks see them (checked mode, asynchronous calls, the deadline
+transport).
+
+    timeout 600 mpiexec -n 3 python tests/mpi_pytest.py tests/mpi/test_reproducible.py -q -x
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import operator
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+import collectives as coll
+from support.comms import communicator
+
+DTYPES = ["float16", "bfloat16", "float32", "float64", "complex64", "complex128"]
+UNITS = 7  # units of global data: not a multiple of 2 or 3, so every split is uneven somewhere
+COUNT = 203  # elements per unit
+
+
+def _real(dtype: str) -> np.dtype:
+    return np.dtype({"bfloat16": "float32", "complex64": "float32", "complex128": "float64"}.get(dtype, dtype))
+
+
+def global_units(dtype: str, seed: int = 0, units: int = UNITS, count: int = COUNT, specials: bool = True):
+    """The global data: ``units`` rows of ``count`` elements (the same on every rank), in ``dtype``'s
+    real parts (float64 values that are exact in ``dtype``)."""
+    rng = np.random.default_rng(seed)
+    real = _real(dtype)
+    parts = 2 if dtype.startswith("complex") else 1
+    n = count * parts
+    fin = np.finfo(np.float16 if dtype == "float16" else real)
+    lo = int(np.log2(float(fin.smallest_subnormal))) + 1
+    hi = int(np.log2(float(fin.max))) - 4
+    if dtype == "bfloat16":
+        lo = -130
+    e = rng.integers(lo, hi, size=(units, n))
+    x = rng.standard_normal((units, n)) * np.exp2(e.astype(np.float64))
+    narrow = rng.random(n) < 0.5  # half the elements: a narrow range (sums that are exact in fixed point)
+    x[:, narrow] = np.round(rng.standard_normal((units, int(narrow.sum()))) * 64) / 8
+    cancel = rng.random(n) < 0.15  # cancelling pairs: +v in one unit, -v in another
+    x[units - 1, cancel] = -x[0, cancel]
+    tiny = rng.random(n) < 0.05  # subnormals of the dtype
+    x[:, tiny] = rng.integers(-5, 6, size=(units, int(tiny.sum()))) * float(fin.smallest_subnormal)
+    if specials:
+        x[:, 0] = -0.0  # every term -0.0: -0.0
+        x[1:, 1] = 0.0
+        x[0, 1] = -0.0  # -0.0 and +0.0: +0.0
+        x[2 % units, 2] = np.nan
+        x[3 % units, 3] = np.inf
+        x[4 % units, 4] = np.inf
+        x[5 % units, 4] = -np.inf  # +inf and -inf: NaN
+        x[:, 5] = -np.inf
+        x[:, 6] = 0.0
+        x[0, 6], x[units - 1, 6] = 5.0, -5.0  # an exact cancellation: +0.0
+    return to_dtype(x, dtype)
+
+
+def to_dtype(x: np.ndarray, dtype: str):
+    """float64 values (real parts side by side for complex) as a NumPy array of ``dtype`` (bfloat16: a
+    torch tensor)."""
+    if dtype == "bfloat16":
+        torch = pytest.importorskip("torch")
+        return torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16)
+    real = _real(dtype)
+    with np.errstate(all="ignore"):
+        v = x.astype(real)
+    return v.view(np.dtype(dtype)) if dtype.startswith("complex") else v
+
+
+def as_float64(a) -> np.ndarray:
+    """Any result (NumPy or torch, real or complex) as float64 real parts."""
+    if not isinstance(a, np.ndarray):
+        a = a.float().numpy() if str(a.dtype) == "torch.bfloat16" else a.numpy()
+    if a.dtype.kind == "c":
+        a = a.view(a.real.dtype)
+    return a.astype(np.float64)
+
+
+def raw(a) -> bytes:
+    if isinstance(a, np.ndarray):
+        return a.tobytes()
+    import torch
+
+    return a.view(torch.int16).numpy().tobytes() if a.dtype == torch.bfloat16 else a.numpy().tobytes()
+
+
+@contextlib.contextmanager
+def alone(comm):
+    """A communicator of this rank alone (collective over ``comm``)."""
+    solo = comm.split(color=comm.rank)
+    try:
+        yield solo
+    finally:
+        solo.close()
+
+
+@contextlib.contextmanager
+def first(comm, s: int, reverse: bool = False):
+    """The first ``s`` ranks of ``comm`` as a communicator (None elsewhere), ranked in reverse with
+    ``reverse``. Collective over ``comm``."""
+    sub = comm.split(color=0 if comm.rank < s else None, key=-comm.rank if reverse else comm.rank)
+    try:
+        yield sub
+    finally:
+        if sub is not None:
+            sub.close()
+
+
+def splits(units: int, size: int) -> dict[str, list[list[int]]]:
+    """Ways to share ``units`` units among ``size`` ranks: unit indices per rank."""
+    ids = list(range(units))
+    cuts = np.array_split(np.array(ids), size)
+    return {
+        "round-robin": [ids[r::size] for r in range(size)],
+        "blocks": [c.tolist() for c in cuts],
+        "all-on-last": [[] for _ in range(size - 1)] + [ids[::-1]],
+        "reversed-blocks": [c.tolist()[::-1] for c in cuts[::-1]],
+    }
+
+
+def take(units, rows: list[int]):
+    if isinstance(units, np.ndarray):
+        return units[rows] if rows else units[:0]
+    import torch
+
+    return units[torch.tensor(rows, dtype=torch.long)] if rows else units[:0]
+
+
+@pytest.mark.parametrize("op", ["sum", "mean"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_split_at_every_size_gives_the_bits_of_one_rank(comm, dtype, op):
+    data = global_units(dtype, seed=2 * DTYPES.index(dtype) + (op == "mean"))
+    with alone(comm) as solo:
+        want = raw(solo.allreduce_units(data, op))
+    for s in range(1, comm.size + 1):
+        for reverse in (False, True):
+            with first(comm, s, reverse) as sub:
+                if sub is None:
+                    continue
+                for name, share in splits(UNITS, s).items():
+                    mine = take(data, share[sub.rank])
+                    got = sub.allreduce_units(mine, op)
+                    assert raw(got) == want, (s, reverse, name)
+                    got = sub.allreduce_units(mine, op, async_op=True).wait()
+                    assert raw(got) == want, (s, reverse, name, "async")
+
+
+def exact_bound_holds(result: np.ndarray, units: np.ndarray, op: str, words: int, dtype: str) -> None:
+    """Every element within the documented bound of the exact sum (``Fraction``), and NaN, inf and the
+    sign of zero as IEEE addition gives them (``result``, ``units``: float64 real parts)."""
+    from collectives import _reproducible
+
+    real = np.dtype(np.float16) if dtype == "float16" else _real(dtype)
+    n = units.shape[0]
+    for j in range(result.size):
+        r, col = float(result[j]), units[:, j]
+        if not np.isfinite(col).all() or (col == 0).all():
+            ieee = functools.reduce(operator.add, col.tolist())  # IEEE: NaN, inf and the zero's sign in any order
+            if op == "mean":
+                ieee /= n
+            assert (math.isnan(r) and math.isnan(ieee)) or (r == ieee and math.copysign(1, r) == math.copysign(1, ieee)), \
+                (j, r, ieee)
+            continue
+        exact = sum((Fraction(float(v)) for v in col), Fraction(0))
+        if op == "mean":
+            exact /= n
+        if math.isinf(r):
+            assert abs(exact) > float(np.finfo(real).max), (j, r)
+            continue
+        e = max(math.frexp(float(v))[1] for v in col)  # |x| < 2**e for every term
+        ulp = ulp_of(r, dtype)
+        quantum = Fraction(2) ** (e - _reproducible.S * words)
+        bound = n * quantum + Fraction(ulp) / 2 if op == "sum" else quantum + 2 * Fraction(ulp)
+        assert abs(Fraction(r) - exact) <= bound, (j, r, float(exact), float(bound))
+
+
+@pytest.mark.parametrize("op", ["sum", "mean"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_within_the_bound_of_the_exact_sum(comm, dtype, op):
+    data = global_units(dtype, seed=7, units=UNITS, count=61)
+    share = splits(UNITS, comm.size)["round-robin"][comm.rank]
+    got = comm.allreduce_units(take(data, share), op)
+    words = 2 if _real(dtype) == np.float64 else 1
+    exact_bound_holds(as_float64(got).reshape(-1), as_float64(data).reshape(UNITS, -1), op, words, dtype)
+
+
+def test_float16_sums_are_correctly_rounded(comm):
+    """float16 terms are exact in the fixed point: the result is the exact sum rounded once."""
+    data = global_units("float16", seed=3, specials=False)
+    got = comm.allreduce_units(take(data, splits(UNITS, comm.size)["blocks"][comm.rank]), "sum")
+    exact = [sum((Fraction(float(v)) for v in data[:, j]), Fraction(0)) for j in range(COUNT)]
+    want = np.array([float(v) for v in exact]).astype(np.float16)  # float64 of the exact sum: exact here
+    assert got.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_one_unit_per_rank_collectives_give_the_units_bits(comm, dtype, op):
+    """allreduce, reduce and reduce_scatter with reproducible=True (blocking and asynchronous): the bits
+    of allreduce_units of the ranks' arrays, as units."""
+    size = comm.size
+    data = global_units(dtype, seed=11, units=size, count=8 * size)
+    with alone(comm) as solo:
+        want = raw(solo.allreduce_units(data, op))
+    mine = take(data, [comm.rank])[0]
+    for async_op in (False, True):
+        x = mine.clone() if not isinstance(mine, np.ndarray) else mine.copy()
+        h = comm.allreduce(x, op, reproducible=True, async_op=async_op)
+        got = h.wait() if async_op else h
+        assert got is x and raw(got) == want
+        x = mine.clone() if not isinstance(mine, np.ndarray) else mine.copy()
+        h = coll.reduce(x, op, root=size - 1, reproducible=True, async_op=async_op)
+        got = h.wait() if async_op else h
+        assert raw(got) == (want if comm.rank == size - 1 else raw(mine))
+        x = mine.clone() if not isinstance(mine, np.ndarray) else mine.copy()
+        h = coll.reduce_scatter(x.reshape(size, -1), op, reproducible=True, async_op=async_op)
+        got = h.wait() if async_op else h
+        block = len(want) // size
+        assert raw(got) == want[comm.rank * block:(comm.rank + 1) * block]
+        assert raw(x) == raw(mine)  # reduce_scatter leaves x as it was
+
+
+def test_read_only_strided_and_torch_inputs(comm):
+    torch = pytest.importorskip("torch")
+    data = global_units("float32", seed=5, units=comm.size, count=40)
+    with alone(comm) as solo:
+        want = solo.allreduce_units(data, "sum")
+    mine = data[comm.rank]
+    ro = mine.copy()
+    ro.flags.writeable = False
+    got = comm.allreduce(ro, "sum", reproducible=True)
+    assert got is not ro and got.tobytes() == want.tobytes() and ro.tobytes() == mine.tobytes()
+    strided = np.repeat(mine, 2)[::2]
+    assert comm.allreduce(strided, "sum", reproducible=True) is strided and strided.tobytes() == want.tobytes()
+    t = torch.from_numpy(mine.copy()).requires_grad_(True)
+    got = comm.allreduce(t, "sum", reproducible=True)
+    assert got is t and got.detach().numpy().tobytes() == want.tobytes()
+
+
+def test_large_arrays_through_shared_memory_and_pieces(comm):
+    """Arrays past the shared-memory threshold, and MPI calls cut in pieces: the same bits."""
+    n = 70_000  # 560 KiB of words: the node-shared window (256 KiB and up)
+    data = global_units("float32", seed=9, units=3, count=n, specials=False)
+    with alone(comm) as solo:
+        want = solo.allreduce_units(data, "sum").tobytes()
+    share = splits(3, comm.size)["blocks"][comm.rank]
+    assert comm.allreduce_units(data[share], "sum").tobytes() == want
+    if comm.backend != "mpi":
+        return
+    for env in ({"COLLECTIVES_MAX_COUNT": 4099}, {"COLLECTIVES_SHM": 0}, {"COLLECTIVES_TIMEOUT": 300}):
+        with communicator(**env) as c:
+            assert c.allreduce_units(data[share], "sum").tobytes() == want, env
+            assert c.allreduce_units(data[share], "sum", async_op=True).wait().tobytes() == want, env
+
+
+def test_the_communicators_default(comm):
+    """comm.reproducible (COLLECTIVES_REPRODUCIBLE): float sums and means reproducible, twice (never a
+    cached ordinary call), other pairs unchanged; reproducible=False still the ordinary call."""
+    data = global_units("float32", seed=2, units=comm.size, count=30, specials=False)
+    with alone(comm) as solo:
+        want = solo.allreduce_units(data, "sum").tobytes()
+    ordinary = comm.allreduce(data[comm.rank].copy(), "sum")  # the ordinary call, cached by the hot path
+    assert not comm.reproducible
+    comm.reproducible = True
+    try:
+        for _ in range(2):
+            assert comm.allreduce(data[comm.rank].copy(), "sum").tobytes() == want
+        assert comm.allreduce(data[comm.rank].copy(), "sum", reproducible=False).tobytes() == ordinary.tobytes()
+        assert comm.allreduce(np.ones(3, np.int64), "sum").tolist() == [comm.size] * 3
+        assert comm.allreduce(np.ones(3), "max").tolist() == [1.0] * 3
+        with first(comm, comm.size) as child:  # a split starts with its parent's default
+            assert child.reproducible
+            assert child.allreduce(data[comm.rank].copy(), "sum").tobytes() == want
+    finally:
+        comm.reproducible = False
+    assert comm.allreduce(data[comm.rank].copy(), "sum").tobytes() == ordinary.tobytes()
+
+
+@pytest.mark.parametrize("bad, error, words", [
+    (dict(op="max"), ValueError, "op='sum' and op='mean'"),
+    (dict(op="prod"), ValueError, "op='sum' and op='mean'"),
+    (dict(dtype="int64"), TypeError, "integer sums are exact"),
+    (dict(dtype="longdouble"), TypeError, "float16, bfloat16, float32, float64"),
+    (dict(reproducible="yes"), TypeError, "True, False or None"),
+])
+def test_bad_calls_raise_before_anything_moves(comm, bad, error, words):
+    x = np.arange(4, dtype=bad.get("dtype", "float32"))
+    before = x.copy()
+    for fn in (coll.allreduce, coll.reduce):
+        with pytest.raises(error, match=words):
+            fn(x, bad.get("op", "sum"), reproducible=bad.get("reproducible", True))
+        assert x.tobytes() == before.tobytes()
+    if "reproducible" not in bad:
+        with pytest.raises(error, match=words):
+            coll.allreduce_units(x[None], bad.get("op", "sum"))
+    with pytest.raises(ValueError, match="stack of units"):
+        coll.allreduce_units(np.array(1.0, dtype=np.float32))
+    assert comm.allreduce(np.ones(2), "sum").tolist() == [comm.size] * 2  # the communicator still works
+
+
+def test_no_units_anywhere(comm):
+    empty = np.zeros((0, 3), dtype=np.float32)
+    assert comm.allreduce_units(empty, "sum").tobytes() == np.zeros(3, np.float32).tobytes()
+    assert np.isnan(comm.allreduce_units(empty, "mean")).all()
+
+
+@pytest.mark.skipif(coll.world().size < 2 or coll.world().backend != "mpi", reason="needs two or more MPI ranks")
+@pytest.mark.parametrize("mode", ["checked", "async", "deadline"])
+def test_reproducible_against_ordinary_is_a_mismatch(comm, mode):
+    env = {"COLLECTIVES_TIMEOUT": 60} if mode == "deadline" else {}
+    with communicator(**env) as c:
+        c.check = mode == "checked"
+        x = np.full(8, 1.0 + c.rank, dtype=np.float32)
+        before = x.copy()
+        reproducible = c.rank == c.size - 1
+        with pytest.raises(coll.MismatchError) as info:
+            h = c.allreduce(x, "sum", reproducible=reproducible, async_op=mode == "async")
+            if mode == "async":
+                h.wait()
+        assert "reproducible sum" in str(info.value), str(info.value)
+        if mode == "checked":  # refused before anything moved
+            assert x.tobytes() == before.tobytes()
+
+
+PRECISION = {"float16": (11, -24), "bfloat16": (8, -133), "float32": (24, -149), "float64": (53, -1074)}
+
+
+def ulp_of(r: float, dtype: str) -> float:
+    """The spacing of ``dtype``'s values at ``r`` (its binade's; complex: of a part)."""
+    bits, tiny = PRECISION[{"complex64": "float32", "complex128": "float64"}.get(dtype, dtype)]
+    return math.ldexp(1.0, max(math.frexp(r)[1] - bits, tiny)) if r else math.ldexp(1.0, tiny)
+
+
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_allreduce_tree_at_every_size_and_bucket_size(comm, op):
+    """allreduce_tree(reproducible=True): each float leaf the bits of allreduce_units of the ranks' leaves,
+    at every size, for every bucket size, blocking and asynchronous; integer leaves exact as ever."""
+    names = ("float32", "float64", "float16", "complex64")
+    data = {name: global_units(name, seed=20 + i, units=comm.size, count=40 + 9 * i) for i, name in enumerate(names)}
+    for s in range(1, comm.size + 1):
+        with first(comm, s) as sub:
+            if sub is None:
+                continue
+            with alone(sub) as solo:
+                want = {name: solo.allreduce_units(d[:s], op).tobytes() for name, d in data.items()}
+            for bucket_bytes in (64, 1024, 1 << 20):
+                for async_op in (False, True):
+                    tree = {name: d[sub.rank].copy() for name, d in data.items()}
+                    if op == "sum":  # (the mean of an integer leaf is refused)
+                        tree["steps"] = np.arange(3, dtype=np.int64) + sub.rank
+                    h = sub.allreduce_tree(tree, op, bucket_bytes=bucket_bytes, reproducible=True, async_op=async_op)
+                    out = h.wait() if async_op else h
+                    for name in names:
+                        assert out[name].tobytes() == want[name], (s, bucket_bytes, async_op, name)
+                    if op == "sum":
+                        assert out["steps"].tolist() == [i * s + s * (s - 1) // 2 for i in range(3)]
+
+
+def test_allreduce_tree_bad_calls(comm):
+    with pytest.raises(ValueError, match="op='sum' and op='mean'"):
+        coll.allreduce_tree({"w": np.ones(2)}, "max", reproducible=True)
+    with pytest.raises(TypeError, match=r"\['w'\].*float16, bfloat16, float32, float64"):
+        coll.allreduce_tree({"w": np.ones(2, dtype=np.longdouble)}, "sum", reproducible=True)
+    with pytest.raises(TypeError, match="True, False or None"):
+        coll.allreduce_tree({"w": np.ones(2)}, "sum", reproducible=1)
+    assert coll.allreduce_tree({"w": np.ones(2)}, "max", reproducible=False)["w"].tolist() == [1.0, 1.0]
+
+
+MICRO = 6  # micro-batches of the global batch: the units of the world-size-invariant step
+STEPS = 20
+
+
+def _torch_training(c, torch):
+    """K steps of a small MLP, each step's gradient the reproducible mean of one unit per micro-batch
+    (this rank's share of the global batch): the recipe of docs/guide-data-parallel.md."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(MICRO, 4, 5, generator=g)
+    y = torch.randn(MICRO, 4, 1, generator=g)
+    params = list(model.parameters())
+    for _ in range(STEPS):
+        units = []
+        for i in range(c.rank, MICRO, c.size):  # this rank's micro-batches, one backward pass each
+            model.zero_grad(set_to_none=True)
+            torch.nn.functional.mse_loss(model(x[i]), y[i]).backward()
+            units.append(torch.cat([p.grad.reshape(-1) for p in params]))
+        stack = torch.stack(units) if units else torch.zeros(0, sum(p.numel() for p in params))
+        mean = coll.allreduce_units(stack, "mean", comm=c)
+        offset = 0
+        for p in params:
+            p.grad = mean[offset:offset + p.numel()].reshape(p.shape).clone()
+            offset += p.numel()
+        opt.step()
+    return b"".join(p.detach().numpy().tobytes() for p in params)
+
+
+def _jax_training(c, jax, optax):
+    jnp = jax.numpy
+    key = jax.random.PRNGKey(0)
+    k1, k2, k3 = jax.random.split(key, 3)
+    params = {"w": jax.random.normal(k1, (5, 8)) * 0.3, "v": jax.random.normal(k2, (8,)) * 0.3}
+    x = jax.random.normal(k3, (MICRO, 4, 5))
+    y = jnp.sum(x, axis=-1)
+
+    def loss(p, xb, yb):
+        return jnp.mean((jnp.tanh(xb @ p["w"]) @ p["v"] - yb) ** 2)
+
+    grad = jax.jit(jax.grad(loss))
+    opt = optax.adam(1e-2)
+    state = opt.init(params)
+    for _ in range(STEPS):
+        units = [grad(params, x[i], y[i]) for i in range(c.rank, MICRO, c.size)]
+        mean = {}
+        for name in params:
+            stack = (np.stack([np.asarray(u[name]) for u in units]) if units
+                     else np.zeros((0,) + params[name].shape, np.float32))
+            mean[name] = jnp.asarray(coll.allreduce_units(stack, "mean", comm=c))
+        updates, state = opt.update(mean, state, params)
+        params = optax.apply_updates(params, updates)
+    return b"".join(np.asarray(params[k]).tobytes() for k in sorted(params))
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_training_steps_are_the_same_bits_at_every_size(comm, framework):
+    """The world-size-invariant step: K steps of an MLP on a fixed global batch of micro-batches give
+    parameters bitwise identical at every number of ranks (sub-communicators of every size)."""
+    if framework == "torch":
+        torch = pytest.importorskip("torch")
+        torch.set_num_threads(1)
+        run = lambda c: _torch_training(c, torch)
+    else:
+        jax = pytest.importorskip("jax")
+        optax = pytest.importorskip("optax")
+        run = lambda c: _jax_training(c, jax, optax)
+    with alone(comm) as solo:
+        want = run(solo)
+    for s in range(2, comm.size + 1):
+        with first(comm, s) as sub:
+            if sub is not None:
+                assert run(sub) == want, s
+
+
+def test_distributed_optimizer_under_the_default(comm):
+    """COLLECTIVES_REPRODUCIBLE=1: DistributedOptimizer's gradient reductions (overlapped buckets, one
+    fused allreduce_tree, sharded state's reduce-scatter) are reproducible sums of one unit per rank:
+    every mode gives the parameters of the recipe with one micro-batch per rank, bit for bit."""
+    torch = pytest.importorskip("torch")
+    if comm.backend != "mpi":
+        pytest.skip("needs the MPI backend (a communicator made under the variable)")
+    torch.set_num_threads(1)
+
+    def run(c, mode):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(c.size, 4, 5, generator=g), torch.randn(c.size, 4, 1, generator=g)
+        inner = torch.optim.Adam(model.parameters(), lr=1e-2)
+        opt = inner if mode == "recipe" else coll.DistributedOptimizer(
+            inner, comm=c, overlap=mode != "fused", shard_state=mode == "sharded", bucket_bytes=256)
+        params = list(model.parameters())
+        for _ in range(5):
+            opt.zero_grad(set_to_none=True)
+            torch.nn.functional.mse_loss(model(x[c.rank]), y[c.rank]).backward()
+            if mode == "recipe":
+                flat = torch.cat([p.grad.reshape(-1) for p in params])[None]
+                mean = coll.allreduce_units(flat, "mean", comm=c)
+                offset = 0
+                for p in params:
+                    p.grad = mean[offset:offset + p.numel()].reshape(p.shape).clone()
+                    offset += p.numel()
+            opt.step()
+        if mode != "recipe":
+            opt.close()
+        return b"".join(p.detach().numpy().tobytes() for p in params)
+
+    with communicator(COLLECTIVES_REPRODUCIBLE=1) as c:
+        assert c.reproducible
+        want = run(c, "recipe")
+        for mode in ("overlap", "fused", "sharded"):
+            assert run(c, mode) == want, mode
