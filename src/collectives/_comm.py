@@ -1295,6 +1295,11 @@ class Engine:
         """``root`` as a valid rank of the communicator, or the TypeError/ValueError of the collectives."""
         return self.communicator._check_root(root)
 
+    def check_blocks(self, collective: str, x) -> None:
+        """The ValueError of reduce_scatter and alltoall when ``x`` (anything with a ``shape``) has no
+        leading dimension that splits into ``size`` equal blocks."""
+        self.communicator._check_blocks(collective, x)
+
     @property
     def host(self):
         """The host transport (MPI or self): raises if the communicator is closed or failed."""
