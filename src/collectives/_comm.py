@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _agree, _arrays, _buckets, _call, _config, _dtypes, _reduction, _registry, _trace, _tree
+from . import _agree, _arrays, _buckets, _call, _config, _dtypes, _reduction, _registry, _threads, _trace, _tree
 from ._backends import closed as _closed
 from ._backends import factory
 from ._backends.base import HostTransport
@@ -229,6 +229,8 @@ class Communicator:
         """Root's ``x`` on every rank. See :func:`collectives.broadcast`."""
         if async_op:
             return self._async("broadcast", self._broadcast, x, root)
+        if _threads.settle is not None:  # a jitted JAX computation's collectives first (_threads)
+            _threads.settle()
         if not _enter(False):  # another thread is inside a collective: refused (_threads)
             _refuse_thread("broadcast")
         try:
@@ -279,6 +281,8 @@ class Communicator:
         """Reduce ``x`` over all ranks, result on every rank. See :func:`collectives.allreduce`."""
         if async_op:
             return self._async("allreduce", self._allreduce, x, op)
+        if _threads.settle is not None:  # a jitted JAX computation's collectives first (_threads)
+            _threads.settle()
         if not _enter(False):  # another thread is inside a collective: refused (_threads)
             _refuse_thread("allreduce")
         try:
@@ -378,6 +382,8 @@ class Communicator:
         """This rank's block of the reduction of ``x``. See :func:`collectives.reduce_scatter`."""
         if async_op:
             return self._async("reduce_scatter", self._reduce_scatter, x, op)
+        if _threads.settle is not None:  # a jitted JAX computation's collectives first (_threads)
+            _threads.settle()
         if not _enter(False):  # another thread is inside a collective: refused (_threads)
             _refuse_thread("reduce_scatter")
         try:
@@ -446,6 +452,8 @@ class Communicator:
         """Block j of ``x`` to rank j, block i of the result from rank i. See :func:`collectives.alltoall`."""
         if async_op:
             return self._async("alltoall", self._alltoall, x)
+        if _threads.settle is not None:  # a jitted JAX computation's collectives first (_threads)
+            _threads.settle()
         if not _enter(False):  # another thread is inside a collective: refused (_threads)
             _refuse_thread("alltoall")
         try:
@@ -592,6 +600,8 @@ class Communicator:
         checked mode's agreement) runs here and a TypeError/ValueError is raised here, as is the error of a
         failed or closed communicator. Errors of the collective itself are raised by ``wait()``."""
         self._host.usable()  # a failed (or closed) communicator refuses at the call, as the blocking calls do
+        if _threads.settle is not None:  # a jitted JAX computation's collectives first (_threads)
+            _threads.settle()
         if not _enter(False):  # another thread is inside a collective: refused (_threads)
             _refuse_thread(what)
         self._current = rec = None
@@ -648,6 +658,8 @@ class Communicator:
     def _async_tree(self, tree, op, bucket_bytes) -> Handle:
         """:meth:`allreduce_tree` with ``async_op=True``: its buckets' transfers (``_tree``) in a Handle."""
         self._host.usable()
+        if _threads.settle is not None:  # a jitted JAX computation's collectives first (_threads)
+            _threads.settle()
         if not _enter(False):
             _refuse_thread("allreduce_tree")
         rec = self._begin_record("allreduce_tree", None, op, None, "tree buckets, asynchronous")

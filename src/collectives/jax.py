@@ -31,17 +31,23 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from . import _dtypes
+from . import _dtypes, _threads
 from ._comm import Communicator, engine_of, world
 
 __all__ = ["allgather", "allreduce", "allreduce_tree", "alltoall", "barrier", "broadcast", "reduce_scatter"]
 
-_LINEAR = ("sum", "mean")  # the ops whose gradient is defined (the others: a TypeError under jax.grad)
+_LINEAR = ("sum", "mean")
+# Version shims, all here. Before JAX 0.8 a custom_vmap function loses its ordered effect when lowered
+# (a KeyError inside jit): there the collectives have no vmap rule, and jax.vmap raises JAX's own error for
+# an ordered callback instead.
+_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:2])
+_VMAP_RULES = _VERSION >= (0, 8)  # the ops whose gradient is defined (the others: a TypeError under jax.grad)
 
 
 # ---- the host side: one call, as a hashable value (JAX caches eager callbacks by it) ----
@@ -59,6 +65,13 @@ class _Host:
     root: int | None = None
 
     def __call__(self, *args):
+        _inside.depth = getattr(_inside, "depth", 0) + 1
+        try:
+            return self._run(args)
+        finally:
+            _inside.depth -= 1
+
+    def _run(self, args):
         c = self.comm
         arrays = [np.asarray(a) for a in args]  # a read-only view of XLA's buffer: the library copies it
         name = self.collective
@@ -85,7 +98,22 @@ class _Host:
         return np.asarray(h.wait())
 
 
+_inside = threading.local()  # depth: how many of our callbacks this thread is running
+
+
+def _settle() -> None:
+    """Before an eager collective (``_threads.settle``): wait until the collectives of the jitted
+    computations already dispatched have run. XLA may run a computation on its own thread after the
+    dispatching call has returned; the eager call must not overtake its collectives. Not inside one of our
+    callbacks (its computation is the one still running)."""
+    if not getattr(_inside, "depth", 0):
+        jax.effects_barrier()
+
+
 def _host(comm: Communicator, collective: str, op: str | None = None, root: int | None = None) -> _Host:
+    """The callback of one call (at trace time); from now on an eager collective first waits for the
+    dispatched ones (``_settle``)."""
+    _threads.settle = _settle
     return _Host(comm, id(comm), collective, op, root)
 
 
@@ -100,6 +128,8 @@ def _result(spec: _Host, x) -> jax.ShapeDtypeStruct:
 
 def _call(spec: _Host, x):
     """The ordered callback, batched by :func:`jax.vmap` as the collective of the stacked array."""
+    if not _VMAP_RULES:
+        return io_callback(spec, _result(spec, x), x, ordered=True)
 
     @jax.custom_batching.custom_vmap
     def run(x):
@@ -336,6 +366,9 @@ def allreduce_tree(tree, op: str = "mean", *, comm: Communicator | None = None):
 
 
 def _tree_call(spec: _Host, leaves: tuple) -> tuple:
+    if not _VMAP_RULES:
+        return tuple(io_callback(spec, [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves], *leaves,
+                                 ordered=True))
     @jax.custom_batching.custom_vmap
     def run(*xs):
         return tuple(io_callback(spec, [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs], *xs, ordered=True))
