@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 
 import functools
+from collections.abc import Callable
 
 from ._errors import CollectiveError, reraise
 
@@ -29,7 +30,7 @@ leave = GUARD.release
 # not yet run (jax.effects_barrier; skipped inside its own callbacks): their callbacks may run on XLA's
 # threads, after this thread's next call, which must not overtake them (on the other ranks it would meet
 # another collective, or be refused by the guard). Until then one global look-up per call.
-settle = None
+settle: Callable[[], None] | None = None
 
 
 def refuse(what: str):
