@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from . import _dtypes, _threads
+from . import _dtypes, _threads, _trace
 from ._comm import Communicator, engine_of, world
 
 __all__ = ["allgather", "allreduce", "allreduce_tree", "alltoall", "barrier", "broadcast", "reduce_scatter"]
@@ -63,11 +63,13 @@ class _Host:
     collective: str
     op: str | None = None
     root: int | None = None
+    site: tuple | None = None  # where jit traced the call: the flight recorder's call site for its record
 
     def __call__(self, *args):
         _inside.depth = getattr(_inside, "depth", 0) + 1
         try:
-            return self._run(args)
+            with _trace.site_hint(None if self.site is None else list(self.site), _VIA):
+                return self._run(args)
         finally:
             _inside.depth -= 1
 
@@ -98,6 +100,7 @@ class _Host:
         return np.asarray(h.wait())
 
 
+_VIA = "collectives.jax (jit)"  # the front end a record names in its path
 _inside = threading.local()  # depth: how many of our callbacks this thread is running
 
 
@@ -110,11 +113,16 @@ def _settle() -> None:
         jax.effects_barrier()
 
 
-def _host(comm: Communicator, collective: str, op: str | None = None, root: int | None = None) -> _Host:
+def _host(comm: Communicator, collective: str, op: str | None = None, root: int | None = None,
+          site: tuple | None = None) -> _Host:
     """The callback of one call (at trace time); from now on an eager collective first waits for the
-    dispatched ones (``_settle``)."""
+    dispatched ones (``_settle``). ``site``: the line it stands for (default: the caller's, the first
+    frame outside the library: the line in the jitted function; a gradient's, its forward call's)."""
     _threads.settle = _settle
-    return _Host(comm, id(comm), collective, op, root)
+    if site is None:
+        found, _ = _trace.call_site()
+        site = None if found is None else tuple(found)
+    return _Host(comm, id(comm), collective, op, root, site)
 
 
 def _result(spec: _Host, x) -> jax.ShapeDtypeStruct:
@@ -169,17 +177,17 @@ def _backward(spec: _Host, _residual, g):
                         f"and op='mean' have a gradient here (an allreduce/allgather of the cotangent); "
                         f"wrap the call in jax.lax.stop_gradient if no gradient should flow through it")
     if kind == "allreduce":  # d(sum_i x_i)/dx_r = 1: the cotangents' sum (mean: their mean)
-        return (_collective(_host(c, "allreduce", op), g),)
+        return (_collective(_host(c, "allreduce", op, site=spec.site), g),)
     if kind == "broadcast":  # only root's x reaches the outputs: every rank's cotangent, summed on root
-        return (_collective(_host(c, "reduce_to", "sum", spec.root), g),)
+        return (_collective(_host(c, "reduce_to", "sum", spec.root, spec.site), g),)
     if kind == "reduce_to":
-        return (_collective(_host(c, "broadcast", None, spec.root), g),)
+        return (_collective(_host(c, "broadcast", None, spec.root, spec.site), g),)
     if kind == "allgather":  # rank r's x is row r of every rank's output
-        return (_collective(_host(c, "reduce_scatter", "sum"), g).reshape(g.shape[1:]),)
+        return (_collective(_host(c, "reduce_scatter", "sum", site=spec.site), g).reshape(g.shape[1:]),)
     if kind == "reduce_scatter":  # block r of every x reaches rank r's output
-        full = _collective(_host(c, "allgather"), g).reshape((-1, *g.shape[1:]))
+        full = _collective(_host(c, "allgather", site=spec.site), g).reshape((-1, *g.shape[1:]))
         return (full / c.size if op == "mean" else full,)
-    return (_collective(_host(c, "alltoall"), g),)  # alltoall: block j went to rank j, comes back from it
+    return (_collective(_host(c, "alltoall", site=spec.site), g),)  # alltoall: block j went to rank j, comes back from it
 
 
 _collective.defvjp(_forward, _backward)
