@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,12 +44,13 @@ from ._comm import Communicator, engine_of, world
 
 __all__ = ["allgather", "allreduce", "allreduce_tree", "alltoall", "barrier", "broadcast", "reduce_scatter"]
 
-_LINEAR = ("sum", "mean")
-# Version shims, all here. Before JAX 0.8 a custom_vmap function loses its ordered effect when lowered
-# (a KeyError inside jit): there the collectives have no vmap rule, and jax.vmap raises JAX's own error for
-# an ordered callback instead.
-_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:2])
-_VMAP_RULES = _VERSION >= (0, 8)  # the ops whose gradient is defined (the others: a TypeError under jax.grad)
+_LINEAR = ("sum", "mean")  # the ops whose gradient is defined (the others: a TypeError under jax.grad)
+
+# Version shims, all here. Before JAX 0.8.2 a custom_vmap function loses its ordered effect when lowered
+# (a KeyError inside jit; seen on 0.4.38, 0.5.3, 0.6.2, 0.7.2, 0.8.0 and 0.8.1): there the collectives have
+# no vmap rule, and jax.vmap raises JAX's own error for an ordered callback instead.
+_VERSION = tuple(int(p) for p in re.findall(r"\d+", jax.__version__)[:3])
+_VMAP_RULES = _VERSION >= (0, 8, 2)
 
 
 # ---- the host side: one call, as a hashable value (JAX caches eager callbacks by it) ----
