@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import (_agree, _arrays, _buckets, _call, _config, _dtypes, _finite, _ops, _reduction, _registry,
-               _reproducible, _trace, _tree)
+               _reproducible, _threads, _trace, _tree)
 from ._backends import closed as _closed
 from ._backends import factory
 from ._backends.base import HostTransport
@@ -250,6 +250,8 @@ class Communicator:
         """Root's ``x`` on every rank. See :func:`collectives.broadcast`."""
         if async_op:
             return self._async("broadcast", self._broadcast, x, root)
+        if _threads.settle is not None:  # a jitted JAX computation's collectives first (_threads)
+            _threads.settle()
         if not _enter(False):  # another thread is inside a collective: refused (_threads)
             _refuse_thread("broadcast")
         try:
@@ -300,6 +302,8 @@ class Communicator:
         """Reduce ``x`` over all ranks, result on every rank. See :func:`collectives.allreduce`."""
         if async_op:
             return self._async("allreduce", self._allreduce, x, op, reproducible)
+        if _threads.settle is not None:  # a jitted JAX computation's collectives first (_threads)
+            _threads.settle()
         if not _enter(False):  # another thread is inside a collective: refused (_threads)
             _refuse_thread("allreduce")
         try:
@@ -425,6 +429,8 @@ class Communicator:
         """This rank's block of the reduction of ``x``. See :func:`collectives.reduce_scatter`."""
         if async_op:
             return self._async("reduce_scatter", self._reduce_scatter, x, op, reproducible)
+        if _threads.settle is not None:  # a jitted JAX computation's collectives first (_threads)
+            _threads.settle()
         if not _enter(False):  # another thread is inside a collective: refused (_threads)
             _refuse_thread("reduce_scatter")
         try:
@@ -497,6 +503,8 @@ class Communicator:
         """Block j of ``x`` to rank j, block i of the result from rank i. See :func:`collectives.alltoall`."""
         if async_op:
             return self._async("alltoall", self._alltoall, x)
+        if _threads.settle is not None:  # a jitted JAX computation's collectives first (_threads)
+            _threads.settle()
         if not _enter(False):  # another thread is inside a collective: refused (_threads)
             _refuse_thread("alltoall")
         try:
@@ -713,6 +721,8 @@ class Communicator:
         checked mode's agreement) runs here and a TypeError/ValueError is raised here, as is the error of a
         failed or closed communicator. Errors of the collective itself are raised by ``wait()``."""
         self._host.usable()  # a failed (or closed) communicator refuses at the call, as the blocking calls do
+        if _threads.settle is not None:  # a jitted JAX computation's collectives first (_threads)
+            _threads.settle()
         if not _enter(False):  # another thread is inside a collective: refused (_threads)
             _refuse_thread(what)
         self._current = rec = None
@@ -769,6 +779,8 @@ class Communicator:
     def _async_tree(self, tree, op, bucket_bytes, reproducible) -> Handle:
         """:meth:`allreduce_tree` with ``async_op=True``: its buckets' transfers (``_tree``) in a Handle."""
         self._host.usable()
+        if _threads.settle is not None:  # a jitted JAX computation's collectives first (_threads)
+            _threads.settle()
         if not _enter(False):
             _refuse_thread("allreduce_tree")
         rec = self._begin_record("allreduce_tree", None, op, None, "tree buckets, asynchronous")
@@ -1445,6 +1457,11 @@ class Engine:
     def check_root(self, root) -> int:
         """``root`` as a valid rank of the communicator, or the TypeError/ValueError of the collectives."""
         return self.communicator._check_root(root)
+
+    def check_blocks(self, collective: str, x) -> None:
+        """The ValueError of reduce_scatter and alltoall when ``x`` (anything with a ``shape``) has no
+        leading dimension that splits into ``size`` equal blocks."""
+        self.communicator._check_blocks(collective, x)
 
     @property
     def host(self):

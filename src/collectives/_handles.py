@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from ._errors import CollectiveError, CollectiveTimeoutError, reraise
-from . import _trace
+from . import _threads, _trace
 from ._poll import poll
 from ._threads import enter, leave, refuse
 
@@ -99,6 +99,8 @@ class Handle:
         refused (:class:`CollectiveError`) while another thread of the process is inside one (``_threads``)."""
         if self._finished:
             return True
+        if _threads.settle is not None:  # a jitted JAX computation's collectives first (_threads)
+            _threads.settle()
         if not enter(False):
             refuse(f"{self.what} handle's done()")
         try:
@@ -131,6 +133,8 @@ class Handle:
                 is failed for good (every later call on it raises at once), and nothing of this call's is
                 written afterwards by the library."""
         if not self._finished:
+            if _threads.settle is not None:  # a jitted JAX computation's collectives first (_threads)
+                _threads.settle()
             if not enter(False):
                 refuse(f"{self.what} handle's wait()")
             try:

@@ -17,12 +17,20 @@ from __future__ import annotations
 import threading
 
 import functools
+from collections.abc import Callable
 
 from ._errors import CollectiveError, reraise
 
 GUARD = threading.RLock()
 enter = GUARD.acquire  # enter(False) -> False when another thread is inside a collective
 leave = GUARD.release
+
+# settle(): called before a collective is entered, while it is not None. collectives.jax sets it (once it
+# has traced a collective) to a wait for the collectives that jitted JAX computations have dispatched and
+# not yet run (jax.effects_barrier; skipped inside its own callbacks): their callbacks may run on XLA's
+# threads, after this thread's next call, which must not overtake them (on the other ranks it would meet
+# another collective, or be refused by the guard). Until then one global look-up per call.
+settle: Callable[[], None] | None = None
 
 
 def refuse(what: str):
@@ -41,6 +49,8 @@ def collective(what: str):
     def wrap(fn):
         @functools.wraps(fn)
         def call(*args, **kwargs):
+            if settle is not None:  # a jitted JAX computation's collectives first (see settle)
+                settle()
             if not enter(False):  # another thread is inside a collective: refused
                 refuse(what)
             try:

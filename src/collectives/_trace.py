@@ -87,6 +87,9 @@ class Record:
         self.seq, self.collective, self.op, self.root = seq, collective, op, root
         self.dtype, self.shape, self.nbytes = dtype, shape, nbytes
         self.site, via = call_site()
+        hint = getattr(_site_hint, "value", None)
+        if hint is not None:  # a call made for a compiled program: where its source put it (collectives.jax)
+            self.site, via = hint
         self.path = path if via is None else f"{path}, {via}"
         self.thread = threading.get_ident()  # its name is looked up when a dump is written
         self.start = time.time()
@@ -130,6 +133,23 @@ def is_library(module: str) -> bool:
 _FRONT_ENDS = {"collectives._overlap": "DistributedOptimizer gradient bucket", "collectives._optim":
                "DistributedOptimizer", "collectives.torch_backend": "torch.distributed backend",
                "collectives._tree": "tree", "collectives._shard": "shard"}
+
+
+# site_hint(): the (site, front end) the records made on this thread stand for while it is set: a
+# collective inside a jitted JAX function runs in a callback of XLA, far from the line that wrote it
+# (collectives.jax sets it, around each callback, to the site found when jit traced the call).
+_site_hint = threading.local()
+
+
+@contextlib.contextmanager
+def site_hint(site: list | None, via: str):
+    """Records made inside this block on this thread get ``site`` and the front end ``via``."""
+    saved = getattr(_site_hint, "value", None)
+    _site_hint.value = (site, via)
+    try:
+        yield
+    finally:
+        _site_hint.value = saved
 
 
 def call_site() -> tuple[list | None, str | None]:
