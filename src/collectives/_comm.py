@@ -1050,6 +1050,8 @@ class Communicator:
         rec = self._current
         if rec is not None:
             rec.path = f"{rec.path}, {transport.name}" + (", reproducible" if self._repro else "")
+            if units:  # the ranks' unit counts may differ: what must agree is a unit's shape (as described)
+                rec.shape = tuple(view.shape[1:])  # type: ignore[union-attr]
         return a, transport, view, info, op, root
 
     def _begin_record(self, collective: str, x=None, op=None, root=None, path: str = "blocking"):

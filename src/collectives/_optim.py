@@ -8,6 +8,7 @@ wrappers do).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, NamedTuple
 from collections.abc import Callable
 
@@ -16,7 +17,7 @@ from ._arrays import is_tracer
 from ._backends import closed as _closed
 from ._comm import _resolve, allreduce_tree
 from ._errors import BackendUnavailableError
-from ._overlap import COMPRESSIONS, MISSING_GRADS, amp_step
+from ._overlap import COMPRESSIONS, MEETING, MISSING_GRADS, amp_step, meeting_named
 from ._tree import WRAPPER_ATTRIBUTE, is_array, map_leaves
 
 
@@ -84,8 +85,9 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
       1/size of the unsharded one; the parameters are bit for bit those of the unsharded optimizer. The
       inner optimizer keeps no state (its ``param_groups`` still rule: LR schedulers given ``inner``
       work); ``state_dict()`` is collective (every rank must call it: ``sd = opt.state_dict()`` on every
-      rank, then save ``sd`` on rank 0; Horovod's ``if rank == 0: opt.state_dict()`` warns after
-      ``COLLECTIVES_STALL_WARN_S`` and waits, or fails with ``COLLECTIVES_TIMEOUT``) and gives the full,
+      rank, then save ``sd`` on rank 0; Horovod's ``if rank == 0: opt.state_dict()`` is a
+      :class:`MismatchError` on every rank, naming this fix, once the others are in their next step's
+      gradient collectives) and gives the full,
       unsharded state on every rank; ``load_state_dict`` takes a full state (of a sharded or an unsharded optimizer). ``p.grad``
       keeps this rank's own gradients (only the blocks were averaged, and changing ``.grad`` before
       ``step()`` has no effect; when some rank's averaged share is not finite, every rank's ``.grad`` gets
@@ -256,16 +258,8 @@ class TorchDistributedOptimizer:
         self._averaged = False  # average_gradients() ran since the last step
         self._engine = None
         self._engine = self._make_engine()
-        # shard_state=True makes state_dict() collective: its ranks first meet on a communicator of their
-        # own (made now, while every rank is here), so that a call on some ranks only is told apart from
-        # the other ranks' next collective, and named (see _meet)
-        self._meeting = None
+        # shard_state=True makes state_dict() collective: its ranks first meet (see _meet)
         self._waiting = None  # the meeting a call gave up on (a retry on every rank completes it)
-        if shard_state and self.comm.size > 1:
-            from ._comm import engine_of
-
-            c = self.comm
-            self._meeting = engine_of(c).derived("state_dict", lambda: c.split(0, c.rank))
 
     def _make_engine(self):
         if not (self.overlap or self.shard_state or self.compression):
@@ -366,7 +360,8 @@ class TorchDistributedOptimizer:
             True
         """
         if self._engine is not None:
-            self._engine.finish()
+            with self._told_apart():
+                self._engine.finish()
             if self.shard_state:
                 self._engine.shards.gather_gradients()
             self._averaged = True
@@ -445,13 +440,15 @@ class TorchDistributedOptimizer:
             try:
                 if closure is None:
                     if not self._averaged:
-                        engine.finish()
+                        with self._told_apart():  # a meeting of some ranks (_meet) is named as such
+                            engine.finish()
                     return engine.step(amp=amp)
 
                 def reduced_closure():
                     engine.new_round()
                     loss = closure()
-                    engine.finish()
+                    with self._told_apart():
+                        engine.finish()
                     return loss
 
                 return engine.step(reduced_closure)
@@ -530,8 +527,11 @@ class TorchDistributedOptimizer:
         unsharded optimizer would hold it (per parameter, in the inner optimizer's format), gathered from
         every rank's share, on every rank. Horovod's rank-0 checkpoint, ``if rank == 0:
         torch.save(opt.state_dict())``, cannot work then: call ``sd = opt.state_dict()`` on every rank and
-        save ``sd`` on rank 0. A call that the other ranks do not make waits for them before any transfer:
-        after ``COLLECTIVES_STALL_WARN_S`` (default 60 s) it warns, naming this fix, and waits on; with
+        save ``sd`` on rank 0. A call that the other ranks do not make waits for them before any transfer.
+        Where they went on to their next step, their gradient collectives meet it: every rank raises
+        :class:`MismatchError` naming this fix (this rank here, the others in ``backward()`` or ``step()``),
+        and the optimizer's communicator is failed. Where they are elsewhere: after
+        ``COLLECTIVES_STALL_WARN_S`` (default 60 s) this rank warns, naming the fix, and waits on; with
         ``COLLECTIVES_TIMEOUT`` set, it raises :class:`CollectiveTimeoutError` after that many seconds
         (uncaught, the job is aborted), and a later call on every rank still works.
 
@@ -562,28 +562,34 @@ class TorchDistributedOptimizer:
 
     def _meet(self, what: str) -> None:
         """Wait until every rank has called ``what`` (a collective of ``shard_state=True``), before any of
-        its transfers: a one-byte allreduce on the optimizer's meeting communicator, polled. A rank that
-        waits longer than ``COLLECTIVES_STALL_WARN_S`` (default 60 s) warns once and waits on; longer than
-        ``COLLECTIVES_TIMEOUT`` (when set), :class:`CollectiveTimeoutError` (the job's abort-on-error ends
-        the other ranks); either names the fix. The rank-0-only checkpoint of Horovod is what this catches:
-        the other ranks are then in their next step's gradient collectives, on another communicator, and
-        nothing of theirs is mixed up with this call's transfers."""
-        if self._meeting is None:
+        its transfers: a non-blocking one-byte broadcast on the gradient communicator, described as the
+        meeting (``_overlap.MEETING``), polled. The rank-0-only checkpoint of Horovod is what this catches: the other
+        ranks are then in their next step's gradient collectives on that communicator, whose fingerprint
+        (beside every non-blocking call) differs from the meeting's, so every rank raises MismatchError
+        naming the fix (:meth:`_told_apart`). Ranks that are elsewhere (not in a gradient collective): after
+        ``COLLECTIVES_STALL_WARN_S`` (default 60 s) this rank warns once and waits on; after
+        ``COLLECTIVES_TIMEOUT`` (when set), :class:`CollectiveTimeoutError`; either names the fix."""
+        if self._engine is None or self.comm.size == 1:
             return
         import numpy as np
 
-        from . import _config
+        from . import _call, _config
         from ._errors import CollectiveTimeoutError
         from ._poll import poll
 
         handle = self._waiting
         if handle is None:
-            handle = self._meeting.allreduce(np.zeros(1, np.int8), async_op=True)
+            with _call.naming(structure=MEETING), self._told_apart():
+                # a broadcast: the one collective the gradient communicator carries nothing else on, so that
+                # a meeting among ranks in their gradient collectives never shares an MPI call with them
+                # (only the fingerprints meet: MPICH asserts on an allreduce of 1 byte against one of 24)
+                handle = self._engine.comm.broadcast(np.zeros(1, np.int8), root=0, async_op=True)
         warn_s, limit = _config.stall_warn_s(), _config.timeout()
         waited = 0.0
         for bound in sorted({b for b in (warn_s, limit) if b is not None}):
-            if poll(handle.done, bound - waited):
-                break
+            with self._told_apart():
+                if poll(handle.done, bound - waited):
+                    break
             waited = bound
             text = (f"DistributedOptimizer.{what} with shard_state=True is collective: every rank must call it, "
                     f"and rank {self.comm.rank} of {self.comm.size} has waited {waited:g} s for the others. "
@@ -598,7 +604,12 @@ class TorchDistributedOptimizer:
             warnings.warn(f"{text} (a warning, waiting on; COLLECTIVES_STALL_WARN_S sets when it is given, "
                           "COLLECTIVES_TIMEOUT turns it into an error)", RuntimeWarning, stacklevel=3)
         self._waiting = None
-        handle.wait()
+        with self._told_apart():
+            handle.wait()
+
+    def _told_apart(self):
+        """:func:`_overlap.meeting_named` where the state is sharded (else nothing to tell apart)."""
+        return meeting_named() if self.shard_state else contextlib.nullcontext()
 
     def load_state_dict(self, state_dict: dict) -> None:
         """The inner optimizer's ``load_state_dict``; with ``shard_state=True`` each rank keeps its share

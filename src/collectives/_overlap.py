@@ -62,6 +62,7 @@ that another rank has not sent yet.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import weakref
@@ -72,7 +73,7 @@ import numpy as np
 from . import _agree, _call
 from ._comm import engine_of
 from ._buckets import solo_bytes
-from ._errors import MismatchError, NonFiniteError
+from ._errors import CollectiveError, MismatchError, NonFiniteError
 from ._handles import Handle
 
 MISSING_GRADS = ("error", "zero")
@@ -92,6 +93,32 @@ ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop
                "ASGD")
 
 _MAIN = threading.main_thread()
+
+# The layout the one-byte meeting of a sharded optimizer's state_dict()/add_param_group() is described with
+# (_call.naming): the gradient buckets of ranks that went on meet it on the gradient communicator, and the
+# fingerprint's MismatchError names this code (see meeting_named).
+MEETING = _call.structure_code("DistributedOptimizer", "state_dict meeting")
+
+
+@contextlib.contextmanager
+def meeting_named():
+    """Raise a CollectiveError of the gradient communicator that names :data:`MEETING` (the fingerprint's
+    mismatch, or a later call's "unusable" that quotes it) again as the MismatchError that says what
+    happened: some ranks met in ``state_dict()``/``add_param_group()`` while the others went on to their
+    next step's gradient collectives (Horovod's rank-0 checkpoint with sharded state). Every rank raises
+    it: the meeting's ranks there, the others in backward's buckets or ``step()``."""
+    try:
+        yield
+    except CollectiveError as exc:
+        if f"{MEETING:#x}" in str(exc):
+            raise MismatchError(
+                "DistributedOptimizer(shard_state=True): some ranks called state_dict() or add_param_group(), "
+                "which are collective (every rank must call them), while the others went on to their next "
+                "step's gradient collectives. Horovod's rank-0 checkpoint (`if rank == 0: "
+                "torch.save(opt.state_dict())`) cannot work with sharded state: call `sd = opt.state_dict()` on "
+                "every rank, then save `sd` on rank 0 only. The optimizer's communicator is failed for good "
+                f"(end the job). ({exc})") from exc
+        raise
 
 
 def grad_comm(comm):
@@ -494,7 +521,7 @@ class Buckets:
     def _reduce(self, b: _Bucket, buf) -> None:
         """Start the reduction of bucket ``b`` held in ``buf`` (its flat buffer, or a solo .grad), described
         as this bucket of this layout (``_call``: what checked mode and the fingerprints compare)."""
-        with _call.naming(structure=b.structure):
+        with _call.naming(structure=b.structure), meeting_named():
             if b.blocking:
                 # The blocking call, which may take the node-shared-memory allreduce, where nothing could
                 # overlap with a non-blocking one: the last bucket (backward is done, or step() waits at

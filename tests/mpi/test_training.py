@@ -637,3 +637,28 @@ def test_a_solo_parameter_is_reduced_in_its_own_grad(comm):
         opt.step()
         assert p.grad is g and g.tolist() == [(comm.size - 1) / 2] * 4
     assert opt._engine.buckets[0].flat is None
+
+
+@needs_two
+def test_horovods_rank_0_checkpoint_with_sharded_state_is_an_error_on_every_rank(comm):
+    """``if rank == 0: opt.state_dict()`` while the other ranks go on to their next step: the meeting of
+    state_dict() and the others' gradient buckets meet on the gradient communicator, their fingerprints
+    differ, and every rank raises MismatchError naming the fix (rank 0 in state_dict(), the others in
+    step()), without a deadline. A communicator of its own: the failed gradient communicator is its."""
+    from support.comms import communicator
+
+    with communicator() as c:
+        _, opt = train(c, "tied", "adam", steps=2, shard_state=True)
+        with pytest.raises(coll.MismatchError, match=r"state_dict\(\) or add_param_group\(\), which are collective.*"
+                           r"call `sd = opt.state_dict\(\)` on every rank"):
+            if c.rank == 0:
+                opt.state_dict()  # Horovod's checkpoint idiom
+            else:
+                train_more(c, opt)
+
+
+def train_more(c, opt):
+    model_params = [p for g in opt.inner.param_groups for p in g["params"]]
+    opt.zero_grad()
+    sum((p * p).sum() for p in model_params).backward()
+    opt.step()

@@ -1058,6 +1058,8 @@ class _MPIRequest(Request):
 
     def test(self) -> bool:
         if not self._done:
+            if self._transport.failed is not None:  # a mismatch or timeout of another call: never completes
+                self._transport.usable()
             if self._transport._receives:
                 self._transport._progress()
             if self._check is not None:
@@ -1069,6 +1071,8 @@ class _MPIRequest(Request):
 
     def wait(self) -> None:
         if not self._done:
+            if self._transport.failed is not None:  # (as in test: raised at once, never waited for)
+                self._transport.usable()
             try:
                 if self._check is not None:
                     self._transport._wait(self._what, self._check[0])
@@ -1116,6 +1120,8 @@ class _Sending(Request):
 
     def test(self) -> bool:
         if not self._done:
+            if self._transport.failed is not None:  # a mismatch or timeout of another call: never completes
+                self._transport.usable()
             if self._transport._receives:
                 self._transport._progress()
             self._done = self._transport.MPI.Request.Testall(self._reqs)
@@ -1258,6 +1264,10 @@ def _fingerprint_message(what, mine, high, low, rank: int, size: int) -> str:
         called = " and ".join(dict.fromkeys(_call.render("collective", int(v)) if v >= 0 else "a call of the library's own"
                                             for v in (low[collective], high[collective])))
         head = f"ranks called different collectives at the same point: {called} (this rank, {rank} of {size}: {this})"
+        s = _call.FIELDS.index("structure")
+        if high[s] != low[s]:  # a front end's own calls (a bucket's layout, a meeting): named, as they were
+            head += (f"; structure: {_call.render('structure', int(low[s]))} on some ranks, "
+                     f"{_call.render('structure', int(high[s]))} on others")
     else:
         fields = [(f, i) for i, f in enumerate(_call.FIELDS) if i] + [(f, n + i) for i, f in enumerate(WIRE_FIELDS) if i]
         differ = [(f, i) for f, i in fields if high[i] != low[i]]
