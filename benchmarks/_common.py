@@ -105,3 +105,19 @@ def finish(start: float, results: dict, json_path: str | None) -> None:
     if json_path:
         with open(json_path, "w") as f:
             json.dump(results, f, indent=2)
+
+
+def communicator_with(variable: str, value: str):
+    """A new communicator of every rank (a duplicate of ``MPI.COMM_WORLD``) made with the environment
+    variable ``variable`` set to ``value`` (unset again afterwards): the benchmarks' "on" and "off" sides."""
+    import os
+
+    from mpi4py import MPI
+
+    import collectives
+
+    os.environ[variable] = value
+    try:
+        return collectives.init(comm=MPI.COMM_WORLD.Dup())
+    finally:
+        os.environ.pop(variable, None)

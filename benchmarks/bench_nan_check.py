@@ -24,25 +24,18 @@ communicator: what two identical sides differ by in this job.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
 import numpy as np
-from _common import fmt_time, finish, human, measure, parse_sizes, plan
+from _common import communicator_with, fmt_time, finish, human, measure, parse_sizes, plan
 
 import collectives
 from collectives import _dtypes, _finite
 
 
 def communicator(check: bool):
-    from mpi4py import MPI
-
-    os.environ["COLLECTIVES_CHECK_NAN"] = "1" if check else "0"
-    try:
-        return collectives.init(comm=MPI.COMM_WORLD.Dup())
-    finally:
-        os.environ.pop("COLLECTIVES_CHECK_NAN", None)
+    return communicator_with("COLLECTIVES_CHECK_NAN", "1" if check else "0")
 
 
 def main() -> int:

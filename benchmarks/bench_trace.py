@@ -22,24 +22,17 @@ it of 1.0 is no cost that this job can see).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
 import numpy as np
-from _common import fmt_time, finish, human, measure, parse_sizes, plan
+from _common import communicator_with, fmt_time, finish, human, measure, parse_sizes, plan
 
 import collectives
 
 
 def communicator(record: bool):
-    from mpi4py import MPI
-
-    os.environ["COLLECTIVES_TRACE_BUFFER"] = "2000" if record else "0"
-    try:
-        return collectives.init(comm=MPI.COMM_WORLD.Dup())
-    finally:
-        os.environ.pop("COLLECTIVES_TRACE_BUFFER", None)
+    return communicator_with("COLLECTIVES_TRACE_BUFFER", "2000" if record else "0")
 
 
 def main() -> int:
