@@ -608,13 +608,7 @@ def _stall(waited: float) -> None:
         text += f"; rank{'s' if len(inside) > 1 else ''} {','.join(inside)} entered it too"
     if silent:
         text += f"; no answer from rank{'s' if len(silent) > 1 else ''} {','.join(map(str, silent))}"
-    text += (" (a warning: the job goes on; COLLECTIVES_STALL_WARN_S sets when it is given, "
-             "coll.dump_trace() or SIGUSR1 writes the record)\n")
-    try:
-        sys.stderr.write(text)
-        sys.stderr.flush()
-    except Exception:  # noqa: BLE001
-        pass
+    _warn_stall(text)
 
 
 _PEER = re.compile(r"\b(src|dst)=(any|\d+), tag=(\d+)")
@@ -641,11 +635,16 @@ def _stall_p2p(name: str, entry: dict, waited: float, asked: float) -> None:
         detail += f", {entry['dtype']} {tuple(entry['shape'])}"
     text = (f"collectives: stall: {entry['collective']} #{entry['seq']} ({detail}) {what} {'any rank' if peer == 'any' else f'rank {peer}'} with tag {tag} on {name}, called at "
             f"{site_text(entry.get('site'))}, has waited {waited:.0f} s on rank {_job['rank']} of {_job['size']}; "
-            + "; ".join(parts) +
-            " (a warning: the job goes on; COLLECTIVES_STALL_WARN_S sets when it is given, coll.dump_trace() or "
-            "SIGUSR1 writes the record)\n")
+            + "; ".join(parts))
+    _warn_stall(text)
+
+
+def _warn_stall(text: str) -> None:
+    """Write a stall warning (``text``, then what it is and how to act) to stderr; never raises."""
+    text += (" (a warning: the job goes on; COLLECTIVES_STALL_WARN_S sets when it is given, "
+             "coll.dump_trace() or SIGUSR1 writes the record)\n")
     try:
         sys.stderr.write(text)
         sys.stderr.flush()
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - a warning must not raise in the watcher thread
         pass
