@@ -1933,7 +1933,7 @@ def allreduce(x, op: str = "sum", *, comm=None, async_op: bool = False, reproduc
         >>> x = np.array([1.0, 2.0]) * (comm.rank + 1)
         >>> coll.allreduce(x, op="mean").tolist() == [(comm.size + 1) / 2, comm.size + 1.0]
         True
-        >>> y = np.array([1e8, 1.0, -1e8], dtype=np.float32)[comm.rank % 3:][:1]   # one term per rank
+        >>> y = np.array([1e8, 1.0, -1e8], dtype=np.float32)[comm.rank % 3:comm.rank % 3 + 1]   # one term per rank
         >>> _ = coll.allreduce(y, op="sum", reproducible=True)    # the same bits at 1, 2, 3 ... ranks
     """
     c = (_world or init()) if comm is None else _resolve(comm)
