@@ -343,13 +343,33 @@ def allreduce(engine, items: list[Item], op: str, bucket_bytes: int, the_plan: P
     """
     if the_plan is None:
         the_plan = allreduce_plan(engine, items, op, bucket_bytes, reproducible)
-    for buf, info, finish in _allreduce_parts(engine, items, op, the_plan, pooled=True, reproducible=reproducible):
-        host = engine.transport_for(_arrays.HOST)
+    host = engine.transport_for(_arrays.HOST)
+    solos = len(the_plan.solos)
+    together: list = []  # solo leaves whose direct calls the transport may make in one pass (allreduce_fused)
+
+    def flush():
+        if together and not (len(together) > 1 and host.allreduce_fused([b for b, _, _ in together], op)):
+            for buf, info, _ in together:
+                engine.runner(host, info, op)(buf)
+        for _, _, finish in together:
+            finish()
+        together.clear()
+
+    for k, (buf, info, finish) in enumerate(_allreduce_parts(engine, items, op, the_plan, pooled=True,
+                                                             reproducible=reproducible)):
         if reproducible and _reproducible.applies(info, op):
+            flush()
             engine.summing(host, buf, info, op)
+        elif k < solos and _reduction.as_is(info, op, host.reduces):
+            if together and together[0][1] != info:
+                flush()  # (one dtype per pass)
+            together.append((buf, info, finish))
+            continue
         else:
+            flush()
             engine.runner(host, info, op)(buf)  # the rules of _reduction
         finish()
+    flush()
     return the_plan
 
 

@@ -881,7 +881,7 @@ class Communicator:
         return finish()
 
     # ---- sub-communicators ----
-    def split(self, color, key=0) -> Communicator | None:
+    def split(self, color, key=0, *, timeout: float | None = None) -> Communicator | None:
         """Split this communicator into groups of ranks with equal ``color`` (``MPI_Comm_split``).
 
         Collective: every rank of this communicator calls it. Ranks with the same ``color`` form one new
@@ -894,6 +894,10 @@ class Communicator:
         Args:
             color: a non-negative integer, or None.
             key: an integer ordering the ranks within a group (ties: by rank here).
+            timeout: seconds; every wait of the new communicator for the other ranks is bounded by it (by
+                ``COLLECTIVES_TIMEOUT`` where that is smaller), as ``COLLECTIVES_TIMEOUT`` bounds a whole
+                job's: a call that exceeds it raises :class:`CollectiveTimeoutError` and the communicator
+                stays failed (docs/semantics.md). None (default): this communicator's bound, if any.
 
         Returns:
             The new :class:`Communicator`, or None where ``color`` is None.
@@ -909,21 +913,27 @@ class Communicator:
             >>> sub.size == len(range(comm.rank % 2, comm.size, 2)) and sub.rank == comm.rank // 2
             True
             >>> sub.close()
+            >>> bounded = comm.split(color=0, timeout=600)   # every wait of its calls: 10 minutes at most
+            >>> import numpy as np
+            >>> bounded.allreduce(np.ones(2)).tolist() == [float(comm.size)] * 2
+            True
+            >>> bounded.close()
         """
-        return self._split(color, key)
+        return self._split(color, key, timeout)
 
     @_traced("split")
-    def _split(self, color, key):
+    def _split(self, color, key, timeout=None):
         host = self._transport_for(_arrays.HOST)
         error = None
         try:
             color, key = _check_split(color, key)
+            timeout = _check_timeout(timeout)
         except (TypeError, ValueError) as exc:
             error = exc
         # Every rank learns whether every other rank's arguments are valid before MPI splits (a rank that
         # raised alone would leave the others in MPI_Comm_split): the refusal branch of _agree.
         _agree.agree(host, "split", (), (), error, checked=self.check)
-        sub = host.split(color, key)
+        sub = host.split(color, key, timeout)
         self._splits += 1
         if sub is None:
             return None
@@ -1797,6 +1807,18 @@ def _check_units(x) -> None:
     if shape[0] > _reproducible.MAX_TERMS:
         raise ValueError(f"allreduce_units: {shape[0]} units on this rank, more than a reproducible sum takes "
                          f"({_reproducible.MAX_TERMS} on all ranks together)")
+
+
+def _check_timeout(timeout) -> float | None:
+    """Validated ``timeout=`` of :meth:`Communicator.split`: None, or positive finite seconds."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, (bool, np.bool_)) or not isinstance(timeout, (int, float, np.integer, np.floating)):
+        raise TypeError(f"split: timeout must be a number of seconds or None, got {type(timeout).__name__} "
+                        f"{timeout!r}")
+    if not 0 < float(timeout) < float("inf"):
+        raise ValueError(f"split: timeout must be a positive, finite number of seconds (or None), got {timeout}")
+    return float(timeout)
 
 
 def _check_split(color, key) -> tuple[int | None, int]:

@@ -240,6 +240,21 @@ class Work(dist.Work):
         return self._result
 
 
+class _Done:
+    """The handle of an operation made at the call (see :meth:`ProcessGroupCollectives._start`)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self, timeout=None):
+        return self.value
+
+
 def _one(tensors, what: str):
     if isinstance(tensors, torch.Tensor):
         return tensors
@@ -326,11 +341,14 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         super().__init__(comm.rank, comm.size)  # type: ignore[call-arg]  # the (rank, size) overload; the stub lists only (store, rank, size)
         self._comm = comm
         self._timeout_s = _seconds(timeout)
-        self._keep = keep  # the mpi4py communicator ours was made from (its lifetime bounds ours)
+        self._keep = keep  # the mpi4py communicator ours was made from (its lifetime bounds ours), or
+        # (the Communicator ours was split from, that mpi4py communicator)
         # A large CPU allreduce that the ranks' own CPUs compute (one node: the node-shared window) runs at
         # the call, bounded by the group's timeout: every Work is waited for at once anyway (get_future,
         # async_op=False), and MPI's Iallreduce would move it at a fraction of the window's speed
-        engine_of(comm).host.allreduce_at_start(self._timeout_s, "the group's timeout")
+        host = engine_of(comm).host
+        host.allreduce_at_start(self._timeout_s, "the group's timeout")
+        self._at_once = host.checks_beside  # its blocking calls are fingerprinted and bounded (_start)
 
     @property
     def communicator(self):
@@ -355,6 +373,10 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         if comm is not None and not comm.closed:
             comm.close()
         keep, self._keep = self._keep, None
+        if isinstance(keep, tuple):  # (the communicator ours was split from, the mpi4py one under both)
+            base, keep = keep
+            if not base.closed:
+                base.close()
         if keep is not None:
             keep.Free()
 
@@ -378,6 +400,16 @@ class ProcessGroupCollectives(dist.ProcessGroup):
     def _work(self, what, handles, finish=None, result=None) -> Work:
         return Work(what, handles, finish, result, self._timeout_s)
 
+    def _start(self, opts, call, *args):
+        """``call(*args, async_op=True)``: the handle of one of our collectives; or, where torch will wait
+        for the operation at once (``async_op=False``: torch passes it as the options' ``asyncOp``) and the
+        group's communicator bounds and checks its blocking calls (a deadline: the group's ``timeout=``),
+        the blocking call made now (the hot path: no handle to drive), as a completed handle. Either way
+        the call is described, fingerprinted and bounded by the same engine, and gives the same bits."""
+        if self._at_once and opts is not None and opts.asyncOp is False:
+            return _Done(call(*args))
+        return call(*args, async_op=True)
+
     # ---- reductions ----
     @_describing_op(1)
     def allreduce(self, tensors, opts=None):
@@ -390,9 +422,9 @@ class ProcessGroupCollectives(dist.ProcessGroup):
             t = tensors[0]
             if _integer_mean(op, t):
                 n = self.size()
-                return self._work("allreduce", [self._comm.allreduce(t, "sum", async_op=True)],
+                return self._work("allreduce", [self._start(opts, self._comm.allreduce, t, "sum")],
                                   lambda _: _truncated(t, n), tensors)
-            return self._work("allreduce", [self._comm.allreduce(t, op, async_op=True)], result=tensors)
+            return self._work("allreduce", [self._start(opts, self._comm.allreduce, t, op)], result=tensors)
         return self._coalesced("allreduce", tensors, op)
 
     @_describing_op(1)
@@ -437,9 +469,9 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         root = 0 if opts is None else opts.rootRank
         if _integer_mean(op, t):
             n, mine = self.size(), self.rank() == root
-            return self._work("reduce", [self._comm.reduce(t, "sum", root, async_op=True)],
+            return self._work("reduce", [self._start(opts, self._comm.reduce, t, "sum", root)],
                               lambda _: _truncated(t, n) if mine else None, [t])
-        return self._work("reduce", [self._comm.reduce(t, op, root, async_op=True)], result=[t])
+        return self._work("reduce", [self._start(opts, self._comm.reduce, t, op, root)], result=[t])
 
     def _scaled(self, t, factor):
         return t if factor is None else t * factor
@@ -453,7 +485,7 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         _same_dtype("reduce_scatter_tensor", output, input)
         blocks = self._scaled(input, factor).reshape((self.size(),) + tuple(output.shape))
         trunc, n = _integer_mean(op, input), self.size()
-        h = self._comm.reduce_scatter(blocks, "sum" if trunc else op, async_op=True)
+        h = self._start(opts, self._comm.reduce_scatter, blocks, "sum" if trunc else op)
 
         def finish(r):
             output.copy_(r[0].reshape(output.shape))
@@ -475,7 +507,7 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         op, factor = _op(_opts_op(opts))
         stacked = self._scaled(torch.stack(list(blocks)), factor)
         trunc, n = _integer_mean(op, output), self.size()
-        h = self._comm.reduce_scatter(stacked, "sum" if trunc else op, async_op=True)
+        h = self._start(opts, self._comm.reduce_scatter, stacked, "sum" if trunc else op)
 
         def finish(r):
             output.copy_(r[0].reshape(output.shape))
@@ -495,7 +527,7 @@ class ProcessGroupCollectives(dist.ProcessGroup):
     def broadcast(self, tensors, opts=None):
         t = _one(tensors, "broadcast")
         root = 0 if opts is None else opts.rootRank
-        return self._work("broadcast", [self._comm.broadcast(t, root, async_op=True)], result=[t])
+        return self._work("broadcast", [self._start(opts, self._comm.broadcast, t, root)], result=[t])
 
     def allgather(self, outputs, inputs, opts=None):
         outs = _one(outputs, "allgather")
@@ -505,7 +537,7 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         if any(o.shape != t.shape for o in outs):  # uneven, as torch's NCCL backend takes them (gloo refuses)
             return self._allgather_uneven(outs, t)
         _same_shapes("allgather", t, outs, "output tensor")
-        h = self._comm.allgather(t, async_op=True)
+        h = self._start(opts, self._comm.allgather, t)
 
         def finish(r):
             for o, g in zip(outs, r[0], strict=True):
@@ -583,7 +615,7 @@ class ProcessGroupCollectives(dist.ProcessGroup):
             raise ValueError(f"all_gather_into_tensor: the output must hold size ({self.size()}) times the input's "
                              f"{input.numel()} elements, got {output.numel()}")
         _same_dtype("all_gather_into_tensor", output, input)
-        h = self._comm.allgather(input, async_op=True)
+        h = self._start(opts, self._comm.allgather, input)
         return self._work("all_gather_into_tensor", [h], lambda r: output.copy_(r[0].reshape(output.shape)),
                           [output])
 
@@ -664,7 +696,7 @@ class ProcessGroupCollectives(dist.ProcessGroup):
             if len(outs) != self.size():
                 raise ValueError(f"gather: gather_list must hold one tensor per rank ({self.size()}), got {len(outs)}")
             _same_shapes("gather", t, outs, "gather_list tensor")
-        h = self._comm.gather(t, root, async_op=True)  # MPI_Igather: only the root receives
+        h = self._start(opts, self._comm.gather, t, root)  # MPI_(I)gather: only the root receives
 
         def finish(r):
             if r[0] is not None:
@@ -685,13 +717,13 @@ class ProcessGroupCollectives(dist.ProcessGroup):
             stacked = torch.stack(list(blocks))
         else:
             stacked = torch.empty((self.size(),) + tuple(out.shape), dtype=out.dtype, device=out.device)
-        h = self._comm.broadcast(stacked, root, async_op=True)  # root's blocks to all; each keeps its own
+        h = self._start(opts, self._comm.broadcast, stacked, root)  # root's blocks to all; each keeps its own
         return self._work("scatter", [h], lambda r: out.copy_(r[0][self.rank()]), [out])
 
     def barrier(self, opts=None):
         # an allreduce of one byte, not the library's (blocking) barrier: wait() bounds it like the others
         flag = torch.zeros(1, dtype=torch.uint8)
-        return self._work("barrier", [self._comm.allreduce(flag, "max", async_op=True)], result=[])
+        return self._work("barrier", [self._start(opts, self._comm.allreduce, flag, "max")], result=[])
 
     # ---- point-to-point (dist.send/recv/isend/irecv, batch_isend_irecv, pipelining) ----
     # torch calls these for dist.isend/irecv (dist.send/recv wait on the Work they return) and, one after
@@ -861,11 +893,12 @@ def _wrap_env(original):
 _parent = None  # a duplicate of MPI_COMM_WORLD, made with the default group: new_group's groups come from it
 
 
-def _members(ranks: list[int]):
-    """``(Communicator, mpi4py communicator)`` of exactly ``ranks`` (the world's ranks), made by them alone."""
+def _members(ranks: list[int], timeout: float | None):
+    """``(Communicator, mpi4py communicator)`` of exactly ``ranks`` (the world's ranks), made by them alone,
+    every wait bounded by ``timeout`` seconds (None: unbounded)."""
     world = _coll.world()
     if world.size == 1 or _parent is None:  # one process (or MPI not in use): the group is this process
-        return world.split(0, 0), None
+        return world.split(0, 0, timeout=timeout), None
     from mpi4py import MPI
 
     group = _parent.Get_group().Incl(sorted(ranks))
@@ -873,7 +906,11 @@ def _members(ranks: list[int]):
     group.Free()
     if sub == MPI.COMM_NULL:  # not a member (torch calls the creator on members only)
         raise RuntimeError(f"new_group: rank {world.rank} is not among the group's ranks {sorted(ranks)}")
-    return _coll.init(comm=sub), sub
+    base = _coll.init(comm=sub)
+    if timeout is None:
+        return base, sub
+    # the group's communicator, bounded: a split of base (closing base, at shutdown, closes it too)
+    return base.split(0, base.rank, timeout=timeout), (base, sub)
 
 
 def _create(options, backend_options=None):
@@ -906,8 +943,8 @@ def _create(options, backend_options=None):
             _parent = MPI.COMM_WORLD.Dup()  # every rank is here: the parent of later groups
         # a communicator of its own (every rank is here): torch's collectives never interleave with the
         # program's own on the world, and a group left broken by a failure ends with it
-        return ProcessGroupCollectives(world.split(0, world.rank), options.timeout)
-    comm, keep = _members(ranks)
+        return ProcessGroupCollectives(world.split(0, world.rank, timeout=_seconds(options.timeout)), options.timeout)
+    comm, keep = _members(ranks, _seconds(options.timeout))
     return ProcessGroupCollectives(comm, options.timeout, keep)
 
 

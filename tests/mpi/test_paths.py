@@ -2,11 +2,12 @@
 give the same bits (a NaN must be a NaN everywhere; its payload is free; -0.0 and +0.0 are different).
 
 The paths: the cached hot path (a second call), the general path (a strided view, a read-only array), the
-small-leaf buckets and the solo leaves of ``allreduce_tree``, the shared-memory allreduce forced on (a tiny
-threshold) and off, the deadline transport, ``reduce``, torch tensors (hot and general path), and the two
+small-leaf buckets and the solo leaves of ``allreduce_tree`` (several solo leaves in shared memory: one pass
+for all, ``allreduce_fused``), the shared-memory allreduce forced on (a tiny threshold) and off, the deadline transport, ``reduce``, torch tensors (hot and general path), and the two
 CUDA transports that do not need a GPU for their logic (host staging, CUDA-aware MPI), with CPU tensors
 standing in for device tensors; the asynchronous calls (``async_op=True``, trees too) on those host paths; the
-torch.distributed backend (``collectives.torch_backend``, torch's ReduceOp on CPU tensors);
+torch.distributed backend (``collectives.torch_backend``, torch's ReduceOp on CPU tensors; asynchronous, and
+made at the call as ``async_op=False`` makes it on a bounded group);
 ``reduce_scatter`` through the same host paths (its hot path too) and stand-ins (its block must hold the
 documented bits too); and DistributedOptimizer's gradient reduction (buckets with views or copies, sharded
 state, overlap=False). Every result is compared with a reference computed on every rank from all
@@ -193,6 +194,8 @@ def numpy_paths(x, op, comm, comms):
         out[f"{name} async"] = c.allreduce(x.copy(), op, async_op=True).wait()
         out[f"{name} tree solo leaf"] = c.allreduce_tree({"a": x.copy()}, op, bucket_bytes=64)["a"]
         out[f"{name} tree small leaves"] = c.allreduce_tree({"a": x.copy(), "b": np.ones(2, x.dtype)}, op)["a"]
+        solos = c.allreduce_tree({"a": x.copy(), "b": x.copy(), "c": x.copy()}, op, bucket_bytes=64)
+        out[f"{name} tree solo leaves, first"], out[f"{name} tree solo leaves, last"] = solos["a"], solos["c"]
         out[f"{name} async tree"] = c.allreduce_tree({"a": x.copy(), "b": np.ones(2, x.dtype)}, op,
                                                      async_op=True).wait()["a"]
     for root in range(comm.size):
@@ -230,11 +233,16 @@ def torch_paths(x, dtype, op, comm, comms):
         transport.allreduce(t, None, op)
         out[f"{transport.name} (CPU tensors standing in)"] = to_numpy(t, dtype)
     # the backend; on one node with shared memory from 64 B, a host tensor is reduced at the call (blocking)
-    for name, c in (("", comm), (", shm", comms["shm-on"]), (", simulated nodes", comms["nodes"])):
+    for name, c in (("", comm), (", shm", comms["shm-on"]), (", simulated nodes", comms["nodes"]),
+                    (", deadline", comms["deadline"]), (", deadline shm", comms["deadline shm"])):
         group, opts = torch_group(c, op, "AllreduceOptions")
         t = as_lib(x, dtype, "torch")
         assert group.allreduce([t], opts).wait()
         out["torch.distributed backend" + name] = to_numpy(t, dtype)
+        opts.asyncOp = False  # dist.all_reduce(async_op=False): made at the call where the group bounds its calls
+        t = as_lib(x, dtype, "torch")
+        assert group.allreduce([t], opts).wait()
+        out["torch.distributed backend, waited at once" + name] = to_numpy(t, dtype)
     if dtype in ("float16", "bfloat16", "float32", "float64"):
         out.update(optimizer_paths(x, dtype, op, comm, comms))
     return out

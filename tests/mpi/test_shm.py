@@ -358,3 +358,49 @@ def test_a_mismatch_through_shared_memory_raises_on_every_rank_with_the_data_unt
         c.allreduce(y if not last else np.ones(50_000), "sum")
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("op", ["sum", "mean", "prod", "max"])
+def test_many_buffers_in_one_pass_give_the_bits_of_one_call_each(reducer, mpi_comm, op):
+    """``allreduce_many``: buffers of odd lengths end to end, across chunk boundaries, each with the bits
+    of its own ``allreduce`` (random floats: any other order of the additions would show)."""
+    rank = mpi_comm.Get_rank()
+    dtype = np.dtype("int32" if op == "max" else "float64")
+    chunk = reducer.chunk_bytes // dtype.itemsize
+    counts = [3, chunk - 5, 1, 2 * chunk + 7, 11]
+    xs = [inputs(dtype, op, n, rank, seed=5 + i) for i, n in enumerate(counts)]
+    if reducer.multi_node:  # one node only: the caller (MPITransport.allreduce_fused) never asks across nodes
+        with pytest.raises(ValueError, match="one node"):
+            reducer.allreduce_many([x.copy() for x in xs], op)
+        return
+    together = [x.copy() for x in xs]
+    reducer.allreduce_many(together, op)
+    for x, got in zip(xs, together):
+        alone = x.copy()
+        reducer.allreduce(alone, op)
+        assert got.tobytes() == alone.tobytes(), f"{op} x{x.size}: one pass differs from one call"
+        assert same_on_all_ranks(mpi_comm, got)
+
+
+def test_a_tree_of_large_leaves_goes_through_the_window_in_one_pass(monkeypatch):
+    """allreduce_tree: the solo leaves at or above the threshold in one pass of the window (two node
+    barriers per chunk of all of them, not per leaf), with the bits of one allreduce per leaf. The node
+    barriers are counted on the transport's private reducer: nothing public can see them."""
+    c = make_comm(monkeypatch, COLLECTIVES_SHM_THRESHOLD=4096)
+    try:
+        rng = np.random.default_rng([c.rank, 7])
+        tree = {f"w{i}": rng.standard_normal(2000 + 37 * i) for i in range(6)}
+        want = {k: c.allreduce(v.copy(), "mean") for k, v in tree.items()}  # also makes the window
+        reducer = c._host._shm
+        if reducer is None:  # one rank, or ranks on several nodes: no window
+            assert c.size == 1 or c._host.local_size < c.size
+            return
+        syncs = []
+        monkeypatch.setattr(reducer, "_sync", lambda real=reducer._sync: (syncs.append(1), real()))
+        got = c.allreduce_tree({k: v.copy() for k, v in tree.items()}, op="mean", bucket_bytes=4096)
+        for k in tree:
+            assert got[k].tobytes() == want[k].tobytes(), k
+        chunks = -(-sum(v.nbytes for v in tree.values()) // reducer.chunk_bytes)
+        assert len(syncs) == 2 * chunks, (len(syncs), chunks)
+    finally:
+        c.close()

@@ -1,6 +1,8 @@
 """Communicator.split at any world size: uneven colours, None, key order, nested splits, collectives on
 several sub-communicators interleaved, invalid arguments on one rank, settings inherited."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -98,12 +100,15 @@ def test_parent_close_closes_its_subs(comm):
     (-1, 0, ValueError, "non-negative"),
     (0, 1.5, TypeError, "key must be an integer"),
     (0, 2**40, ValueError, "key must fit"),
+    (0, 0, TypeError, "timeout must be a number of seconds"),
+    (0, 0, ValueError, "timeout must be a positive, finite"),
 ])
 def test_invalid_arguments_on_one_rank(comm, color, key, error, match):
     bad = comm.size - 1
+    timeout = {"timeout must be a number of seconds": "10", "timeout must be a positive, finite": float("inf")}.get(match)
     if comm.rank == bad:
         with pytest.raises(error, match=match):
-            comm.split(color, key)
+            comm.split(color, key, timeout=timeout)
     else:
         with pytest.raises(coll.MismatchError, match=f"split refused by rank {bad}"):
             comm.split(0, 0)
@@ -126,3 +131,34 @@ def test_settings_inherited(comm):
             assert sub.allreduce(np.ones(2)).tolist() == [comm.size] * 2
         finally:
             sub.close()
+
+
+def test_a_timeout_bounds_every_wait_of_the_new_communicator(comm):
+    """split(timeout=): a deadline communicator (blocking calls included), bounded by the smaller of its
+    timeout and the parent's; a rank whose peers never call raises CollectiveTimeoutError, and the
+    communicator stays failed."""
+    if comm.backend != "mpi":
+        pytest.skip("needs the MPI backend")
+    with communicator(COLLECTIVES_TIMEOUT=300) as d:
+        tighter, looser = d.split(0, timeout=5), d.split(0, timeout=900)
+        try:
+            # no public name tells the bound: read on the transport
+            assert (tighter._host.timeout, looser._host.timeout) == (5, 300)
+        finally:
+            tighter.close()
+            looser.close()
+    sub = comm.split(0, timeout=0.5)
+    try:
+        x = np.ones(3)
+        assert sub.allreduce(x).tolist() == [comm.size] * 3  # agreeing ranks: as any communicator
+        if comm.size > 1:
+            if comm.rank == 0:
+                t0 = time.monotonic()
+                with pytest.raises(coll.CollectiveTimeoutError, match="timeout=0.5"):
+                    sub.allreduce(x)  # blocking: the others never call it
+                assert time.monotonic() - t0 < 10
+                with pytest.raises(coll.CollectiveError):
+                    sub.allreduce(x)  # failed for good
+            comm.barrier()
+    finally:
+        sub.close()  # (on rank 0, failed: released without freeing what a pending request may use)

@@ -13,6 +13,8 @@ Optional capabilities, declared here with their defaults (a transport overrides 
 - :meth:`fast_blocks`: the same for ``reduce_scatter`` and ``alltoall`` (default: none);
 - :attr:`can_broadcast_many` and :meth:`broadcast_many`: many buffers broadcast in one pipelined call
   (default: not offered; :meth:`broadcast_many` then broadcasts one buffer after another);
+- :meth:`allreduce_fused`: several large buffers of one dtype allreduced in one pass, with the bits of
+  one :meth:`allreduce` each (default: not offered; the caller reduces them one by one);
 - :meth:`reduces`: which (dtype, op) pairs it reduces correctly itself (default: all but float16 where
   ``_float16`` is False).
 
@@ -163,6 +165,13 @@ class HostTransport(abc.ABC):
         raises that error, ``buf`` unchanged."""
         raise CollectiveError(f"the {self.name} transport has no point-to-point operations")
 
+    def allreduce_fused(self, bufs: list, op: str) -> bool:
+        """Allreduce the contiguous writable ``bufs`` (one dtype, each a direct call's buffer: ``op`` may be
+        ``"mean"``) in one pass, each with the bits its own direct call (:meth:`fast_call`) would give; False
+        where this transport has no such pass for them (nothing was done: the caller reduces them one by
+        one). The answer depends only on what every rank passes alike (lengths, dtype, op)."""
+        return False
+
     @abc.abstractmethod
     def allreduce(self, buf: np.ndarray, op: str) -> None:
         """Reduce ``buf`` across ranks, result in ``buf`` on every rank."""
@@ -227,10 +236,12 @@ class HostTransport(abc.ABC):
         """Return once every rank has entered."""
 
     @abc.abstractmethod
-    def split(self, color: int | None, key: int):
+    def split(self, color: int | None, key: int, timeout: float | None = None):
         """A new transport for the ranks of equal ``color``, ordered by ``(key, rank)`` (MPI_Comm_split);
         None for a rank whose ``color`` is None. Collective over this transport; the arguments were
-        validated (non-negative ``color`` or None, integer ``key``) and agreed valid on every rank."""
+        validated (non-negative ``color`` or None, integer ``key``, ``timeout`` None or positive seconds)
+        and agreed on every rank. ``timeout``: every wait of the new transport for the other ranks is
+        bounded by it (and by this one's bound, the smaller), where the transport bounds waits at all."""
 
     def close(self) -> None:  # noqa: B027 - optional: a transport that holds nothing keeps this no-op
         """Release what the transport holds; idempotent."""

@@ -194,6 +194,7 @@ class MPITransport(HostTransport):
     name = "mpi"
     fingerprints = True  # reduce a fingerprint beside every non-blocking call (_begin); off only in benchmarks
     timeout: float | None = None  # seconds; set only on a DeadlineMPITransport
+    timeout_setting = "COLLECTIVES_TIMEOUT"  # what set the bound (named when it expires)
 
     def __new__(cls, comm=None):
         if cls is MPITransport:  # the deadline is chosen once, here, so the plain calls stay plain
@@ -412,16 +413,42 @@ class MPITransport(HostTransport):
     def _shm_allreduce(self, buf, op, wait=None) -> bool:
         """Reduce ``buf`` through node-shared memory (``op`` may also be "mean"); False if it cannot.
         ``wait``: how to complete each node barrier (shm.Reducer.allreduce; the deadline transport's)."""
-        if self._shm is None:  # collective, and safe here: every rank is in this allreduce
+        reducer = self._reducer(wait)
+        if not reducer.supports(buf.dtype, op, bounded=wait is not None):
+            return False
+        reducer.allreduce(buf, op, wait)
+        return True
+
+    def _reducer(self, wait=None) -> shm.Reducer:
+        """The node-shared window, made at first use: collective, and safe where every rank is in the same
+        allreduce (``wait``: as in :meth:`_shm_allreduce`)."""
+        if self._shm is None:
             lane = self._lanes["allreduce"]  # made on the allreduce lane: only an allreduce can meet it
             if wait is not None:  # every rank has arrived (within the deadline) before the blocking setup
                 wait(lane.Ibarrier())
             self._shm = shm.Reducer(lane, slot_bytes=_config.shm_slot_bytes(), types=self._types,
                                     node_color=self._node_color, ops=self._ops, reduces=self.reduces)
-        if not self._shm.supports(buf.dtype, op, bounded=wait is not None):
+        return self._shm
+
+    def allreduce_fused(self, bufs, op) -> bool:
+        """On one node, buffers that each go through the node-shared window (every one from the threshold
+        up): one pass of the window for all (``shm.Reducer.allreduce_many``: the same bits, the barriers
+        of one message)."""
+        if not self._fusing(bufs, op):
             return False
-        self._shm.allreduce(buf, op, wait)
+        reducer = self._reducer()
+        if not reducer.supports(bufs[0].dtype, op, bounded=True):
+            return False  # (the same answer on every rank)
+        reducer.allreduce_many(bufs, op)
         return True
+
+    def _fusing(self, bufs, op) -> bool:
+        if len(bufs) < 2 or not self.reduces_on_the_callers_cpus():
+            return False
+        threshold, dtype = self._shm_threshold, bufs[0].dtype
+        if any(b.nbytes < threshold or b.dtype != dtype for b in bufs):
+            return False
+        return self._shm is None or self._shm.supports(dtype, op, bounded=True)
 
     def reduce(self, buf, op, root):
         datatype = self._types[buf.dtype]
@@ -965,15 +992,21 @@ class MPITransport(HostTransport):
     def barrier(self):
         self._lanes["barrier"].Barrier()
 
-    def split(self, color, key):
+    def split(self, color, key, timeout=None):
         """``MPI_Comm_split`` of this transport's communicator, then a transport of the same kind (a
-        deadline too, with the same ``timeout``) on a duplicate of the part; None for ``color`` None."""
+        deadline too, with the same ``timeout``) on a duplicate of the part; a deadline transport where
+        ``timeout`` is given (bounded by the smaller of it and this one's); None for ``color`` None."""
         part = self.comm.Split(self.MPI.UNDEFINED if color is None else color, key)
         if part == self.MPI.COMM_NULL:
             return None
+        kind, setting = type(self), self.timeout_setting
+        if timeout is not None and (self.timeout is None or timeout < self.timeout):
+            kind, setting = DeadlineMPITransport, "timeout"
         try:
-            child = MPITransport.__new__(type(self))
-            child.timeout = self.timeout
+            child = MPITransport.__new__(kind)
+            if kind is DeadlineMPITransport:
+                child.timeout = self.timeout if setting == self.timeout_setting else timeout
+                child.timeout_setting = setting
             child.__init__(part)  # collective over the part: its own duplicate, node communicator, settings
         finally:
             part.Free()
@@ -1357,7 +1390,7 @@ class DeadlineMPITransport(MPITransport):
     # ---- waiting ----
     def _wait(self, what, req) -> None:
         """Wait for ``req`` under the deadline (:meth:`MPITransport._wait_within`)."""
-        self._wait_within(what, req, self.timeout, "COLLECTIVES_TIMEOUT")
+        self._wait_within(what, req, self.timeout, self.timeout_setting)
 
     def _now(self, operation, *args) -> None:
         """One MPI call of ``operation``, non-blocking with its fingerprint, waited under the deadline."""
@@ -1370,6 +1403,28 @@ class DeadlineMPITransport(MPITransport):
         if self._bounded_shm(buf, op, self._wait):
             return
         super().allreduce(buf, op)
+
+    def allreduce_fused(self, bufs, op) -> bool:
+        """As the plain transport's, under the deadline: one fingerprint for the pass (an allreduce of
+        every element of ``bufs``), then each node barrier an ``MPI_Ibarrier`` waited under the deadline."""
+        if not self._fusing(bufs, op):
+            return False
+        self.usable()
+        dtype = bufs[0].dtype
+        whole = np.lib.stride_tricks.as_strided(np.zeros(1, dtype), (sum(b.size for b in bufs),), (0,))
+        what = ("allreduce", whole, f"op={op}, node-shared memory, {len(bufs)} buffers in one pass")
+        req, check = self._fingerprint("allreduce", whole, "sum" if op == "mean" else op)
+        self._wait(what, req)
+        self._verify(check, what)
+
+        def wait(req):
+            self._wait(what, req)
+
+        reducer = self._reducer(wait)
+        if not reducer.supports(dtype, op, bounded=True):
+            return False  # (the same answer on every rank; each buffer then has a fingerprint of its own)
+        reducer.allreduce_many(bufs, op, wait)
+        return True
 
     def _allreduce_piece(self, piece, datatype, mop, op) -> None:
         self._now("allreduce", piece, op)
