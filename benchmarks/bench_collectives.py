@@ -40,8 +40,11 @@ How it is measured, so that the machine's noise (shared cores, frequency changes
   size instead.
 
 Only the ratios (ours / raw) mean something, and only between figures of one run: absolute times move by
-2x between runs on a shared machine. Targets: per-call overhead at 8 B within 1.5x of raw mpi4py at the same MPI thread level; within
-1.05x from 1 MiB up. From ``COLLECTIVES_SHM_THRESHOLD`` (256 KiB) up, our allreduce between ranks of one
+2x between runs on a shared machine, so ``--repeat N`` runs everything N times in a row in one job and prints
+every run's ratio with their spread. Targets (issue 34): allreduce sum at 8 B within 1.15x of raw mpi4py at
+the same MPI thread level (below this machine's floor, see docs/performance.md); allreduce mean at most
+0.6x at 1 MiB and 0.5x at 64 MiB in every run; the rest within 1.05x from 1 MiB up. The ``faults`` column
+counts minor page faults per call on each side (load-independent: memory a side maps anew on every call). From ``COLLECTIVES_SHM_THRESHOLD`` (256 KiB) up, our allreduce between ranks of one
 node goes through node-shared memory rather than MPI's allreduce, so it may beat raw mpi4py there; run
 with ``COLLECTIVES_SHM=0`` to compare the same MPI call on both sides.
 """
@@ -50,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import threading
@@ -60,8 +64,9 @@ from _common import fmt_time, human, measure, parse_sizes, plan
 
 import collectives
 
-TARGET_SMALL = 1.5  # ours/raw at the smallest size (issue 7: at the same MPI thread level)
+TARGET_SMALL = 1.15  # ours/raw of allreduce sum at the smallest size (issue 34; issue 7 had 1.5x)
 TARGET_LARGE = 1.05  # ours/raw from 1 MiB up
+TARGET_MEAN = {2**20: 0.6, 2**26: 0.5}  # allreduce mean, ours/raw (issue 34: the node-shared window)
 LARGE = 2**20
 ROWS = ("allreduce", "broadcast", "mean", "rscatter", "alltoall")
 
@@ -120,6 +125,9 @@ def main() -> int:
                     help="calls per side per size (default: scaled by size, under 90 s in all at 2 ranks)")
     ap.add_argument("--ops", default="allreduce,broadcast,mean",
                     help="rows to run, comma-separated from allreduce, broadcast, mean, rscatter, alltoall")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run every measurement this many times in a row in the one job and print each run's "
+                         "ratio and their spread (max/min): a figure that jumps between runs is a finding")
     ap.add_argument("--json", metavar="PATH", help="also write the results (rank 0) as JSON here")
     ap.add_argument("--array", choices=("numpy", "torch"), default="numpy",
                     help="what ours is handed: NumPy arrays, or CPU torch tensors (raw mpi4py then gets "
@@ -127,6 +135,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.factor < 2:
         ap.error("--factor must be at least 2")
+    if args.repeat < 1:
+        ap.error("--repeat must be at least 1")
     sizes = parse_sizes(args.sizes, args.factor)
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     for o in ops:
@@ -160,6 +170,7 @@ def main() -> int:
         "machine": f"{platform.machine()}, {_cpu_count()} cores",
         "dtype": "float32",
         "array": args.array,
+        "load_average": os.getloadavg()[0],
     }
 
     def sides_for(op: str, x: np.ndarray):
@@ -203,32 +214,32 @@ def main() -> int:
 
     results = []
     started = time.perf_counter()
-    for nbytes in sizes:
+    for run, nbytes, op in [(run, nbytes, op) for run in range(args.repeat) for nbytes in sizes for op in ops]:
         rounds, k = plan(nbytes, args.iters)
-        for op in ops:
-            # zeros for sum (stays finite however often it runs), ones for mean (a fixed point)
-            count = nbytes // 4 - (nbytes // 4) % size if op in ("rscatter", "alltoall") else nbytes // 4
-            if count == 0:
-                continue
-            x = np.ones(count, np.float32) if op == "mean" else np.zeros(count, np.float32)
-            sides = sides_for(op, x)
-            with_floor = nbytes == sizes[0] and args.array == "numpy" and op in ("allreduce", "broadcast")
-            if with_floor:
-                sides = (*sides, floor_sides(raw, MPI, x)[op])
-            times = measure(raw.Barrier, sides, rounds, k)
-            # every block starts after a barrier, so the slowest rank's block time is the collective's
-            raw.Allreduce(MPI.IN_PLACE, times, MPI.MAX)
-            ours, peer = np.median(times, axis=0)[:2]
-            paired = float(np.median(times[:, 0] / times[:, 1]))  # ours/raw within each round
-            row = {"op": op, "bytes": nbytes, "calls_per_side": rounds * k, "rounds": rounds,
-                   "ours_s": float(ours), "raw_s": float(peer), "ratio": paired,
-                   "ratio_of_medians": float(ours / peer)}
-            if with_floor:
-                row.update(floor_s=float(np.median(times[:, 2])),
-                           ours_over_floor=float(np.median(times[:, 0] / times[:, 2])),
-                           floor_over_raw=float(np.median(times[:, 2] / times[:, 1])))
-            results.append(row)
-            del x
+        # zeros for sum (stays finite however often it runs), ones for mean (a fixed point)
+        count = nbytes // 4 - (nbytes // 4) % size if op in ("rscatter", "alltoall") else nbytes // 4
+        if count == 0:
+            continue
+        x = np.ones(count, np.float32) if op == "mean" else np.zeros(count, np.float32)
+        sides = sides_for(op, x)
+        with_floor = nbytes == sizes[0] and args.array == "numpy" and op in ("allreduce", "broadcast")
+        if with_floor:
+            sides = (*sides, floor_sides(raw, MPI, x)[op])
+        times = measure(raw.Barrier, sides, rounds, k)
+        # every block starts after a barrier, so the slowest rank's block time is the collective's
+        raw.Allreduce(MPI.IN_PLACE, times, MPI.MAX)
+        ours, peer = np.median(times, axis=0)[:2]
+        paired = float(np.median(times[:, 0] / times[:, 1]))  # ours/raw within each round
+        row = {"op": op, "bytes": nbytes, "run": run, "calls_per_side": rounds * k, "rounds": rounds,
+               "ours_s": float(ours), "raw_s": float(peer), "ratio": paired,
+               "ratio_of_medians": float(ours / peer),
+               "page_faults_per_call": [faults(side, k) for side in sides[:2]]}
+        if with_floor:
+            row.update(floor_s=float(np.median(times[:, 2])),
+                       ours_over_floor=float(np.median(times[:, 0] / times[:, 2])),
+                       floor_over_raw=float(np.median(times[:, 2] / times[:, 1])))
+        results.append(row)
+        del x
     elapsed = raw.allreduce(time.perf_counter() - started, op=MPI.MAX)
 
     if rank == 0:
@@ -241,6 +252,19 @@ def main() -> int:
             print(f"\nwrote {args.json}")
     raw.Free()
     return 0
+
+
+def faults(side, k: int) -> float:
+    """Minor page faults per call of ``side`` on this rank, over ``k`` calls after the timed ones: memory
+    that a side maps anew on every call (MPICH's allreduce of a large message takes a temporary buffer of
+    half its size each time; fresh pages cost a fault each, more in a virtual machine) shows here
+    whatever the machine's load."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(k):
+        side()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / k
 
 
 def _cpu_count() -> int:
@@ -267,24 +291,49 @@ def print_table(header: dict, results: list[dict], elapsed: float) -> None:
              "rscatter": "reduce_scatter sum", "alltoall": "alltoall"}
     raw_names = {"allreduce": "Allreduce", "broadcast": "Bcast", "mean": "Allreduce+divide",
                  "rscatter": "Reduce_scatter_block", "alltoall": "Alltoall"}
+    runs = 1 + max(r.get("run", 0) for r in results)
+    print(f"  load average {header.get('load_average', float('nan')):.2f} at the start; {runs} run(s) in a row; "
+          f"faults: minor page faults per call, ours/raw (rank 0)")
     for op in ROWS:
-        rows = [r for r in results if r["op"] == op]
-        if not rows:
+        keyed: dict = {}
+        for r in results:
+            if r["op"] == op:
+                keyed.setdefault(r["bytes"], []).append(r)
+        if not keyed:
             continue
         print(f"\n{names[op]} (ours) vs {raw_names[op]} (raw mpi4py)")
-        print(f"{'size':>9}  {'calls':>6}  {'ours':>11}  {'raw':>11}  {'ours/raw':>8}  target")
-        for r in rows:
-            target = ""
-            if r["bytes"] == smallest:
-                target = f"<= {TARGET_SMALL}x " + ("ok" if r["ratio"] <= TARGET_SMALL else "MISSED")
-            elif r["bytes"] >= LARGE:
-                target = f"<= {TARGET_LARGE}x " + ("ok" if r["ratio"] <= TARGET_LARGE else "MISSED")
-            print(f"{human(r['bytes']):>9}  {r['calls_per_side']:>6}  {fmt_time(r['ours_s'])}  "
-                  f"{fmt_time(r['raw_s'])}  {r['ratio']:>7.2f}x  {target}")
-            if "floor_s" in r:
-                print(f"{'':>9}  {'floor':>6}  {fmt_time(r['floor_s'])}  {'':>11}  {r['floor_over_raw']:>7.2f}x  "
-                      f"floor/raw: the contract's least; ours/floor {r['ours_over_floor']:.2f}x")
+        print(f"{'size':>9}  {'calls':>6}  {'ours':>11}  {'raw':>11}  {'ours/raw':>8}  {'faults':>11}  target"
+              + ("   ours/raw of each run (spread: max/min)" if runs > 1 else ""))
+        for nbytes, rows in keyed.items():
+            ratios = [r["ratio"] for r in rows]
+            worst = max(ratios)
+            want = target_of(op, nbytes, smallest)
+            target = "" if want is None else f"<= {want}x " + ("ok" if worst <= want else "MISSED")
+            mid = sorted(rows, key=lambda r: r["ratio"])[len(rows) // 2]
+            f_ours, f_raw = mid.get("page_faults_per_call", (0, 0))
+            line = (f"{human(nbytes):>9}  {mid['calls_per_side']:>6}  {fmt_time(mid['ours_s'])}  "
+                    f"{fmt_time(mid['raw_s'])}  {mid['ratio']:>7.2f}x  {f_ours:>5.0f}/{f_raw:<5.0f}  {target:<13}")
+            if runs > 1:
+                line += "  " + " ".join(f"{v:.2f}" for v in ratios) + f"  ({max(ratios) / min(ratios):.2f})"
+            print(line)
+            floors = [r for r in rows if "floor_s" in r]
+            if floors:
+                fo = [r["floor_over_raw"] for r in floors]
+                of = [r["ours_over_floor"] for r in floors]
+                print(f"{'':>9}  {'floor':>6}  {fmt_time(floors[len(floors) // 2]['floor_s'])}  {'':>11}  "
+                      f"{sorted(fo)[len(fo) // 2]:>7.2f}x  floor/raw: the contract's least (runs "
+                      + " ".join(f"{v:.2f}" for v in fo) + "); ours/floor " + " ".join(f"{v:.2f}" for v in of))
 
+
+def target_of(op: str, nbytes: int, smallest: int) -> float | None:
+    """The target ratio ours/raw of a row (None: none)."""
+    if op == "allreduce" and nbytes == smallest:
+        return TARGET_SMALL
+    if op == "mean" and nbytes in TARGET_MEAN:
+        return TARGET_MEAN[nbytes]
+    if nbytes >= LARGE and op != "mean":
+        return TARGET_LARGE
+    return None
 
 if __name__ == "__main__":
     sys.exit(main())
