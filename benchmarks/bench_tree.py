@@ -13,6 +13,11 @@ row                             ours                                            
 ``synchronize``                 ``coll.synchronize(tree)``                       one raw ``Bcast`` of a flat buffer of the
                                                                                  same bytes
 ``synchronize/per-leaf``        the same                                         one raw ``Bcast`` per leaf, in place
+``synchronize/leaf copy``       the same                                         every rank copying its leaves into another
+                                                                                 tree's (one copy of every byte, from and to
+                                                                                 memory laid out as the leaves are: the
+                                                                                 least a receiver's writes cost)
+``leaf copy/flat Bcast``        that leaf copy                                   one raw ``Bcast`` of a flat buffer
 ``synchronize, bucket path``    the same, via packed buckets + ``MPI_Bcast``     one raw ``Bcast`` of a flat buffer
                                 (the path across nodes)
 ``synchronize/bucket path``     ``coll.synchronize(tree)``                       the bucket path, in the same rounds
@@ -158,6 +163,14 @@ def tree_part(comm, rounds: int, thresholds: bool = False) -> dict:
 
     out = {"leaves": len(leaves), "bytes": nbytes}
     out["synchronize"] = compare(sync, lambda: RAW.Bcast(flat, 0), rounds)
+    twin = [np.empty_like(x) for x in leaves]
+
+    def copy_leaves():  # every rank at once, as every receiver writes its leaves at once
+        for src, dst in zip(leaves, twin):
+            np.copyto(dst, src)
+
+    out["synchronize/leaf copy"] = compare(sync, copy_leaves, rounds)
+    out["leaf copy/flat Bcast"] = compare(copy_leaves, lambda: RAW.Bcast(flat, 0), rounds)
     out["synchronize/per-leaf"] = compare(sync, raw_per_leaf_bcast, rounds)
     if hasattr(host_type, "can_broadcast_many"):
         out["synchronize, bucket path"] = compare(sync_buckets, lambda: RAW.Bcast(flat, 0), rounds)
