@@ -233,7 +233,8 @@ def main() -> int:
         row = {"op": op, "bytes": nbytes, "run": run, "calls_per_side": rounds * k, "rounds": rounds,
                "ours_s": float(ours), "raw_s": float(peer), "ratio": paired,
                "ratio_of_medians": float(ours / peer),
-               "page_faults_per_call": [faults(side, k) for side in sides[:2]]}
+               "page_faults_per_call": [faults(side, k) for side in sides[:2]],
+               "cpus": raw.allgather(current_cpu())}
         if with_floor:
             row.update(floor_s=float(np.median(times[:, 2])),
                        ours_over_floor=float(np.median(times[:, 0] / times[:, 2])),
@@ -265,6 +266,16 @@ def faults(side, k: int) -> float:
     for _ in range(k):
         side()
     return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / k
+
+
+def current_cpu() -> int:
+    """The CPU this process last ran on (Linux: /proc/self/stat's 39th field), -1 where unknown: two
+    ranks on one CPU at the end of a row is a sign that they shared it during the row."""
+    try:
+        with open("/proc/self/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[36])
+    except (OSError, IndexError, ValueError):
+        return -1
 
 
 def _cpu_count() -> int:
@@ -315,6 +326,9 @@ def print_table(header: dict, results: list[dict], elapsed: float) -> None:
                     f"{fmt_time(mid['raw_s'])}  {mid['ratio']:>7.2f}x  {f_ours:>5.0f}/{f_raw:<5.0f}  {target:<13}")
             if runs > 1:
                 line += "  " + " ".join(f"{v:.2f}" for v in ratios) + f"  ({max(ratios) / min(ratios):.2f})"
+                shared = [r["run"] for r in rows if len(set(r.get("cpus", []))) < len(r.get("cpus", []))]
+                if shared:
+                    line += f"; ranks on one CPU after run(s) {', '.join(str(v + 1) for v in shared)}"
             print(line)
             floors = [r for r in rows if "floor_s" in r]
             if floors:
