@@ -167,7 +167,7 @@ class Work(dist.Work):
         self._finish = finish  # callable(list of handle results) -> None: copies into output tensors
         self._result = result  # what the future holds: the output tensors
         self._timeout_s = timeout_s
-        self._future: torch.futures.Future = torch.futures.Future()
+        self._future: torch.futures.Future | None = None  # made by get_future (most Works are only waited for)
         self._error: BaseException | None = None
         self._done = False
         if all(h.done() for h in self._handles):
@@ -184,9 +184,6 @@ class Work(dist.Work):
                 self._finish(results)
         except Exception as exc:  # noqa: BLE001 - held: raised by wait(), set on the future
             self._error = exc
-            self._future.set_exception(exc)
-        else:
-            self._future.set_result(self._result)
         self._done = True
         self._handles = []
 
@@ -224,10 +221,15 @@ class Work(dist.Work):
             try:
                 self.wait()
             except CollectiveTimeoutError as exc:
-                self._future.set_exception(exc)
                 self._done, self._error = True, exc
             except Exception:  # noqa: BLE001 - the error is on the future
                 pass
+        if self._future is None:
+            self._future = torch.futures.Future()
+            if self._error is not None:
+                self._future.set_exception(self._error)
+            else:
+                self._future.set_result(self._result)
         return self._future
 
     def exception(self):
@@ -348,7 +350,8 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         # async_op=False), and MPI's Iallreduce would move it at a fraction of the window's speed
         host = engine_of(comm).host
         host.allreduce_at_start(self._timeout_s, "the group's timeout")
-        self._at_once = host.checks_beside  # its blocking calls are fingerprinted and bounded (_start)
+        # its blocking calls are fingerprinted and bounded (_start), or it has no other rank to wait for
+        self._at_once = host.checks_beside or comm.size == 1
 
     @property
     def communicator(self):
