@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from datetime import timedelta
 
 import math
@@ -379,6 +380,48 @@ def test_wait_timeout_bounds_wait(comm, bound, n, monkeypatch):
             # MPI cannot cancel a started collective: t holds its own value or that call's own result
             # (the late ranks' arrival completed it), never another call's data
             assert (t == 1).all() or (t == d.size).all()
+
+
+@pytest.mark.parametrize("n", [2, 2**17], ids=["small", "shared-memory"])
+def test_an_op_torch_waits_for_at_once_is_made_at_the_call_and_bounded(comm, n):
+    """async_op=False (the options' asyncOp): on a group whose communicator bounds its calls (split with the
+    group's timeout=, as init_process_group and new_group make it) the op runs at the call and its Work is
+    complete; a rank whose peers never call raises CollectiveTimeoutError at the call, within the bound, and
+    the group stays failed."""
+    import collectives.torch_backend as ctb
+
+    from support.comms import communicator
+
+    with communicator() as d:
+        d.check = False
+        sub = d.split(0, d.rank, timeout=0.3)
+        group = ctb.ProcessGroupCollectives(sub, timeout=timedelta(seconds=0.3))
+        try:
+            opts = dist.AllreduceOptions()
+            opts.asyncOp = False
+            t = torch.ones(n)
+            w = group.allreduce([t], opts)
+            assert w.is_completed() and (t == d.size).all()
+            assert w.get_future().wait()[0] is t
+            opts.asyncOp = True  # async_op=True: a pending Work, as before
+            t = torch.ones(n)
+            assert group.allreduce([t], opts).wait() and (t == d.size).all()
+            if d.size > 1:
+                opts.asyncOp = False
+                if d.rank == 0:
+                    t0 = time.monotonic()
+                    with pytest.raises(coll.CollectiveTimeoutError, match="0.3 s"):
+                        group.allreduce([torch.ones(n)], opts)  # the others never call it
+                    assert time.monotonic() - t0 < 10
+                    with pytest.raises(coll.CollectiveError):
+                        group.allreduce([torch.ones(n)], opts)  # failed for good
+                comm.barrier()
+                if d.rank != 0:  # the matching call, late: completes what rank 0 left pending in MPI
+                    with contextlib.suppress(coll.CollectiveError):
+                        sub.allreduce(torch.ones(n), async_op=True).wait(timeout=1.0)
+                comm.barrier()
+        finally:
+            group.shutdown()
 
 
 # ---------------------------------------------------------------------------------------------------------
