@@ -31,11 +31,13 @@ How it fits torch:
   one).
 - **The process group** (:class:`ProcessGroupCollectives`, a Python ``ProcessGroup`` as torch's own
   threaded test group is) runs every operation through the public collectives of its
-  :class:`~collectives.Communicator` with ``async_op=True``: same validation, same dtype rules (an illegal
+  :class:`~collectives.Communicator` (split with the group's ``timeout=``, so every wait of its calls is
+  bounded): with ``async_op=True``, or, for an operation torch waits for at once (``async_op=False``,
+  the options' ``asyncOp``), the blocking call at once. Same validation, same dtype rules (an illegal
   op/dtype pair raises the ``TypeError`` that :func:`collectives.allreduce` raises), same bits.
-- **Work.** Every operation returns a :class:`Work` backed by our handles (:class:`~collectives.Handle`):
-  ``wait()`` (bounded by torch's ``timeout=`` and ``COLLECTIVES_TIMEOUT``), ``is_completed()`` (never
-  blocks), ``get_future()`` (see :class:`Work`).
+- **Work.** Every operation returns a :class:`Work` backed by our handles (:class:`~collectives.Handle`),
+  complete at once where the operation ran at the call: ``wait()`` (bounded by torch's ``timeout=`` and
+  ``COLLECTIVES_TIMEOUT``), ``is_completed()`` (never blocks), ``get_future()`` (see :class:`Work`).
 - **Groups.** ``dist.new_group(ranks)`` makes a communicator of exactly those ranks (torch calls the
   backend on members only, so it is made with ``MPI_Comm_create_group``, which only members call);
   ``split_group`` needs an accelerator in torch itself.
