@@ -492,7 +492,9 @@ class ProcessGroupCollectives(dist.ProcessGroup):
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
     # ---- data movement ----
-    def broadcast(self, tensors, opts=None):
+    # broadcast, gather and scatter: torch's stubs also list ProcessGroup's (tensor, root, timeout) overload,
+    # which c10d never calls on a backend; it calls the (tensors, opts) form, the one written here
+    def broadcast(self, tensors, opts=None):  # type: ignore[override]  # c10d's form only (above)
         t = _one(tensors, "broadcast")
         root = 0 if opts is None else opts.rootRank
         return self._work("broadcast", [self._comm.broadcast(t, root, async_op=True)], result=[t])
@@ -656,7 +658,7 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         return self._alltoallv("all_to_all", [t.reshape(-1) for t in inputs], [o.numel() for o in outputs], place,
                                list(outputs))
 
-    def gather(self, outputs, inputs, opts=None):
+    def gather(self, outputs, inputs, opts=None):  # type: ignore[override]  # c10d's form only (see broadcast)
         t = _one(inputs, "gather")
         root = opts.rootRank
         outs = _one(outputs, "gather") if self.rank() == root else []
@@ -673,7 +675,7 @@ class ProcessGroupCollectives(dist.ProcessGroup):
 
         return self._work("gather", [h], finish, [list(outs)])
 
-    def scatter(self, outputs, inputs, opts=None):
+    def scatter(self, outputs, inputs, opts=None):  # type: ignore[override]  # c10d's form only (see broadcast)
         out = _one(outputs, "scatter")
         root = opts.rootRank
         if self.rank() == root:
@@ -851,7 +853,9 @@ def _wrap_env(original):
             return original(_with_mpi_ranks(url), **kwargs)
         return _mpi_rendezvous(url, **kwargs)
 
-    env_or_mpi._collectives_wraps = original
+    # a marker on the function c10d's handler table holds (installing twice must not wrap twice); mypy
+    # knows no attributes of a function
+    env_or_mpi._collectives_wraps = original  # type: ignore[attr-defined]
     return env_or_mpi
 
 
