@@ -139,8 +139,8 @@ class Work(dist.Work):
     - ``wait(timeout)`` completes the operation (its results are in the output tensors afterwards) and
       returns True; it raises the operation's error (``MismatchError``, ``CollectiveError``, ...), or
       :class:`~collectives.CollectiveTimeoutError` when it has not completed within ``timeout`` (else the
-      group's ``timeout=`` from ``init_process_group``/``new_group``, else ``COLLECTIVES_TIMEOUT``, the
-      smallest of those set).
+      group's ``timeout=`` from ``init_process_group``/``new_group``, else ``COLLECTIVES_TIMEOUT`` as it
+      was when the group was made, the smallest of those set).
     - ``is_completed()`` never blocks (it asks MPI whether the transfer is complete, which also lets it
       progress).
     - ``get_future()`` returns a ``torch.futures.Future`` holding the output tensors. It completes the
@@ -199,7 +199,7 @@ class Work(dist.Work):
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         """Complete the operation (bounded: see the class); True, or raise its error."""
         if not self._done:
-            bounds = [b for b in (_seconds(timeout), self._timeout_s, _config.timeout()) if b is not None]
+            bounds = [b for b in (_seconds(timeout), self._timeout_s) if b is not None]
             limit = min(bounds) if bounds else None
             end = None if limit is None else time.monotonic() + limit
             try:  # each handle's wait is bounded by what is left; one that times out fails the group
@@ -326,6 +326,9 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         super().__init__(comm.rank, comm.size)  # type: ignore[call-arg]  # the (rank, size) overload; the stub lists only (store, rank, size)
         self._comm = comm
         self._timeout_s = _seconds(timeout)
+        # what bounds each Work's wait(): the smaller of the group's timeout= and COLLECTIVES_TIMEOUT (read
+        # here, once per group, not per operation)
+        self._wait_s = min((b for b in (self._timeout_s, _config.timeout()) if b is not None), default=None)
         self._keep = keep  # the mpi4py communicator ours was made from (its lifetime bounds ours)
         # A large CPU allreduce that the ranks' own CPUs compute (one node: the node-shared window) runs at
         # the call, bounded by the group's timeout: every Work is waited for at once anyway (get_future,
@@ -376,7 +379,7 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         return f"<collectives.torch_backend.ProcessGroupCollectives rank={self.rank()} size={self.size()}>"
 
     def _work(self, what, handles, finish=None, result=None) -> Work:
-        return Work(what, handles, finish, result, self._timeout_s)
+        return Work(what, handles, finish, result, self._wait_s)
 
     # ---- reductions ----
     @_describing_op(1)
@@ -707,12 +710,12 @@ class ProcessGroupCollectives(dist.ProcessGroup):
     def recv(self, tensors, src, tag=0):
         """Start receiving the tensor from ``src``; the Work's ``source_rank()`` is ``src``."""
         t = _one(tensors, "recv")
-        return _ReceiveWork("recv", self._comm.recv(t, src, tag, async_op=True), [t], self._timeout_s)
+        return _ReceiveWork("recv", self._comm.recv(t, src, tag, async_op=True), [t], self._wait_s)
 
     def recv_anysource(self, tensors, tag=0):
         """Start receiving the tensor from any rank; the Work's ``source_rank()`` is the sender's rank."""
         t = _one(tensors, "recv")
-        return _ReceiveWork("recv_anysource", self._comm.recv(t, None, tag, async_op=True), [t], self._timeout_s)
+        return _ReceiveWork("recv_anysource", self._comm.recv(t, None, tag, async_op=True), [t], self._wait_s)
 
 
 class _ReceiveWork(Work):
@@ -802,9 +805,10 @@ def _mpi_job(url: str):
     in the URL, or ``WORLD_SIZE`` in the environment) is MPI's."""
     comm = _coll.init()
     query = _query(url)
-    given = {"rank": query.get("rank"), "world_size": query.get("world_size", os.environ.get("WORLD_SIZE"))}
+    launch = _config.torch_launch()
+    given = {"rank": query.get("rank"), "world_size": query.get("world_size", launch.get("WORLD_SIZE"))}
     if comm.size == 1 and _config.torchrun_run_id() is not None and int(given["world_size"] or 1) > 1:
-        raise ValueError(_torchrun_refusal(int(given["rank"] or os.environ.get("RANK") or 0),
+        raise ValueError(_torchrun_refusal(int(given["rank"] or launch.get("RANK") or 0),
                                            int(given["world_size"] or 1), "mpi"))
     for key, ours in (("rank", comm.rank), ("world_size", comm.size)):
         text = given[key]
@@ -835,8 +839,9 @@ def _with_mpi_ranks(url: str) -> str:
 def _rendezvous_kind(url: str) -> str:
     """Which rendezvous ``env://`` takes (the precedence in the module's docstring): ``"torch"`` (torch's
     own, unchanged), ``"mpi+tcp"`` (MPI's ranks, torch's TCPStore at MASTER_ADDR) or ``"mpi"``."""
-    master = bool(os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"))
-    rank_known = "rank" in _query(url) or bool(os.environ.get("RANK"))
+    launch = _config.torch_launch()
+    master = "MASTER_ADDR" in launch and "MASTER_PORT" in launch
+    rank_known = "rank" in _query(url) or "RANK" in launch
     if master and rank_known:
         return "torch"  # torchrun's form: torch's env:// (a TCPStore), as without this module
     if master:  # MASTER_ADDR without RANK: ranks from the MPI launcher that started us, if one did

@@ -24,7 +24,6 @@ library exists only if the user imported it, so we look in ``sys.modules``.
 
 from __future__ import annotations
 
-import os
 import platform
 import sys
 import warnings
@@ -68,6 +67,11 @@ def staging_warning_due(nccl_loadable: bool, cuda_aware_opt_in: bool | None, *, 
     return not nccl_loadable and cuda_aware_opt_in is None and mpi
 
 
+def _visible_devices() -> str:
+    value = _config.as_set("CUDA_VISIBLE_DEVICES")
+    return "<unset>" if value is None else value
+
+
 def choose_device(local_rank: int, visible: int) -> int:
     """The CUDA device index for a rank: its node-local rank modulo the devices it sees.
 
@@ -81,7 +85,7 @@ def choose_device(local_rank: int, visible: int) -> int:
     if visible <= 0:
         raise BackendUnavailableError(
             f"no CUDA device is visible to this process "
-            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!r})")
+            f"(CUDA_VISIBLE_DEVICES={_visible_devices()!r})")
     return int(local_rank) % int(visible)
 
 
@@ -205,7 +209,7 @@ def local_facts(engine, index: int) -> tuple[dict, BaseException | None]:
         if not 0 <= index < n:
             raise BackendUnavailableError(
                 f"cuda:{index} does not exist here: {n} device(s) visible "
-                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!r})")
+                f"(CUDA_VISIBLE_DEVICES={_visible_devices()!r})")
         facts["pci"] = api.pci_bus_id(index)
         from . import _libnccl
 
