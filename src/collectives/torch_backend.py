@@ -867,27 +867,23 @@ def _wrap_env(original):
 # ---------------------------------------------------------------------------------------------------------
 # the backend
 
-_parent = None  # a duplicate of MPI_COMM_WORLD, made with the default group: new_group's groups come from it
+_groups = None  # the world's MPI transport, once its "groups" lane is made (with the default group)
 
 
 def _members(ranks: list[int]):
     """``(Communicator, mpi4py communicator)`` of exactly ``ranks`` (the world's ranks), made by them alone."""
     world = _coll.world()
-    if world.size == 1 or _parent is None:  # one process (or MPI not in use): the group is this process
+    if world.size == 1 or _groups is None:  # one process (or MPI not in use): the group is this process
         return world.split(0, 0), None
-    from mpi4py import MPI
-
-    group = _parent.Get_group().Incl(sorted(ranks))
-    sub = _parent.Create_group(group, tag=0)
-    group.Free()
-    if sub == MPI.COMM_NULL:  # not a member (torch calls the creator on members only)
+    sub = _groups.create_group(ranks)
+    if sub is None:  # not a member (torch calls the creator on members only)
         raise RuntimeError(f"new_group: rank {world.rank} is not among the group's ranks {sorted(ranks)}")
     return _coll.init(comm=sub), sub
 
 
 def _create(options, backend_options=None):
     """torch's creator of a ``"collectives"`` backend (the extended API: it learns the group's ranks)."""
-    global _parent
+    global _groups
     ranks = list(options.global_ranks_in_group)
     joined = None if ranks else _join_torchrun_workers(options)
     try:
@@ -909,10 +905,10 @@ def _create(options, backend_options=None):
                 f"MPI rank {world.rank} of {world.size}: the collectives backend runs in the MPI job, whose ranks "
                 f"must be torch's. Launch with mpiexec/srun and leave RANK/WORLD_SIZE unset (the environment of "
                 f"torchrun does not start an MPI job)")
-        if world.size > 1 and world.backend == "mpi" and _parent is None:
-            from mpi4py import MPI
-
-            _parent = MPI.COMM_WORLD.Dup()  # every rank is here: the parent of later groups
+        if world.size > 1 and world.backend == "mpi" and _groups is None:
+            host = engine_of(world).host
+            host.lane("groups")  # every rank is here: the parent of later groups, made collectively
+            _groups = host
         # a communicator of its own (every rank is here): torch's collectives never interleave with the
         # program's own on the world, and a group left broken by a failure ends with it
         return ProcessGroupCollectives(world.split(0, world.rank), options.timeout)

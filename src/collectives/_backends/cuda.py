@@ -349,8 +349,8 @@ class CudaAwareMPITransport(DeviceTransport):
     def __init__(self, engine, index):
         super().__init__(engine, index)
         host = self._host
-        self._lanes, self._MPI = host._lanes, host.MPI
-        self._types, self._ops = host._types, host._ops
+        self._lane, self._MPI = host.lane, host.MPI
+        self._mpi_type, self._mpi_op = host.mpi_type, host.mpi_op
         self._max = _config.max_count()
         buffers = getattr(self._MPI, "buffer", None) or self._MPI.memory  # mpi4py 4 / 3
         self._address = buffers.fromaddress
@@ -368,7 +368,7 @@ class CudaAwareMPITransport(DeviceTransport):
     def _datatype(self, plan: _dtypes.Wire):
         """The MPI datatype and op the encoded values are reduced with, and their item size."""
         dt = plan.ordered if plan.ordered is not None else plan.dtype
-        return self._types[dt], self._ops[plan.op], dt.itemsize
+        return self._mpi_type(dt), self._mpi_op(plan.op), dt.itemsize
 
     def broadcast(self, x, a, root):
         xp, info = self._prepare(x)
@@ -376,7 +376,7 @@ class CudaAwareMPITransport(DeviceTransport):
         is_root = self.rank == root
         buf, in_place = xp.contiguous(x, copy=is_root)
         xp.synchronize(x)
-        base, lane = xp.ptr(buf), self._lanes["broadcast"]
+        base, lane = xp.ptr(buf), self._lane("broadcast")
         for off, n in _pieces(xp.numel(x) * xp.itemsize(x), self._max):
             lane.Bcast([self._mem(base + off, n), self._MPI.BYTE], root)
         if not in_place and not is_root:
@@ -397,7 +397,7 @@ class CudaAwareMPITransport(DeviceTransport):
         xp.synchronize(x)
         datatype, mop, size = self._datatype(plan)
         base = xp.ptr(wire)
-        lane = self._lanes["allreduce" if root is None else "reduce"]
+        lane = self._lane("allreduce" if root is None else "reduce")
         for off, n in _pieces(xp.numel(x), self._max):
             mem = [self._mem(base + off * size, n * size), n, datatype]
             if root is None:
@@ -421,7 +421,7 @@ class CudaAwareMPITransport(DeviceTransport):
 
     def allgather(self, x, a):
         xp, send, out, nbytes = self._allgather_buffers(x)
-        lane = self._lanes["allgather"]
+        lane = self._lane("allgather")
         if nbytes and nbytes <= self._max:
             xp.synchronize(x)
             lane.Allgather([self._mem(xp.ptr(send), nbytes), self._MPI.BYTE],
@@ -451,7 +451,7 @@ class CudaAwareMPITransport(DeviceTransport):
         xp.synchronize(x)
         datatype, mop, size = self._datatype(plan)
         if n:
-            self._lanes["reduce_scatter"].Reduce_scatter_block(
+            self._lane("reduce_scatter").Reduce_scatter_block(
                 [self._mem(xp.ptr(wire), n * self.size * size), n, datatype],  # n per block
                 [self._mem(xp.ptr(recv), n * size), n, datatype], mop)
         self._decode(xp, recv, plan, out, fresh)
@@ -467,6 +467,6 @@ class CudaAwareMPITransport(DeviceTransport):
         out = xp.empty(xp.shape(x), like=x)
         if nbytes:
             xp.synchronize(x)
-            self._lanes["alltoall"].Alltoall([self._mem(xp.ptr(send), nbytes), self._MPI.BYTE],
-                                             [self._mem(xp.ptr(out), nbytes), self._MPI.BYTE])
+            self._lane("alltoall").Alltoall([self._mem(xp.ptr(send), nbytes), self._MPI.BYTE],
+                                            [self._mem(xp.ptr(out), nbytes), self._MPI.BYTE])
         return out
