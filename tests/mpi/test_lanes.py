@@ -112,7 +112,7 @@ def test_different_first_calls_raise_on_every_rank(comm, mode):
                 c.barrier()
             else:
                 c.allreduce(np.ones(3), "sum")
-        assert "the first allreduce call" in str(info.value) and "the first barrier call" in str(info.value)
+        assert "allreduce and barrier" in str(info.value) or "barrier and allreduce" in str(info.value)
         assert dups[0] == 1 + EAGER + 1
         with pytest.raises(coll.CollectiveError, match="unusable"):
             c.allreduce(np.ones(2), "sum")

@@ -358,7 +358,7 @@ class CudaAwareMPITransport(DeviceTransport):
     def _plan(self, info, op: str) -> _dtypes.Wire | None:
         """How this reduction travels (the host rules, with this MPI's verified ops), or None: an integer op
         this MPI was found to get wrong (``HostTransport.reduces``), reduced through host memory instead."""
-        if info.kind in "iu" and not self._host.reduces(info.storage, "sum" if op == "mean" else op):
+        if info.kind in "iu" and not self._host.reduces(info.storage, _dtypes.wire_op(op)):
             return None
         return _dtypes.wire(info, op, self._host.reduces)
 

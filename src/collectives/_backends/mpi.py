@@ -23,7 +23,7 @@ import numpy as np
 
 from .. import _config, _trace
 from .. import _call
-from .._dtypes import divide, from_numpy
+from .._dtypes import divide, from_numpy, wire_op
 from .._errors import BackendUnavailableError, CollectiveError, CollectiveTimeoutError, MismatchError
 from .._poll import poll
 from . import shm  # large allreduces through a node-shared window (made at first use), issue 7
@@ -205,9 +205,9 @@ class _Lanes(dict):
     exist to prevent). A program whose ranks make the same calls in the same order reaches the first use of
     a kind at the same call on every rank; so that a program whose ranks do not is caught there, every
     rank first reduces a fingerprint of the lane it is about to make on the fingerprint lane, in the order
-    of the calls, as the non-blocking calls reduce theirs (``MPITransport._make_lane``): a rank making
+    of the calls, as the non-blocking calls reduce theirs (``MPITransport._begin_making``): a rank making
     another lane, or calling a collective whose lane it has, meets it there, and every rank raises
-    :class:`MismatchError` before anything is duplicated."""
+    :class:`MismatchError` before any call runs on the duplicate begun beside it."""
 
     __slots__ = ("_make",)
 
@@ -339,7 +339,7 @@ class MPITransport(HostTransport):
 
             return run_bcast_any_size
         datatype = self._types.get(dtype)
-        if datatype is None or not self.reduces(dtype, "sum" if op == "mean" else op):
+        if datatype is None or not self.reduces(dtype, wire_op(op)):
             return None  # float16 this MPI cannot reduce, or a pair it reduces wrongly: widened instead
         allreduce, shm_at = self._lanes["allreduce"].Allreduce, self._shm_threshold
         if op == "mean":
@@ -526,7 +526,7 @@ class MPITransport(HostTransport):
         if self._shm is not None and not self._shm.supports(buf.dtype, op, bounded=True):
             return False
         if self.size > 1:
-            req, check = self._fingerprint("allreduce", buf, "sum" if op == "mean" else op)
+            req, check = self._fingerprint("allreduce", buf, wire_op(op))
             wait(what, req)
             self._verify(check, what)
         return self._shm_allreduce(buf, op, lambda req: wait(what, req))
@@ -645,7 +645,10 @@ class MPITransport(HostTransport):
         check = None
         if self.size > 1:
             v = np.zeros(2 * len(FIELDS), dtype=np.int64)
-            v[:len(FIELDS)] = _NO_CALLER + (_LANE_CODE + LANES.index(name), 0, 0, -1, -1)
+            # the caller's call as the engine described it (as in _fingerprint: a mismatch names both calls);
+            # where none is (a hot-path entry being made), the lane's collective
+            caller = self.caller or (_call.COLLECTIVES.index(name) if name in _call.COLLECTIVES else -1,) + _NO_CALLER[1:]
+            v[:len(FIELDS)] = caller + (_LANE_CODE + LANES.index(name), 0, 0, -1, -1)
             v[len(FIELDS):] = -v[:len(FIELDS)]
             mine = v.tobytes()
             check = (self._lanes["fingerprint"].Iallreduce(self._in_place, v, self._max_op), (v, mine))
