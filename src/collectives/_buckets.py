@@ -442,9 +442,7 @@ def _allreduce_parts(engine, items, op, the_plan, *, pooled: bool, reproducible:
         for pos, off, n in entries:  # pack (widening on the way)
             view = items[pos].view
             if bf16:
-                bits = buf[off:off + n].view(np.uint32)
-                bits.reshape(view.shape)[...] = view
-                bits <<= 16
+                _dtypes.bf16_to_f32(view, out=buf[off:off + n].reshape(view.shape))
             else:
                 buf[off:off + n].reshape(view.shape)[...] = view
         yield buf, info if as_they_are else _dtypes.from_numpy(wire), lambda buf=buf, entries=entries, bf16=bf16: _unpack(

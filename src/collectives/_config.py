@@ -119,6 +119,12 @@ def bucket_bytes() -> int:
     return integer("COLLECTIVES_BUCKET_BYTES", 25 * 2**20)
 
 
+def bucket_bytes_set() -> bool:
+    """Whether ``COLLECTIVES_BUCKET_BYTES`` is set (not empty): DistributedOptimizer's gradient buckets then
+    take it where it is below their own bound."""
+    return bool(os.environ.get("COLLECTIVES_BUCKET_BYTES"))
+
+
 def shm() -> bool:
     """Whether large host allreduces may go through a node-shared MPI window (agreed over ranks)."""
     return flag("COLLECTIVES_SHM", True)
@@ -180,6 +186,25 @@ def torchrun_run_id() -> str | None:
     return None if raw is None else raw.strip()
 
 
+TORCH_LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def torch_launch() -> dict[str, str]:
+    """torch's launch variables (:data:`TORCH_LAUNCH_VARIABLES`) that are set and not empty, by name: the
+    torch backend's ``env://`` rendezvous chooses between torch's and MPI's ranks by them."""
+    return {name: os.environ[name] for name in TORCH_LAUNCH_VARIABLES if os.environ.get(name)}
+
+
+def environment() -> dict[str, str]:
+    """A copy of the whole environment, for ``_launcher``: it recognises the launcher that started this
+    process by the variables that launcher sets, and builds a new job's environment from this one."""
+    return dict(os.environ)
+
+
+def as_set(name: str) -> str | None:
+    """A variable's text as set (None when unset), for an error message that quotes it."""
+    return os.environ.get(name)
+
 
 _PMI_CLIENT = ("PMI_FD", "PMI_RANK", "PMI_SIZE")
 
@@ -207,6 +232,11 @@ def device_timeout() -> float:
 
 def disable_nccl() -> bool:
     return flag("COLLECTIVES_DISABLE_NCCL")
+
+
+def nccl_library() -> str | None:
+    """``COLLECTIVES_NCCL_LIBRARY``: the path of ``libnccl.so.2`` to load, None when unset or empty."""
+    return string("COLLECTIVES_NCCL_LIBRARY", "") or None
 
 
 def cuda_aware_mpi() -> bool | None:

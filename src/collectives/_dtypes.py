@@ -82,8 +82,14 @@ def check_reduction(dtype: DType, op: str) -> None:
 
 # ---- bfloat16 <-> float32 on host buffers (round to nearest even, NaN stays NaN) ----
 
-def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
-    wide = bits.astype(np.uint32)
+def bf16_to_f32(bits: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """bfloat16 values (their uint16 bits) widened to float32, exactly: a new array, or written into
+    ``out`` (float32, ``bits``' shape), which is returned."""
+    if out is None:
+        wide = bits.astype(np.uint32)
+    else:
+        wide = out.view(np.uint32)
+        wide[...] = bits
     wide <<= 16  # in place: a 0-d array stays an array (a binary ufunc would return a NumPy scalar)
     return wide.view(np.float32)
 
@@ -163,6 +169,11 @@ def ordered_nan(ints: np.dtype, op: str) -> int:
     return int(info.max if op == "max" else info.min)
 
 
+def wire_op(op: str) -> str:
+    """The op a transport runs for ``op``: ``mean`` is a sum, divided once afterwards (:class:`Wire`)."""
+    return "sum" if op == "mean" else op
+
+
 def value_dtype(info: DType, op: str, native) -> np.dtype:
     """The dtype ``info``'s values are reduced in with ``op``, on a transport that reduces ``(dtype, op)``
     correctly itself where ``native(dtype, op)`` (``HostTransport.reduces``, or a device transport's own).
@@ -181,7 +192,7 @@ def value_dtype(info: DType, op: str, native) -> np.dtype:
         if ints is None or native(ints, op):
             return storage
         return _F32  # float16 whose 16-bit integers the transport cannot order: exact in float32
-    reduced = "sum" if op == "mean" else op
+    reduced = wire_op(op)
     if native(storage, reduced):
         return storage
     if info.kind == "f":
@@ -217,4 +228,4 @@ def wire(info: DType, op: str, native) -> Wire:
     """
     value = value_dtype(info, op, native)
     ordered = ordered_int(value) if op in _MINMAX and value.kind == "f" else None
-    return Wire(value, "sum" if op == "mean" else op, ordered, op == "mean")
+    return Wire(value, wire_op(op), ordered, op == "mean")

@@ -30,6 +30,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from . import _config
+
 HYDRA, PRRTE, SLURM = "Hydra", "PRRTE", "Slurm"
 
 # Variables a launcher sets in each rank it starts (a harness running inside a rank must not pass them
@@ -89,8 +91,8 @@ def job_command(n: int, argv, *, mpiexec: str | None = None, forward=()) -> list
 
 
 def job_environment(base=None, *, drop=(), **extra) -> dict:
-    """``base`` (default ``os.environ``) for a new job: without the variables a launcher set in this
-    process (so a harness that runs inside a rank starts a job of its own), keeping the user's launcher
+    """``base`` (default: this process's environment) for a new job: without the variables a launcher set
+    in this process (so a harness that runs inside a rank starts a job of its own), keeping the user's launcher
     settings (``OMPI_ALLOW_RUN_AS_ROOT*``, ``OMPI_MCA_*``, ``PRTE_MCA_*``, ``PMIX_MCA_*``); without
     variables starting with a prefix in ``drop``; then ``extra`` added (values as strings).
 
@@ -101,7 +103,7 @@ def job_environment(base=None, *, drop=(), **extra) -> dict:
         [('COLLECTIVES_TIMEOUT', '3'), ('HOME', '/root'), ('OMPI_MCA_op', '^avx')]
     """
     env = {}
-    for k, v in (os.environ if base is None else base).items():
+    for k, v in (_config.environment() if base is None else base).items():
         if k.startswith(tuple(drop)):
             continue
         if k.startswith(_JOB_PREFIXES) and not (
@@ -115,7 +117,7 @@ def job_environment(base=None, *, drop=(), **extra) -> dict:
 def started_by(environ=None) -> str | None:
     """The launcher that started this process (:data:`HYDRA`, :data:`PRRTE`, :data:`SLURM`), from the
     variables it sets in each rank; None for a plain ``python``."""
-    env = os.environ if environ is None else environ
+    env = _config.environment() if environ is None else environ
     if "HYDI_CONTROL_FD" in env or ("PMI_RANK" in env and "PMI_FD" in env):
         return HYDRA
     if "PRTE_LAUNCHED" in env or "OMPI_COMM_WORLD_SIZE" in env or env.get("PMIX_NAMESPACE", "").startswith("prterun"):

@@ -12,7 +12,7 @@ import contextlib
 from typing import Any, NamedTuple
 from collections.abc import Callable
 
-from . import _dtypes
+from . import _config, _dtypes
 from ._arrays import is_tracer
 from ._backends import closed as _closed
 from ._comm import _resolve, allreduce_tree
@@ -666,13 +666,11 @@ def _amp_done(opt) -> None:
 def _overlap_bucket_bytes(bucket_bytes) -> int:
     """The gradient buckets' bound: ``bucket_bytes`` if given, else ``GRAD_BUCKET_BYTES`` (or
     ``COLLECTIVES_BUCKET_BYTES`` where that is set lower)."""
-    import os
-
     from ._tree import _bucket_bytes
 
     if bucket_bytes is not None:
         return _bucket_bytes(bucket_bytes)
-    if os.environ.get("COLLECTIVES_BUCKET_BYTES"):
+    if _config.bucket_bytes_set():
         return min(_bucket_bytes(None), GRAD_BUCKET_BYTES)
     return GRAD_BUCKET_BYTES
 

@@ -67,6 +67,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -164,6 +165,8 @@ class _Slot:
 
     __slots__ = ("bucket", "counted", "hooked", "index", "inplace", "missing", "name", "numel", "offset", "param",
                  "ready", "stepped", "view")
+    # torch is imported when used, so the tensors are typed Any: None until the layout sets them
+    view: Any  # a torch.Tensor: this parameter's view into its bucket's flat buffer
 
     def __init__(self, index, name, param, bucket, offset):
         self.index = index  # position in the optimizer's param_groups order (all groups)
@@ -184,6 +187,10 @@ class _Slot:
 class _Bucket:
     __slots__ = ("block", "blocking", "flat", "group", "handle", "key", "last", "lo", "narrow", "numel", "padded",
                  "pending", "shard_k", "shard_off", "slots", "solo", "structure")
+    # torch is imported when used, so these are typed Any; each is None until its phase of the round sets it
+    flat: Any  # the bucket's flat torch.Tensor (set by the layout)
+    handle: Any  # the Handle of the bucket's reduction in flight (set when the bucket leaves)
+    block: Any  # sharded state: this rank's reduced block (set when the reduction is waited)
 
     def __init__(self, key, group):
         self.key = key

@@ -33,15 +33,8 @@ import numpy as np
 from . import _dtypes
 
 MINMAX = ("min", "max")
-_ORDERED_INT: dict[int, np.dtype] = {2: np.dtype(np.int16), 4: np.dtype(np.int32), 8: np.dtype(np.int64)}
-_F32 = np.dtype(np.float32)
 _U8 = np.dtype(np.uint8)
-_WIDE_INT = {"i": np.dtype(np.int64), "u": np.dtype(np.uint64)}
-
-
-def wire_op(op: str) -> str:
-    """The op the transport runs for ``op`` (``mean`` is a sum, divided afterwards)."""
-    return "sum" if op == "mean" else op
+wire_op = _dtypes.wire_op  # the op the transport runs (mean: a sum), written once, in _dtypes
 
 
 def value_dtype(info: _dtypes.DType, op: str, native) -> np.dtype:
@@ -53,7 +46,7 @@ def value_dtype(info: _dtypes.DType, op: str, native) -> np.dtype:
 
 def ordered(dtype: np.dtype) -> bool:
     """Whether float min/max of ``dtype`` go through the integer mapping (16-, 32- and 64-bit floats)."""
-    return dtype.kind == "f" and dtype.itemsize in _ORDERED_INT
+    return _dtypes.ordered_int(dtype) is not None
 
 
 _STEP = 8192  # elements per piece of the in-place mappings: their temporaries stay under 64 KiB
@@ -64,11 +57,12 @@ def to_ordered(values: np.ndarray, op: str) -> np.ndarray:
 
     NaN becomes the extreme ``op`` picks (the largest integer for max, the smallest for min). Done in
     pieces, so the temporaries stay small whatever the size (the fused collectives' memory bound)."""
-    itype = _ORDERED_INT[values.dtype.itemsize]
+    itype = _dtypes.ordered_int(values.dtype)
+    assert itype is not None  # a 16-, 32- or 64-bit float (see ordered)
     info = np.iinfo(itype)
     flat = values.reshape(-1)
     ints = flat.view(itype)
-    extreme = info.max if op == "max" else info.min
+    extreme = _dtypes.ordered_nan(itype, op)
     for lo in range(0, flat.size, _STEP):
         v, k = flat[lo:lo + _STEP], ints[lo:lo + _STEP]
         nan = np.isnan(v)
@@ -150,7 +144,8 @@ def scatters(info: _dtypes.DType, op: str) -> bool:
 
 
 def _reduce(buf, info, op, size, native, receives, out):
-    value = value_dtype(info, op, native)
+    plan = _dtypes.wire(info, op, native)  # the one plan of a reduction, the device transports' too
+    value = plan.dtype
     bf16 = info.name == "bfloat16"
     keep = not receives or out is not None  # buf must stay as it was
     if bf16:
@@ -162,7 +157,7 @@ def _reduce(buf, info, op, size, native, receives, out):
     float_minmax = op in MINMAX and v.dtype.kind == "f"
     if v is buf and keep and float_minmax:
         v = buf.copy()  # the mapping works in place: not in a buffer that must stay as it was
-    if float_minmax and ordered(v.dtype):
+    if plan.ordered is not None:
         ints = to_ordered(v, op)
         r = yield ints, op
         r = ints if r is None else r
@@ -177,11 +172,11 @@ def _reduce(buf, info, op, size, native, receives, out):
             return
         r = v
     else:
-        r = yield v, wire_op(op)
+        r = yield v, plan.op
         r = v if r is None else r
         if not receives:
             return
-        if op == "mean":
+        if plan.divide:
             _dtypes.divide(r, size)
     if out is None:
         if v is buf or (info.kind == "b" and value == _U8):

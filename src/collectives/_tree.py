@@ -646,14 +646,17 @@ def synchronize(engine, tree, root, bucket_bytes):
         if engine.size > 1 and engine.rank == root and error is None and (has_objects or has_optimizer):
             # Pickle now, so that an unpicklable value fails here (held) instead of inside the broadcast.
             objects = [leaf for leaf, kind in zip(flat.leaves, flat.kinds) if kind == OBJECT]
-            skeletons, tensors = [], []
+            root_skeletons: list = []
+            root_tensors: list = []
             for leaf, kind in zip(flat.leaves, flat.kinds):
                 if kind == OPTIMIZER:
-                    skeletons.append(_skeleton(leaf.state_dict(), tensors))
-            payload = (pickle.dumps((objects, skeletons), protocol=pickle.HIGHEST_PROTOCOL), tensors)
+                    root_skeletons.append(_skeleton(leaf.state_dict(), root_tensors))
+            payload = (pickle.dumps((objects, root_skeletons), protocol=pickle.HIGHEST_PROTOCOL), root_tensors)
     except Exception as exc:  # noqa: BLE001 - held, raised on every rank by agree()
         error = exc
     agree(engine, what, header, entries, error, digest)
+    # agree() raised on every rank unless every rank flattened and described its tree
+    assert flat is not None and entries is not None
     if engine.size == 1:
         if key is not None and cached is None:
             _remember(engine, key, what, header, entries, None)  # one rank moves nothing: no plan
@@ -668,14 +671,16 @@ def synchronize(engine, tree, root, bucket_bytes):
     loads = []  # (optimizer, root's state_dict skeleton) to load on non-root ranks
     if has_objects or has_optimizer:
         results = list(flat.leaves)
-        data = transport.broadcast_object(payload[0] if is_root else None, root)
+        assert payload is not None or not is_root  # the root pickled them above (agree() saw no error)
+        data = transport.broadcast_object(payload[0] if payload is not None else None, root)
         err = None
         try:
-            objects, skeletons = pickle.loads(data) if not is_root else (None, None)
-            if is_root:
+            tensors: list = []
+            if payload is not None:
                 tensors = payload[1]
             else:
-                tensors, slots = [], []
+                objects, skeletons = pickle.loads(data)
+                slots: list = []
                 for skel in skeletons:
                     _slots(skel, slots)
                 torch = _torch()

@@ -83,19 +83,24 @@ class _Host:
         if name == "barrier":
             c.barrier()
             return None
+        op, root = self.op, self.root  # _host() is given the op of every reducing call, the root of a rooted one
         if name == "allreduce_tree":
-            return list(c.allreduce_tree(arrays, self.op, async_op=True).wait())
+            assert op is not None
+            return list(c.allreduce_tree(arrays, op, async_op=True).wait())
         (x,) = arrays
         if name == "allreduce":
-            h = c.allreduce(x, self.op, async_op=True)
+            assert op is not None
+            h = c.allreduce(x, op, async_op=True)
         elif name == "broadcast":
-            h = c.broadcast(x, self.root, async_op=True)
+            assert root is not None
+            h = c.broadcast(x, root, async_op=True)
         elif name == "reduce_to":  # broadcast's transpose: the sum on root, zeros elsewhere
-            h = c.reduce(x, self.op, self.root, async_op=True)
+            h = c.reduce(x, op, root, async_op=True)
             out = h.wait()
-            return np.asarray(out) if c.rank == self.root else np.zeros_like(x)
+            return np.asarray(out) if c.rank == root else np.zeros_like(x)
         elif name == "reduce_scatter":
-            h = c.reduce_scatter(x, self.op, async_op=True)
+            assert op is not None
+            h = c.reduce_scatter(x, op, async_op=True)
         elif name == "allgather":
             h = c.allgather(x, async_op=True)
         else:  # alltoall

@@ -141,8 +141,8 @@ class Work(dist.Work):
     - ``wait(timeout)`` completes the operation (its results are in the output tensors afterwards) and
       returns True; it raises the operation's error (``MismatchError``, ``CollectiveError``, ...), or
       :class:`~collectives.CollectiveTimeoutError` when it has not completed within ``timeout`` (else the
-      group's ``timeout=`` from ``init_process_group``/``new_group``, else ``COLLECTIVES_TIMEOUT``, the
-      smallest of those set).
+      group's ``timeout=`` from ``init_process_group``/``new_group``, else ``COLLECTIVES_TIMEOUT`` as it
+      was when the group was made, the smallest of those set).
     - ``is_completed()`` never blocks (it asks MPI whether the transfer is complete, which also lets it
       progress).
     - ``get_future()`` returns a ``torch.futures.Future`` holding the output tensors. It completes the
@@ -198,7 +198,7 @@ class Work(dist.Work):
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         """Complete the operation (bounded: see the class); True, or raise its error."""
         if not self._done:
-            bounds = [b for b in (_seconds(timeout), self._timeout_s, _config.timeout()) if b is not None]
+            bounds = [b for b in (_seconds(timeout), self._timeout_s) if b is not None]
             limit = min(bounds) if bounds else None
             end = None if limit is None else time.monotonic() + limit
             try:  # each handle's wait is bounded by what is left; one that times out fails the group
@@ -345,6 +345,9 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         super().__init__(comm.rank, comm.size)  # type: ignore[call-arg]  # the (rank, size) overload; the stub lists only (store, rank, size)
         self._comm = comm
         self._timeout_s = _seconds(timeout)
+        # what bounds each Work's wait(): the smaller of the group's timeout= and COLLECTIVES_TIMEOUT (read
+        # here, once per group, not per operation)
+        self._wait_s = min((b for b in (self._timeout_s, _config.timeout()) if b is not None), default=None)
         self._keep = keep  # the mpi4py communicator ours was made from (its lifetime bounds ours), or
         # (the Communicator ours was split from, that mpi4py communicator)
         # A large CPU allreduce that the ranks' own CPUs compute (one node: the node-shared window) runs at
@@ -403,7 +406,7 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         return f"<collectives.torch_backend.ProcessGroupCollectives rank={self.rank()} size={self.size()}>"
 
     def _work(self, what, handles, finish=None, result=None) -> Work:
-        return Work(what, handles, finish, result, self._timeout_s)
+        return Work(what, handles, finish, result, self._wait_s)
 
     def _start(self, opts, call, *args):
         """``call(*args, async_op=True)``: the handle of one of our collectives; or, where torch will wait
@@ -529,7 +532,9 @@ class ProcessGroupCollectives(dist.ProcessGroup):
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
     # ---- data movement ----
-    def broadcast(self, tensors, opts=None):
+    # broadcast, gather and scatter: torch's stubs also list ProcessGroup's (tensor, root, timeout) overload,
+    # which c10d never calls on a backend; it calls the (tensors, opts) form, the one written here
+    def broadcast(self, tensors, opts=None):  # type: ignore[override]  # c10d's form only (above)
         t = _one(tensors, "broadcast")
         root = 0 if opts is None else opts.rootRank
         return self._work("broadcast", [self._start(opts, self._comm.broadcast, t, root)], result=[t])
@@ -693,7 +698,7 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         return self._alltoallv("all_to_all", [t.reshape(-1) for t in inputs], [o.numel() for o in outputs], place,
                                list(outputs))
 
-    def gather(self, outputs, inputs, opts=None):
+    def gather(self, outputs, inputs, opts=None):  # type: ignore[override]  # c10d's form only (see broadcast)
         t = _one(inputs, "gather")
         root = opts.rootRank
         outs = _one(outputs, "gather") if self.rank() == root else []
@@ -710,7 +715,7 @@ class ProcessGroupCollectives(dist.ProcessGroup):
 
         return self._work("gather", [h], finish, [list(outs)])
 
-    def scatter(self, outputs, inputs, opts=None):
+    def scatter(self, outputs, inputs, opts=None):  # type: ignore[override]  # c10d's form only (see broadcast)
         out = _one(outputs, "scatter")
         root = opts.rootRank
         if self.rank() == root:
@@ -742,12 +747,12 @@ class ProcessGroupCollectives(dist.ProcessGroup):
     def recv(self, tensors, src, tag=0):
         """Start receiving the tensor from ``src``; the Work's ``source_rank()`` is ``src``."""
         t = _one(tensors, "recv")
-        return _ReceiveWork("recv", self._comm.recv(t, src, tag, async_op=True), [t], self._timeout_s)
+        return _ReceiveWork("recv", self._comm.recv(t, src, tag, async_op=True), [t], self._wait_s)
 
     def recv_anysource(self, tensors, tag=0):
         """Start receiving the tensor from any rank; the Work's ``source_rank()`` is the sender's rank."""
         t = _one(tensors, "recv")
-        return _ReceiveWork("recv_anysource", self._comm.recv(t, None, tag, async_op=True), [t], self._timeout_s)
+        return _ReceiveWork("recv_anysource", self._comm.recv(t, None, tag, async_op=True), [t], self._wait_s)
 
 
 class _ReceiveWork(Work):
@@ -837,9 +842,10 @@ def _mpi_job(url: str):
     in the URL, or ``WORLD_SIZE`` in the environment) is MPI's."""
     comm = _coll.init()
     query = _query(url)
-    given = {"rank": query.get("rank"), "world_size": query.get("world_size", os.environ.get("WORLD_SIZE"))}
+    launch = _config.torch_launch()
+    given = {"rank": query.get("rank"), "world_size": query.get("world_size", launch.get("WORLD_SIZE"))}
     if comm.size == 1 and _config.torchrun_run_id() is not None and int(given["world_size"] or 1) > 1:
-        raise ValueError(_torchrun_refusal(int(given["rank"] or os.environ.get("RANK") or 0),
+        raise ValueError(_torchrun_refusal(int(given["rank"] or launch.get("RANK") or 0),
                                            int(given["world_size"] or 1), "mpi"))
     for key, ours in (("rank", comm.rank), ("world_size", comm.size)):
         text = given[key]
@@ -870,8 +876,9 @@ def _with_mpi_ranks(url: str) -> str:
 def _rendezvous_kind(url: str) -> str:
     """Which rendezvous ``env://`` takes (the precedence in the module's docstring): ``"torch"`` (torch's
     own, unchanged), ``"mpi+tcp"`` (MPI's ranks, torch's TCPStore at MASTER_ADDR) or ``"mpi"``."""
-    master = bool(os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"))
-    rank_known = "rank" in _query(url) or bool(os.environ.get("RANK"))
+    launch = _config.torch_launch()
+    master = "MASTER_ADDR" in launch and "MASTER_PORT" in launch
+    rank_known = "rank" in _query(url) or "RANK" in launch
     if master and rank_known:
         return "torch"  # torchrun's form: torch's env:// (a TCPStore), as without this module
     if master:  # MASTER_ADDR without RANK: ranks from the MPI launcher that started us, if one did
@@ -888,28 +895,26 @@ def _wrap_env(original):
             return original(_with_mpi_ranks(url), **kwargs)
         return _mpi_rendezvous(url, **kwargs)
 
-    env_or_mpi._collectives_wraps = original
+    # a marker on the function c10d's handler table holds (installing twice must not wrap twice); mypy
+    # knows no attributes of a function
+    env_or_mpi._collectives_wraps = original  # type: ignore[attr-defined]
     return env_or_mpi
 
 
 # ---------------------------------------------------------------------------------------------------------
 # the backend
 
-_parent = None  # a duplicate of MPI_COMM_WORLD, made with the default group: new_group's groups come from it
+_groups = None  # the world's MPI transport, once its "groups" lane is made (with the default group)
 
 
 def _members(ranks: list[int], timeout: float | None):
     """``(Communicator, mpi4py communicator)`` of exactly ``ranks`` (the world's ranks), made by them alone,
     every wait bounded by ``timeout`` seconds (None: unbounded)."""
     world = _coll.world()
-    if world.size == 1 or _parent is None:  # one process (or MPI not in use): the group is this process
+    if world.size == 1 or _groups is None:  # one process (or MPI not in use): the group is this process
         return world.split(0, 0, timeout=timeout), None
-    from mpi4py import MPI
-
-    group = _parent.Get_group().Incl(sorted(ranks))
-    sub = _parent.Create_group(group, tag=0)
-    group.Free()
-    if sub == MPI.COMM_NULL:  # not a member (torch calls the creator on members only)
+    sub = _groups.create_group(ranks)
+    if sub is None:  # not a member (torch calls the creator on members only)
         raise RuntimeError(f"new_group: rank {world.rank} is not among the group's ranks {sorted(ranks)}")
     base = _coll.init(comm=sub)
     if timeout is None:
@@ -920,7 +925,7 @@ def _members(ranks: list[int], timeout: float | None):
 
 def _create(options, backend_options=None):
     """torch's creator of a ``"collectives"`` backend (the extended API: it learns the group's ranks)."""
-    global _parent
+    global _groups
     ranks = list(options.global_ranks_in_group)
     joined = None if ranks else _join_torchrun_workers(options)
     try:
@@ -942,10 +947,10 @@ def _create(options, backend_options=None):
                 f"MPI rank {world.rank} of {world.size}: the collectives backend runs in the MPI job, whose ranks "
                 f"must be torch's. Launch with mpiexec/srun and leave RANK/WORLD_SIZE unset (the environment of "
                 f"torchrun does not start an MPI job)")
-        if world.size > 1 and world.backend == "mpi" and _parent is None:
-            from mpi4py import MPI
-
-            _parent = MPI.COMM_WORLD.Dup()  # every rank is here: the parent of later groups
+        if world.size > 1 and world.backend == "mpi" and _groups is None:
+            host = engine_of(world).host
+            host.lane("groups")  # every rank is here: the parent of later groups, made collectively
+            _groups = host
         # a communicator of its own (every rank is here): torch's collectives never interleave with the
         # program's own on the world, and a group left broken by a failure ends with it
         return ProcessGroupCollectives(world.split(0, world.rank, timeout=_seconds(options.timeout)), options.timeout)

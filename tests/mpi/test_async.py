@@ -221,6 +221,9 @@ def test_deadline_fires_in_wait(comm):
         pytest.skip("needs two MPI ranks")
     with communicator(COLLECTIVES_TIMEOUT=0.5) as d:
         x = np.ones(4)
+        # the allreduce lane made first: a kind's first non-blocking call is posted to MPI only once its lane
+        # is (test_lanes.py), and this checks that a posted call a rank gave up on still meets the late ones
+        d.allreduce(np.ones(1), "sum")
         if comm.rank == 0:
             h = d.allreduce(x, "sum", async_op=True)
             time.sleep(0.7)  # longer than the timeout: the deadline counts the time spent in wait()
@@ -296,6 +299,7 @@ def test_close_with_a_handle_that_cannot_complete_raises(comm):
     finally:
         del os.environ["COLLECTIVES_TIMEOUT"]
     x = np.ones(3)
+    c.allreduce(np.ones(1), "sum")  # the allreduce lane made: see test_deadline_fires_in_wait
     if comm.rank == 0:
         h = c.allreduce(x, "sum", async_op=True)
         t0 = time.monotonic()

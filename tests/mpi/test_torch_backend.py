@@ -360,8 +360,8 @@ def test_wait_timeout_bounds_wait(comm, bound, n, monkeypatch):
         if bound == "timeout=":
             group = ctb.ProcessGroupCollectives(d, timeout=timedelta(seconds=0.3))
         else:
-            group = ctb.ProcessGroupCollectives(d)  # no timeout of its own: the variable, read by wait()
             monkeypatch.setenv("COLLECTIVES_TIMEOUT", "0.3")
+            group = ctb.ProcessGroupCollectives(d)  # no timeout of its own: the variable, read as it is made
         if d.rank == 0:
             t = torch.ones(n)
             w = group.allreduce([t], None)

@@ -204,3 +204,45 @@ def test_the_architecture_page_names_every_module_in_its_layer():
                                              f"not a module: {sorted(set(documented) - set(graph()))}")
     wrong = {m: (documented[m], LAYERS[m]) for m in documented if documented[m] != LAYERS[m]}
     assert not wrong, f"module: (layer on the page, layer here): {wrong}"
+
+
+def mpi_transport_privates() -> set[str]:
+    """The private attributes and methods of the MPI transports (``self._x = ...`` and ``def _x``)."""
+    tree = ast.parse((SRC / "_backends" / "mpi.py").read_text())
+    names = set()
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name.endswith("MPITransport")):
+        for node in ast.walk(cls):
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("_") and not node.name.startswith("__"):
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) \
+                    and isinstance(node.value, ast.Name) and node.value.id == "self" and node.attr.startswith("_"):
+                names.add(node.attr)
+    return names
+
+
+def test_no_module_reaches_into_the_mpi_transport():
+    """No other transport, and not the torch backend (the modules that hold an MPI transport), reads a
+    private of the MPI transport: CUDA-aware MPI takes its lanes, datatypes and ops through ``lane``,
+    ``mpi_type`` and ``mpi_op``; the torch backend makes its groups through ``create_group``. (By name, as
+    above: the engine's own ``_progress`` or ``_p2p_seq`` would read as a reach, so ``_comm`` is not
+    scanned; test_no_layer_reaches_into_the_communicator keeps the Communicator's side.)"""
+    privates = mpi_transport_privates()
+    assert {"_lanes", "_types", "_ops", "_make_lane", "_begin"} <= privates
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        name = module_name(path)
+        if (name.startswith("_backends") and name != "_backends.mpi") or name == "torch_backend":
+            found += reaches(name, path.read_text(), privates)
+    assert not found, "reaches into MPITransport privates (give it a public method):\n" + "\n".join(found)
+
+
+def test_the_reduction_rules_are_written_once():
+    """docs/architecture.md, "One rule, every path": the op on the wire (mean travels as a sum) and
+    bfloat16's widening are written once, in ``_dtypes``, and used from everywhere else."""
+    import re
+
+    texts = {module_name(p): p.read_text() for p in SRC.rglob("*.py")}
+    wire_op = {m for m, t in texts.items() if re.search(r"""["']sum["'] if op == ["']mean["']""", t)}
+    widen = {m for m, t in texts.items() if "<<= 16" in t}
+    assert wire_op == {"_dtypes"} and texts["_dtypes"].count("if op == \"mean\" else") == 1, wire_op
+    assert widen == {"_dtypes"} and texts["_dtypes"].count("<<= 16") == 1, widen

@@ -488,7 +488,7 @@ def _disabled() -> bool:
 def _check_enabled() -> None:
     if _disabled():
         raise NcclNotFound(
-            f"NCCL is disabled by {ENV_DISABLE}={os.environ.get(ENV_DISABLE)!r}; "
+            f"NCCL is disabled by {ENV_DISABLE}={_config.as_set(ENV_DISABLE)!r}; "
             f"unset it (or set it to 0) to use NCCL"
         )
 
@@ -564,7 +564,7 @@ def find_library() -> tuple[str, str]:
         'nvidia-nccl-cu12 wheel'
     """
     _check_enabled()
-    explicit = os.environ.get(ENV_LIBRARY, "").strip()
+    explicit = _config.nccl_library()
     if explicit:
         path = os.path.abspath(os.path.expanduser(explicit))
         if os.path.isfile(path):

@@ -24,7 +24,6 @@ library exists only if the user imported it, so we look in ``sys.modules``.
 
 from __future__ import annotations
 
-import os
 import platform
 import sys
 import warnings
@@ -68,6 +67,11 @@ def staging_warning_due(nccl_loadable: bool, cuda_aware_opt_in: bool | None, *, 
     return not nccl_loadable and cuda_aware_opt_in is None and mpi
 
 
+def _visible_devices() -> str:
+    value = _config.as_set("CUDA_VISIBLE_DEVICES")
+    return "<unset>" if value is None else value
+
+
 def choose_device(local_rank: int, visible: int) -> int:
     """The CUDA device index for a rank: its node-local rank modulo the devices it sees.
 
@@ -81,7 +85,7 @@ def choose_device(local_rank: int, visible: int) -> int:
     if visible <= 0:
         raise BackendUnavailableError(
             f"no CUDA device is visible to this process "
-            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!r})")
+            f"(CUDA_VISIBLE_DEVICES={_visible_devices()!r})")
     return int(local_rank) % int(visible)
 
 
@@ -205,7 +209,7 @@ def local_facts(engine, index: int) -> tuple[dict, BaseException | None]:
         if not 0 <= index < n:
             raise BackendUnavailableError(
                 f"cuda:{index} does not exist here: {n} device(s) visible "
-                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!r})")
+                f"(CUDA_VISIBLE_DEVICES={_visible_devices()!r})")
         facts["pci"] = api.pci_bus_id(index)
         from . import _libnccl
 
@@ -345,8 +349,8 @@ class CudaAwareMPITransport(DeviceTransport):
     def __init__(self, engine, index):
         super().__init__(engine, index)
         host = self._host
-        self._lanes, self._MPI = host._lanes, host.MPI
-        self._types, self._ops = host._types, host._ops
+        self._lane, self._MPI = host.lane, host.MPI
+        self._mpi_type, self._mpi_op = host.mpi_type, host.mpi_op
         self._max = _config.max_count()
         buffers = getattr(self._MPI, "buffer", None) or self._MPI.memory  # mpi4py 4 / 3
         self._address = buffers.fromaddress
@@ -354,7 +358,7 @@ class CudaAwareMPITransport(DeviceTransport):
     def _plan(self, info, op: str) -> _dtypes.Wire | None:
         """How this reduction travels (the host rules, with this MPI's verified ops), or None: an integer op
         this MPI was found to get wrong (``HostTransport.reduces``), reduced through host memory instead."""
-        if info.kind in "iu" and not self._host.reduces(info.storage, "sum" if op == "mean" else op):
+        if info.kind in "iu" and not self._host.reduces(info.storage, _dtypes.wire_op(op)):
             return None
         return _dtypes.wire(info, op, self._host.reduces)
 
@@ -364,7 +368,7 @@ class CudaAwareMPITransport(DeviceTransport):
     def _datatype(self, plan: _dtypes.Wire):
         """The MPI datatype and op the encoded values are reduced with, and their item size."""
         dt = plan.ordered if plan.ordered is not None else plan.dtype
-        return self._types[dt], self._ops[plan.op], dt.itemsize
+        return self._mpi_type(dt), self._mpi_op(plan.op), dt.itemsize
 
     def broadcast(self, x, a, root):
         xp, info = self._prepare(x)
@@ -372,7 +376,7 @@ class CudaAwareMPITransport(DeviceTransport):
         is_root = self.rank == root
         buf, in_place = xp.contiguous(x, copy=is_root)
         xp.synchronize(x)
-        base, lane = xp.ptr(buf), self._lanes["broadcast"]
+        base, lane = xp.ptr(buf), self._lane("broadcast")
         for off, n in _pieces(xp.numel(x) * xp.itemsize(x), self._max):
             lane.Bcast([self._mem(base + off, n), self._MPI.BYTE], root)
         if not in_place and not is_root:
@@ -393,7 +397,7 @@ class CudaAwareMPITransport(DeviceTransport):
         xp.synchronize(x)
         datatype, mop, size = self._datatype(plan)
         base = xp.ptr(wire)
-        lane = self._lanes["allreduce" if root is None else "reduce"]
+        lane = self._lane("allreduce" if root is None else "reduce")
         for off, n in _pieces(xp.numel(x), self._max):
             mem = [self._mem(base + off * size, n * size), n, datatype]
             if root is None:
@@ -417,7 +421,7 @@ class CudaAwareMPITransport(DeviceTransport):
 
     def allgather(self, x, a):
         xp, send, out, nbytes = self._allgather_buffers(x)
-        lane = self._lanes["allgather"]
+        lane = self._lane("allgather")
         if nbytes and nbytes <= self._max:
             xp.synchronize(x)
             lane.Allgather([self._mem(xp.ptr(send), nbytes), self._MPI.BYTE],
@@ -447,7 +451,7 @@ class CudaAwareMPITransport(DeviceTransport):
         xp.synchronize(x)
         datatype, mop, size = self._datatype(plan)
         if n:
-            self._lanes["reduce_scatter"].Reduce_scatter_block(
+            self._lane("reduce_scatter").Reduce_scatter_block(
                 [self._mem(xp.ptr(wire), n * self.size * size), n, datatype],  # n per block
                 [self._mem(xp.ptr(recv), n * size), n, datatype], mop)
         self._decode(xp, recv, plan, out, fresh)
@@ -463,6 +467,6 @@ class CudaAwareMPITransport(DeviceTransport):
         out = xp.empty(xp.shape(x), like=x)
         if nbytes:
             xp.synchronize(x)
-            self._lanes["alltoall"].Alltoall([self._mem(xp.ptr(send), nbytes), self._MPI.BYTE],
-                                             [self._mem(xp.ptr(out), nbytes), self._MPI.BYTE])
+            self._lane("alltoall").Alltoall([self._mem(xp.ptr(send), nbytes), self._MPI.BYTE],
+                                            [self._mem(xp.ptr(out), nbytes), self._MPI.BYTE])
         return out

@@ -19,9 +19,15 @@ from .self import SelfTransport
 
 
 def _mpi_transport(comm):
-    from .mpi import MPITransport  # imports mpi4py: only when MPI is asked for
+    """The MPI transport: with a deadline on every call where ``COLLECTIVES_TIMEOUT`` is set (read once,
+    here), so that the plain transport's calls stay plain."""
+    from .mpi import DeadlineMPITransport, MPITransport  # imports mpi4py: only when MPI is asked for
 
-    return MPITransport(comm)
+    try:
+        timeout = _config.timeout()
+    except ValueError:  # malformed: refused on every rank as the transport is made, once the ranks can agree
+        timeout = None
+    return MPITransport(comm) if timeout is None else DeadlineMPITransport(comm, timeout)
 
 
 def host_transport(backend: str, comm) -> HostTransport:

@@ -3,10 +3,10 @@
 The library never talks on the user's communicator: it works on its own duplicate. MPI is initialised
 here only if nobody did it before, at the thread level chosen in ``COLLECTIVES_MPI_THREAD_LEVEL``.
 
-With ``COLLECTIVES_TIMEOUT`` set (read once, when the transport is made), ``MPITransport(...)`` makes a
-:class:`DeadlineMPITransport` instead: the same operations through MPI's non-blocking collectives,
-polled until they complete or the deadline passes (then :class:`CollectiveTimeoutError`). Without it the
-plain blocking calls run and nothing is added per call.
+With ``COLLECTIVES_TIMEOUT`` set (read once, when the transport is made), the factory
+(``factory.host_transport``) makes a :class:`DeadlineMPITransport` instead: the same operations through
+MPI's non-blocking collectives, polled until they complete or the deadline passes (then
+:class:`CollectiveTimeoutError`). Without it the plain blocking calls run and nothing is added per call.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 
 from .. import _config, _trace
 from .. import _call
-from .._dtypes import divide, from_numpy
+from .._dtypes import divide, from_numpy, wire_op
 from .._errors import BackendUnavailableError, CollectiveError, CollectiveTimeoutError, MismatchError
 from .._poll import poll
 from . import shm  # large allreduces through a node-shared window (made at first use), issue 7
@@ -33,10 +33,16 @@ from .base import DONE, P2P_OPERATIONS, HostTransport, Request
 
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
 
-# The lanes: one MPI communicator per kind of collective (see MPITransport.__init__), and one for the
-# fingerprints the non-blocking paths reduce beside each call (see _fingerprint).
+# The lanes: one MPI communicator per kind of collective (see _Lanes), one for the fingerprints the
+# non-blocking paths reduce beside each call (see _fingerprint), and "groups", the parent of the
+# communicators that only their members make (create_group).
 LANES = ("allreduce", "reduce", "broadcast", "allgather", "gather", "reduce_scatter", "alltoall", "barrier", "objects",
-         "fingerprint", "p2p", "p2p_data")  # p2p: the headers of send/recv; p2p_data: their data (see send)
+         "fingerprint", "p2p", "p2p_data", "groups")  # p2p: the headers of send/recv; p2p_data: their data (see send)
+# Made with the transport: the fingerprint lane (the first use of every other lane is agreed on it) and the
+# point-to-point lanes (two ranks take part in a message: there is no point where every rank is). The
+# others are made at their first use (_Lanes).
+EAGER_LANES = ("fingerprint", "p2p", "p2p_data")
+_LANE_CODE = 1000  # the wire "collective" field of a lane's making: this plus the lane's index in LANES
 # A call's fingerprint: the caller's call as the engine described it (_call.FIELDS: collective, op as named,
 # exact dtype, structure, root, count; all -1 where no engine call is behind it), then the MPI call itself
 # (WIRE_FIELDS: which MPI collective, how many elements of which wire dtype, wire op, root).
@@ -190,23 +196,35 @@ def _reduces_locally(MPI, datatype) -> bool:
     return True
 
 
+class _Lanes(dict):
+    """A transport's lanes (MPI communicators) by name, each kind's made at its first use.
+
+    Making a lane (``MPI_Comm_dup``) is collective, and MPI matches the duplications of one communicator
+    by their order alone: if one rank made its allreduce lane at the same time as another made its barrier
+    lane, the two would be one communicator, and the two collectives would meet on it (what the lanes
+    exist to prevent). A program whose ranks make the same calls in the same order reaches the first use of
+    a kind at the same call on every rank; so that a program whose ranks do not is caught there, every
+    rank first reduces a fingerprint of the lane it is about to make on the fingerprint lane, in the order
+    of the calls, as the non-blocking calls reduce theirs (``MPITransport._begin_making``): a rank making
+    another lane, or calling a collective whose lane it has, meets it there, and every rank raises
+    :class:`MismatchError` before any call runs on the duplicate begun beside it."""
+
+    __slots__ = ("_make",)
+
+    def __init__(self, make):
+        super().__init__()
+        self._make = make
+
+    def __missing__(self, name):
+        lane = self[name] = self._make(name)
+        return lane
+
+
 class MPITransport(HostTransport):
     name = "mpi"
     fingerprints = True  # reduce a fingerprint beside every non-blocking call (_begin); off only in benchmarks
     timeout: float | None = None  # seconds; set only on a DeadlineMPITransport
     timeout_setting = "COLLECTIVES_TIMEOUT"  # what set the bound (named when it expires)
-
-    def __new__(cls, comm=None):
-        if cls is MPITransport:  # the deadline is chosen once, here, so the plain calls stay plain
-            try:
-                timeout = _config.timeout()
-            except ValueError:  # malformed: refused on every rank in __init__, once the ranks can agree
-                timeout = None
-            if timeout is not None:
-                self = super().__new__(DeadlineMPITransport)
-                self.timeout = timeout
-                return self
-        return super().__new__(cls)
 
     def __init__(self, comm=None):
         try:
@@ -254,9 +272,12 @@ class MPITransport(HostTransport):
         # One MPI communicator per kind of collective (a "lane"), so that MPI can never match one collective
         # with another (an allreduce on one rank with a barrier or an allgather on another: MPI leaves that
         # undefined, and MPICH matches non-blocking collectives by their order alone); self.comm carries the
-        # agreement protocol and the library's own metadata. Made here, eagerly: a lane made at first use
-        # would be made by different ranks in different collectives' first calls.
-        self._lanes = {name: self.comm.Dup() for name in LANES}
+        # agreement protocol and the library's own metadata. A kind's lane is made at its first use, agreed
+        # first (_Lanes); the fingerprint and point-to-point lanes here.
+        self._lanes: dict = _Lanes(self._make_lane)  # closing empties it (a plain dict: no lane made again)
+        self._making: dict[str, _Making] = {}  # lane name -> its making, begun by a non-blocking call
+        for name in EAGER_LANES:
+            self._lanes[name] = self.comm.Dup()
         self._abandoned: list = []  # requests left pending by a failure (never freed: MPI may still write)
         self._fingerprints: dict = {}  # call key -> (fields and negations, their bytes), see _fingerprint
         self._max_op = MPI.MAX
@@ -288,7 +309,7 @@ class MPITransport(HostTransport):
         """A direct call for contiguous writable NumPy arrays of ``dtype`` (the Communicator's hot path),
         or None when this pair needs the general path (widening, chunking). ``op`` "broadcast" means
         broadcast; the returned callable then takes ``(x, root)``."""
-        comm, in_place, max_count = self._lanes["allreduce"], self._in_place, self._max_count
+        in_place, max_count = self._in_place, self._max_count
         if op == "broadcast":
             bcast, byte = self._lanes["broadcast"].Bcast, self.MPI.BYTE
             if max_count < DEFAULT_MAX_COUNT:  # the user asked for pieces: honour it on every call
@@ -319,9 +340,9 @@ class MPITransport(HostTransport):
 
             return run_bcast_any_size
         datatype = self._types.get(dtype)
-        if datatype is None or not self.reduces(dtype, "sum" if op == "mean" else op):
+        if datatype is None or not self.reduces(dtype, wire_op(op)):
             return None  # float16 this MPI cannot reduce, or a pair it reduces wrongly: widened instead
-        allreduce, shm_at = comm.Allreduce, self._shm_threshold
+        allreduce, shm_at = self._lanes["allreduce"].Allreduce, self._shm_threshold
         if op == "mean":
             if dtype.kind not in "fc":
                 return None
@@ -423,6 +444,8 @@ class MPITransport(HostTransport):
         """The node-shared window, made at first use: collective, and safe where every rank is in the same
         allreduce (``wait``: as in :meth:`_shm_allreduce`)."""
         if self._shm is None:
+            if wait is not None and "allreduce" not in self._lanes:  # its making bounded as this call is
+                self._make_lane("allreduce", lambda what, req: wait(req))
             lane = self._lanes["allreduce"]  # made on the allreduce lane: only an allreduce can meet it
             if wait is not None:  # every rank has arrived (within the deadline) before the blocking setup
                 wait(lane.Ibarrier())
@@ -504,18 +527,17 @@ class MPITransport(HostTransport):
         The torch backend's groups ask for it: torch's callers wait for every Work (DDP at once, through
         ``get_future``), and MPI's ``Iallreduce`` moves large messages at a fraction of the window's speed.
         Collective in effect: every rank of the transport must ask alike (the group's creation does)."""
+        variable = _config.timeout()  # read here, once (as the torch backend's group reads it for its Works)
+        if variable is not None and (seconds is None or variable < seconds):
+            seconds, setting = variable, "COLLECTIVES_TIMEOUT"
         self._at_start = (seconds, setting)
 
     def _allreduce_at_start(self, buf, op) -> bool:
         return self._bounded_shm(buf, op, self._wait_at_start)
 
     def _wait_at_start(self, what, req) -> None:
-        """A wait of :meth:`_allreduce_at_start`: bounded by the smaller of the asked bound and
-        ``COLLECTIVES_TIMEOUT``, read now (as a torch Work's ``wait()`` reads it)."""
+        """A wait of :meth:`_allreduce_at_start`: bounded as :meth:`allreduce_at_start` was asked."""
         seconds, setting = self._at_start  # type: ignore[misc]  # set: only _allreduce_at_start waits here
-        variable = _config.timeout()
-        if variable is not None and (seconds is None or variable < seconds):
-            seconds, setting = variable, "COLLECTIVES_TIMEOUT"
         self._wait_within(what, req, seconds, setting)
 
     def _bounded_shm(self, buf, op, wait) -> bool:
@@ -531,7 +553,7 @@ class MPITransport(HostTransport):
         if self._shm is not None and not self._shm.supports(buf.dtype, op, bounded=True):
             return False
         if self.size > 1:
-            req, check = self._fingerprint("allreduce", buf, "sum" if op == "mean" else op)
+            req, check = self._fingerprint("allreduce", buf, wire_op(op))
             wait(what, req)
             self._verify(check, what)
         return self._shm_allreduce(buf, op, lambda req: wait(what, req))
@@ -595,10 +617,12 @@ class MPITransport(HostTransport):
             return buf.nbytes // self.size <= self._max_count
         return buf.nbytes <= self._max_count  # broadcast, allgather, gather
 
-    def _begin(self, operation, *args) -> _MPIRequest:
+    def _begin(self, operation, *args) -> Request:
         """Start one MPI call of ``operation`` and, before it, the reduction of its fingerprint
         (:meth:`_fingerprint`) on the fingerprint lane: when the call's request completes, every rank
         has learnt whether every rank made the same call, and raises :class:`MismatchError` if not."""
+        if operation not in self._lanes:  # its first call: started once its lane is made (never blocks here)
+            return _FirstCall(self, operation, args)
         check = self._fingerprint(operation, *args) if self.size > 1 and self.fingerprints else None
         return _MPIRequest(self, getattr(self, "_i" + operation)(*args), (operation, args), check)
 
@@ -628,6 +652,64 @@ class MPITransport(HostTransport):
                 self._fingerprints[key] = hit
         v = hit[0].copy()
         return self._lanes["fingerprint"].Iallreduce(self._in_place, v, self._max_op), (v, hit[1])
+
+    def _make_lane(self, name: str, wait=None):
+        """The lane ``name`` at its first use (``_Lanes``), made now: its making (:meth:`_begin_making`, or
+        the one a non-blocking call began) completed with ``wait(what, request)`` (default: this transport's
+        wait, under the deadline of a :class:`DeadlineMPITransport`)."""
+        making = self._making.get(name) or self._begin_making(name)
+        self._advance(making, wait or self._wait)
+        return making.lane
+
+    def _begin_making(self, name: str) -> _Making:
+        """Begin making the lane ``name``: the fingerprint of its making reduced on the fingerprint lane (in
+        the order of the calls, so it meets whatever the other ranks reduce there at this point), and
+        ``MPI_Comm_idup`` of the transport's communicator. The lane is used only once the fingerprint shows
+        every rank making it (``_advance``)."""
+        if name in EAGER_LANES or name not in LANES:
+            raise KeyError(name)  # closed (its lanes are gone), or not a lane
+        self.usable()
+        check = None
+        if self.size > 1:
+            v = np.zeros(2 * len(FIELDS), dtype=np.int64)
+            # the caller's call as the engine described it (as in _fingerprint: a mismatch names both calls);
+            # where none is (a hot-path entry being made), the lane's collective
+            caller = self.caller or (_call.COLLECTIVES.index(name) if name in _call.COLLECTIVES else -1,) + _NO_CALLER[1:]
+            v[:len(FIELDS)] = caller + (_LANE_CODE + LANES.index(name), 0, 0, -1, -1)
+            v[len(FIELDS):] = -v[:len(FIELDS)]
+            mine = v.tobytes()
+            check = (self._lanes["fingerprint"].Iallreduce(self._in_place, v, self._max_op), (v, mine))
+        lane, dup = self.comm.Idup()
+        making = self._making[name] = _Making(name, lane, dup, check)
+        return making
+
+    def _advance(self, making: _Making, wait=None) -> bool:
+        """Move the making of a lane on: with ``wait`` until it is complete, else as far as it can without
+        blocking; True once complete. Complete: the fingerprint checked (MismatchError on every rank if the
+        ranks are not all making this lane), the duplicate made, the lane in use, and the calls that waited
+        for it started, in the order they were made."""
+        what = (f"the first {making.name} call (its lane's making)", None, None)
+        try:
+            if making.check is not None:
+                if wait is not None:
+                    wait(what, making.check[0])
+                elif not making.check[0].Test():
+                    return False
+                check, making.check = making.check, None
+                self._verify(check[1], what)
+            if wait is not None:
+                wait(what, making.dup)
+            elif not making.dup.Test():
+                return False
+        except BaseException:
+            self.abandon(making)  # pending for good (its duplicate, its fingerprint): MPI may still write
+            raise
+        del self._making[making.name]
+        self._lanes[making.name] = making.lane
+        waiting, making.waiting = making.waiting, []
+        for call in waiting:
+            call.start()
+        return True
 
     def _verify(self, check, what) -> None:
         """Raise :class:`MismatchError` (and fail this transport) unless the reduced fingerprint shows
@@ -992,6 +1074,39 @@ class MPITransport(HostTransport):
     def barrier(self):
         self._lanes["barrier"].Barrier()
 
+    # ---- the lanes, and communicators of their own ----
+    def lane(self, name: str):
+        """The MPI communicator of one kind of collective (a name in :data:`LANES`), for a transport that
+        runs that kind's MPI calls itself (CUDA-aware MPI). Collective at a kind's first use (made then,
+        agreed first: see ``_Lanes``): every rank calls it for the same kind at the same point."""
+        return self._lanes[name]
+
+    def mpi_type(self, dtype: np.dtype):
+        """The MPI datatype of NumPy ``dtype`` (KeyError where this MPI has none, e.g. float16 on some)."""
+        return self._types[dtype]
+
+    def mpi_op(self, op: str):
+        """The MPI op of the library's ``op`` ("sum", "prod", "min", "max", ...)."""
+        return self._ops[op]
+
+    def create_group(self, ranks):
+        """An mpi4py communicator of exactly ``ranks`` (ranks of this transport), made by those ranks
+        alone (``MPI_Comm_create_group`` on the "groups" lane); None on a rank not among them. The lane is
+        made collectively: every rank calls ``lane("groups")`` first, at one point."""
+        lane = self._lanes.get("groups")
+        if lane is None:
+            raise RuntimeError("create_group: every rank must first call lane('groups') (collectively)")
+        group = lane.Get_group().Incl(sorted(ranks))
+        try:
+            sub = lane.Create_group(group, tag=0)
+        finally:
+            group.Free()
+        return None if sub == self.MPI.COMM_NULL else sub
+
+    def _like(self, comm) -> MPITransport:
+        """A transport of this kind on ``comm`` (collective over it)."""
+        return MPITransport(comm)
+
     def split(self, color, key, timeout=None):
         """``MPI_Comm_split`` of this transport's communicator, then a transport of the same kind (a
         deadline too, with the same ``timeout``) on a duplicate of the part; a deadline transport where
@@ -999,21 +1114,22 @@ class MPITransport(HostTransport):
         part = self.comm.Split(self.MPI.UNDEFINED if color is None else color, key)
         if part == self.MPI.COMM_NULL:
             return None
-        kind, setting = type(self), self.timeout_setting
-        if timeout is not None and (self.timeout is None or timeout < self.timeout):
-            kind, setting = DeadlineMPITransport, "timeout"
+        child: MPITransport
         try:
-            child = MPITransport.__new__(kind)
-            if kind is DeadlineMPITransport:
-                child.timeout = self.timeout if setting == self.timeout_setting else timeout
-                child.timeout_setting = setting
-            child.__init__(part)  # collective over the part: its own duplicate, node communicator, settings
+            if timeout is not None and (self.timeout is None or timeout < self.timeout):
+                child = DeadlineMPITransport(part, timeout)  # collective over the part, as _like
+                child.timeout_setting = "timeout"
+            else:
+                child = self._like(part)  # collective over the part: its own duplicate, node communicator, settings
         finally:
             part.Free()
         child.check_nan = child.check_nan or self.check_nan  # on if on for the parent (agreed there) or here
         return child
 
     def close(self):
+        for making in getattr(self, "_making", {}).values():
+            self.abandon(making)  # a lane whose making was never waited for: left to the end of the process
+        self._making = {}
         if self.failed is not None:  # a request may still be pending on it: freeing could block; leave it
             self.comm, self._lanes, self._shm = None, {}, None  # (to the end of the process)
             return
@@ -1115,6 +1231,60 @@ class _MPIRequest(Request):
                 self._transport.abandon(self)
                 raise
             self._done = True
+
+
+class _Making:
+    """A lane being made (``MPITransport._begin_making``): its name, the new communicator (usable once
+    ``dup`` completes), the fingerprint of its making (``(request, (buffer, this rank's bytes))``, None
+    once checked or at one rank), and the non-blocking calls waiting for it (:class:`_FirstCall`)."""
+
+    __slots__ = ("check", "dup", "lane", "name", "waiting")
+
+    def __init__(self, name, lane, dup, check):
+        self.name, self.lane, self.dup, self.check = name, lane, dup, check
+        self.waiting: list[_FirstCall] = []
+
+
+class _FirstCall(Request):
+    """A non-blocking call of a kind whose lane is not made yet: its fingerprint is reduced at once (in the
+    order of the calls), its MPI call started when the lane is made, which any test or wait of a call
+    waiting for that lane moves on (``MPITransport._advance``); from then on it is that call's
+    :class:`_MPIRequest`. Starting it never blocks, as MPI's non-blocking calls do not. (So a rank that
+    gives up waiting for a kind's first call, a timeout, never posted its MPI call: a late rank's
+    matching call then times out too, where one on a made lane could still complete.)"""
+
+    def __init__(self, transport, operation, args):
+        self._transport, self._operation, self._args = transport, operation, args
+        making = transport._making.get(operation) or transport._begin_making(operation)
+        self._making = making
+        making.waiting.append(self)
+        self._check = (transport._fingerprint(operation, *args) if transport.size > 1 and transport.fingerprints
+                       else None)
+        self._request: _MPIRequest | None = None
+
+    def start(self) -> None:
+        t = self._transport
+        self._request = _MPIRequest(t, getattr(t, "_i" + self._operation)(*self._args), (self._operation, self._args),
+                                    self._check)
+
+    def test(self) -> bool:
+        if self._request is None:
+            self._transport.usable()
+            if not self._transport._advance(self._making):
+                return False
+        assert self._request is not None  # started by _advance
+        return self._request.test()
+
+    def wait(self) -> None:
+        if self._request is None:
+            self._transport.usable()
+            try:
+                self._transport._advance(self._making, self._transport._wait)
+            except BaseException:  # its fingerprint may be pending for good: kept, with its buffer
+                self._transport.abandon(self)
+                raise
+        assert self._request is not None  # started by _advance
+        self._request.wait()
 
 
 class _Status:
@@ -1294,8 +1464,7 @@ def _fingerprint_message(what, mine, high, low, rank: int, size: int) -> str:
     this = _mine(mine) if described else f"{name}{f' of {buf.size} x {buf.dtype}' if buf is not None else ''}"
     collective = 0 if high[0] != low[0] else n if high[n] != low[n] else None
     if collective is not None:
-        called = " and ".join(dict.fromkeys(_call.render("collective", int(v)) if v >= 0 else "a call of the library's own"
-                                            for v in (low[collective], high[collective])))
+        called = " and ".join(dict.fromkeys(_collective(int(v)) for v in (low[collective], high[collective])))
         head = f"ranks called different collectives at the same point: {called} (this rank, {rank} of {size}: {this})"
         s = _call.FIELDS.index("structure")
         if high[s] != low[s]:  # a front end's own calls (a bucket's layout, a meeting): named, as they were
@@ -1316,6 +1485,15 @@ def _fingerprint_message(what, mine, high, low, rank: int, size: int) -> str:
     return (f"{head}. Every rank must make the same calls in the same order, with the same arguments. Detected "
             f"beside the call, after it was started: the communicator cannot be used further (run with "
             f"COLLECTIVES_CHECK=1 to have such calls refused before anything moves, the communicator usable)")
+
+
+def _collective(code: int) -> str:
+    """A fingerprint's collective field, for messages."""
+    if code < 0:
+        return "a call of the library's own"
+    if code >= _LANE_CODE:
+        return f"the first {LANES[code - _LANE_CODE]} call (its lane's making)"
+    return _call.render("collective", code)
 
 
 def _mine(fields) -> str:
@@ -1347,10 +1525,20 @@ class DeadlineMPITransport(MPITransport):
     the same way, so they too are bounded; ``mean`` of floats is the one hot-path call (the window
     divides while copying out).
 
-    Made by ``MPITransport(comm)`` when ``COLLECTIVES_TIMEOUT`` is set; not constructed directly.
+    Made by the factory (``factory.host_transport``) when ``COLLECTIVES_TIMEOUT`` is set.
     """
 
     checks_beside = True  # every call is non-blocking with its fingerprint (the hot path's too)
+    timeout: float
+
+    def __init__(self, comm, timeout: float):
+        self.timeout = timeout
+        super().__init__(comm)
+
+    def _like(self, comm) -> MPITransport:
+        child = DeadlineMPITransport(comm, self.timeout)
+        child.timeout_setting = self.timeout_setting
+        return child
 
     @property
     def can_broadcast_many(self) -> bool:

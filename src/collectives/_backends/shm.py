@@ -48,7 +48,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .._dtypes import divide
+from .._dtypes import divide, wire_op
 from .._errors import MismatchError
 
 KERNELS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum, "mean": np.add}
@@ -189,7 +189,7 @@ class Reducer:
             return False
         if not self.multi_node:
             return True  # NumPy reduces every byte on the node
-        return dtype in self._types and self._mpi_reduces(dtype, "sum" if op == "mean" else op)
+        return dtype in self._types and self._mpi_reduces(dtype, wire_op(op))
 
     def _views(self, dtype: np.dtype):
         views = self._regions.get(dtype)
