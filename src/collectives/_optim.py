@@ -24,7 +24,7 @@ from ._tree import WRAPPER_ATTRIBUTE, is_array, map_leaves
 def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_step: int = 1,
                          bucket_bytes: int | None = None, comm=None, overlap: bool = True,
                          grad_views: bool = True, missing_grads: str = "error", shard_state: bool = False,
-                         compression: str | None = None):
+                         compression: str | None = None, reproducible: bool = False):
     """Wrap an optimizer so that every update uses gradients averaged over all ranks.
 
     Two kinds of optimizer are accepted:
@@ -177,6 +177,18 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
         raise ValueError(f"compression averages or sums (in float32); op={op!r} is not supported with it")
     if missing_grads not in MISSING_GRADS:
         raise ValueError(f"missing_grads must be one of {', '.join(map(repr, MISSING_GRADS))}, got {missing_grads!r}")
+    if not isinstance(reproducible, bool):
+        raise TypeError(f"reproducible must be True or False, got {type(reproducible).__name__} {reproducible!r}")
+    if reproducible:
+        from ._units import REFUSED
+
+        if op not in ("mean", "sum"):
+            raise ValueError(f"reproducible=True sums or averages the gradients exactly; op={op!r} is not a sum: "
+                             f"use op='mean' or op='sum'")
+        for name, given in (("compression", compression is not None), ("shard_state", shard_state),
+                            ("backward_passes_per_step", backward_passes_per_step != 1)):
+            if given:
+                raise ValueError(f"DistributedOptimizer: {name} with reproducible=True: {REFUSED[name]}")
     if isinstance(optimizer, TorchDistributedOptimizer) or getattr(getattr(optimizer, "update", None),
                                                                    "_collectives_distributed", False):
         raise ValueError("this optimizer is already a DistributedOptimizer; wrap the inner optimizer once")
@@ -191,7 +203,8 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
         return TorchDistributedOptimizer(optimizer, op=op, backward_passes_per_step=backward_passes_per_step,
                                          bucket_bytes=bucket_bytes, comm=c, overlap=overlap,
                                          grad_views=grad_views, missing_grads=missing_grads,
-                                         shard_state=shard_state, compression=compression)
+                                         shard_state=shard_state, compression=compression,
+                                         reproducible=reproducible)
     if callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None)):
         if shard_state or missing_grads != "error" or compression is not None:
             raise ValueError(
@@ -199,7 +212,7 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
                 "shard_state and missing_grads are for torch optimizers (an optax update gets the whole "
                 "gradient tree, and its gradients are never missing), and so is compression. overlap and grad_views have no effect "
                 "(the gradients exist only once the whole backward pass has run)")
-        return _transformation(optimizer, op, backward_passes_per_step, bucket_bytes, c)
+        return _transformation(optimizer, op, backward_passes_per_step, bucket_bytes, c, reproducible)
     raise TypeError(
         f"DistributedOptimizer expects a torch-like optimizer (with param_groups and step) or an optax-like "
         f"one (with init and update functions); got {type(optimizer).__name__}"
@@ -243,8 +256,11 @@ class TorchDistributedOptimizer:
 
     def __init__(self, optimizer, *, op: str = "mean", backward_passes_per_step: int = 1,
                  bucket_bytes: int | None = None, comm=None, overlap: bool = True, grad_views: bool = True,
-                 missing_grads: str = "error", shard_state: bool = False, compression: str | None = None):
+                 missing_grads: str = "error", shard_state: bool = False, compression: str | None = None,
+                 reproducible: bool = False):
         self.inner = optimizer
+        self.reproducible = reproducible
+        self._units = None  # reproducible=True: the backward passes' gradients, one unit each (_units)
         self.compression = compression
         self.comm = _resolve(comm)
         self.op = op
@@ -262,6 +278,11 @@ class TorchDistributedOptimizer:
         self._waiting = None  # the meeting a call gave up on (a retry on every rank completes it)
 
     def _make_engine(self):
+        if self.reproducible:
+            from ._units import TorchUnits
+
+            self._units = TorchUnits(self.inner, self.comm, self.op)
+            return None
         if not (self.overlap or self.shard_state or self.compression):
             return None
         from . import _overlap
@@ -287,6 +308,8 @@ class TorchDistributedOptimizer:
         """
         if self._engine is not None:
             self._engine.close()
+        if self._units is not None:
+            self._units.close()
 
     def __getattr__(self, name):
         inner = self.__dict__.get("inner")
@@ -304,7 +327,7 @@ class TorchDistributedOptimizer:
                             "optimizer state: save state_dict() (the full state) instead of pickling it")
         state = dict(self.__dict__)
         state["comm"] = None
-        state["_engine"] = None
+        state["_engine"] = state["_units"] = None
         return state
 
     def __setstate__(self, state):
@@ -324,7 +347,7 @@ class TorchDistributedOptimizer:
         memo[id(self.comm)] = self.comm  # shared, not copied
         clone = object.__new__(type(self))
         memo[id(self)] = clone
-        state = {k: v for k, v in self.__dict__.items() if k != "_engine"}
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_engine", "_units")}
         clone.__dict__.update(copy.deepcopy(state, memo))
         clone._engine = clone._make_engine()
         return clone
@@ -332,6 +355,7 @@ class TorchDistributedOptimizer:
     def __repr__(self) -> str:
         extra = "" if self.overlap else ", overlap=False"
         extra += ", shard_state=True" if self.shard_state else ""
+        extra += ", reproducible=True" if self.reproducible else ""
         return (f"DistributedOptimizer({self.inner!r}, op={self.op!r}, "
                 f"backward_passes_per_step={self.backward_passes_per_step}{extra})")
 
@@ -359,6 +383,10 @@ class TorchDistributedOptimizer:
             >>> bool((p.grad == p.grad[0]).all())
             True
         """
+        if self._units is not None:
+            self._units.sum()
+            self._averaged = True
+            return
         if self._engine is not None:
             with self._told_apart():
                 self._engine.finish()
@@ -420,6 +448,8 @@ class TorchDistributedOptimizer:
         if closure is not None and k > 1:
             raise ValueError("step(closure) is not supported with backward_passes_per_step > 1: the closure "
                              "would run one backward pass more than the k accumulated ones")
+        if self._units is not None:
+            return self._unit_step(closure, amp)
         engine = self._engine
         self._passes += 1
         if self._passes < k:
@@ -470,6 +500,20 @@ class TorchDistributedOptimizer:
         self._averaged = False
         return self.inner.step(averaged_closure)
 
+    def _unit_step(self, closure, amp):
+        """step() with reproducible=True: the units' exact mean (or sum) into ``.grad``, then the inner step."""
+        if closure is not None or amp is not None:
+            self._averaged = False
+            _amp_done(self)
+            what = "step(closure)" if closure is not None else "torch.amp.GradScaler"
+            raise RuntimeError(f"DistributedOptimizer(reproducible=True) does not support {what}: every backward() "
+                               "pass is one unit, summed at step(); run the backward passes, then step() (for "
+                               "gradient scaling, scale the loss by a fixed power of two and divide it out)")
+        if not self._averaged:
+            self._units.sum()  # type: ignore[union-attr]  # (checked by the caller)
+        self._averaged = False
+        return self.inner.step()
+
     def _grads(self) -> list:
         return [p.grad for group in self.inner.param_groups for p in group["params"] if p.grad is not None]
 
@@ -507,6 +551,8 @@ class TorchDistributedOptimizer:
         engine = self._engine
         if engine is None:
             self.inner.add_param_group(param_group)
+            if self._units is not None:
+                self._units.hook_params()
             return
         if self.shard_state:
             self._meet("add_param_group()")
@@ -744,7 +790,7 @@ def _add(a, b):
     return None if a is None else a + b
 
 
-def _transformation(inner, op: str, k: int, bucket_bytes, comm) -> DistributedTransformation:
+def _transformation(inner, op: str, k: int, bucket_bytes, comm, reproducible: bool = False) -> DistributedTransformation:
     def init(params):
         acc = map_leaves(_zeros_like, params) if k > 1 else None
         return DistributedState(inner.init(params), acc, 0)
@@ -759,6 +805,12 @@ def _transformation(inner, op: str, k: int, bucket_bytes, comm) -> DistributedTr
                             "computation (jax.jit(jax.value_and_grad(loss))), call "
                             "`updates, state = opt.update(grads, state, params)` on the arrays it returns, then "
                             "optax.apply_updates (it may be jitted on its own)")
+        if reproducible:  # grads: this rank's units, a list of gradient trees (_units)
+            from ._units import sum_units
+
+            grads = sum_units(grads, params, op, comm)
+            updates, inner_state = inner.update(grads, state.inner_state, params, **extra)
+            return updates, DistributedState(inner_state, None, 0)
         if k == 1:
             grads = allreduce_tree(grads, op, comm=comm, bucket_bytes=bucket_bytes)
             updates, inner_state = inner.update(grads, state.inner_state, params, **extra)
