@@ -322,11 +322,8 @@ def decode(summed: np.ndarray, info: _dtypes.DType, global_codes: np.ndarray, op
                 v[c == 0] = -0.0
             if special:
                 _specials_out(rows[0, lo:hi], fmt, c, v)
-            if op == "mean" and fmt is not _BFLOAT16:  # divided in float64 and rounded into the dtype, one pass
-                np.divide(v, terms, out=flat[lo:hi], casting="unsafe")
-                continue
             if op == "mean":
-                np.divide(v, terms, out=v)
+                _dtypes.divide(v, terms)
             _store(v, flat[lo:hi], fmt)
 
 
