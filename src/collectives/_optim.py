@@ -98,6 +98,24 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
       averages ``grads`` over the ranks and then calls the inner ``update``. Call it outside ``jax.jit``
       (the communication runs on the host).
 
+    **The same bits at any number of ranks** (``reproducible=True``, with op ``"mean"`` or ``"sum"``): the
+    unit of an exact sum (:func:`allreduce_units`) is one micro-batch's gradient, whichever rank computed
+    it, so with the global batch, its micro-batches, the seed, the data order and the initial values kept
+    fixed the parameters after any number of steps are bitwise the same at any number of ranks and any
+    split of the micro-batches among them (docs/guide-data-parallel.md, "The same bits at any number of
+    ranks").
+
+    - torch: every ``backward()`` pass is one unit. A hook takes each parameter's gradient at the end of
+      the pass (``.grad`` is then ``None``: the next pass does not add to it); ``step()``, called once per
+      global batch after this rank's passes (any number, 0 included), sums every rank's units per dtype
+      and divides by their number (``"mean"``), then runs the inner step. A parameter without gradient in
+      some pass counts zeros for it; one without gradient anywhere keeps ``.grad`` ``None``.
+      ``zero_grad()`` drops nothing; ``average_gradients()`` sums early. No overlap with backward
+      (``overlap``, ``grad_views``, ``bucket_bytes`` have no effect); ``step(closure)`` and GradScaler are a
+      RuntimeError.
+    - optax-like: ``update(units, state, params)`` takes this rank's units as a list of gradient trees, one
+      per micro-batch (``[]`` on a rank without any: ``params`` then gives the structure).
+
     Gradient accumulation, ``backward_passes_per_step=k`` (Horovod's name): ranks communicate only
     every k-th step.
 
@@ -125,6 +143,7 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
             only is (see above).
         shard_state: torch: shard the optimizer state over the ranks (see above).
         compression: torch: ``None`` (default), ``"fp16"`` or ``"bf16"``: the type gradients travel in.
+        reproducible: sum micro-batch gradients exactly, the same bits at any number of ranks (see above).
 
     Returns:
         A :class:`TorchDistributedOptimizer` or a :class:`DistributedTransformation`.
@@ -135,7 +154,9 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
         ValueError: ``backward_passes_per_step`` is not a positive integer, the optimizer is already
             distributed, ``missing_grads`` or ``compression`` is unknown, ``compression`` with an op other
             than mean or sum, or ``shard_state``/``missing_grads``/``compression`` for an optax-like
-            optimizer.
+            optimizer; with ``reproducible=True``: ``compression``, ``shard_state``,
+            ``backward_passes_per_step`` other than 1, an op other than mean or sum, a parameter outside
+            host memory (a TypeError for one not of float16, bfloat16, float32 or float64).
 
     Example:
         >>> import numpy as np, collectives as coll
@@ -161,6 +182,17 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
         >>> opt.step()                                    # each rank steps its share; allgather
         >>> sorted(opt.state_dict()["state"])             # the full state (collective)
         [0, 1]
+
+        The same bits at any number of ranks: one backward pass per micro-batch, one unit each:
+
+        >>> model = coll.synchronize(torch.nn.Linear(4, 1))
+        >>> opt = coll.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), reproducible=True)
+        >>> data = torch.arange(24.0).reshape(6, 1, 4)         # six micro-batches, the same on every rank
+        >>> for i in range(coll.world().rank, 6, coll.world().size):    # this rank's (any split)
+        ...     model(data[i]).sum().backward()
+        >>> opt.step()                                    # the exact mean over the six units, then SGD
+        >>> model.weight.grad.tolist()                    # (0+4+...+20)/6 + j for column j
+        [[10.0, 11.0, 12.0, 13.0]]
     """
     if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int):
         raise TypeError(f"backward_passes_per_step must be a positive integer, got "
