@@ -467,8 +467,9 @@ def main(argv=None) -> int:
                    "min_us": float(medians.min()) * 1e6, "max_us": float(medians.max()) * 1e6,
                    "algbw_GBps": algbw, "busbw_GBps": algbw * bus_factor(collective, n)}
             if not math.isnan(ordinary):
-                row["ordinary_us"] = float(np.median(gathered[:, 2])) * 1e6
-                row["cost"] = row["time_us"] / row["ordinary_us"] if row["ordinary_us"] > 0 else math.inf
+                ordinary_s = float(np.median(gathered[:, 2]))
+                row["ordinary_us"] = ordinary_s * 1e6
+                row["cost"] = t / ordinary_s if ordinary_s > 0 else math.inf
             if args.check:
                 row["wrong"] = wrong
                 failed += wrong

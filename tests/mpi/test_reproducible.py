@@ -590,3 +590,26 @@ def test_reproducible_optimizer_refuses_before_anything_moves(comm):
     units = [{"w": np.full(2, float(i), np.float32)} for i in range(comm.rank, 4, comm.size)]
     updates, _ = dist.update(units, state, params)  # ranks past the fourth have no unit: params gives the tree
     assert updates["w"].tolist() == [-1.5, -1.5]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_split_path_gives_the_same_bits(comm, dtype):
+    """Large blocking allreduces take the words' reduce-scatter, decode a block per rank and allgather the
+    values (Communicator._summing_split): the bits of the one-allreduce path. The size at which it starts
+    is the communicator's SPLIT_BYTES, a private threshold set to 0 here (no public name can choose the
+    path: it is an implementation detail with the same bits by design, which this test checks)."""
+    data = global_units(dtype, seed=40 + DTYPES.index(dtype), count=29 * comm.size)
+    mine = take(data, list(range(comm.rank, UNITS, comm.size)))
+    with alone(comm) as solo:
+        want = {op: raw(coll.allreduce_units(data, op, comm=solo)) for op in ("sum", "mean")}
+    one = take(data, [comm.rank % UNITS])
+    plain = {op: raw(coll.allreduce(one[0].clone() if not isinstance(one, np.ndarray) else one[0].copy(), op,
+                                    comm=comm, reproducible=True)) for op in ("sum", "mean")}
+    comm.SPLIT_BYTES = 0
+    try:
+        for op in ("sum", "mean"):
+            assert raw(coll.allreduce_units(mine, op, comm=comm)) == want[op], op
+            x = one[0].clone() if not isinstance(one, np.ndarray) else one[0].copy()
+            assert raw(coll.allreduce(x, op, comm=comm, reproducible=True)) == plain[op], op
+    finally:
+        del comm.SPLIT_BYTES
