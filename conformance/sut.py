@@ -18,14 +18,16 @@ Optional names (their tests are skipped, with the reason, when a name is missing
 - ``synchronize``, ``allreduce_tree`` (trees), ``DistributedOptimizer``, ``shard``;
 - ``MismatchError`` (what trees raise when ranks disagree; default: any ``Exception``);
 - ``reduce_scatter(x, op="sum")``, ``alltoall(x)``, ``gather(x, root=0)``, ``broadcast_object(obj, root=0)``,
-  ``allgather_object(obj)``.
+  ``allgather_object(obj)``;
+- ``allreduce_units(units, op="sum", comm=None)`` (reproducible sums: the suite checks ``reproducible=True``
+  against it where the collectives take that keyword).
 """
 
 import collectives as _collectives
 
 REQUIRED = ("init", "broadcast", "allreduce", "reduce", "allgather", "barrier")
 OPTIONAL = ("synchronize", "allreduce_tree", "DistributedOptimizer", "shard", "MismatchError", "reduce_scatter",
-            "alltoall", "gather", "broadcast_object", "allgather_object")
+            "alltoall", "gather", "broadcast_object", "allgather_object", "allreduce_units")
 
 # Re-export what the installed collectives has: an older one without trees still runs the suite.
 for _name in REQUIRED + OPTIONAL:

@@ -179,7 +179,8 @@ def main() -> int:
         results.append(("docs snippets", ok))
 
     # The crash suite: one process of pytest that launches each failure scenario under mpiexec itself
-    # (exception, SIGKILL, mismatch, deadline, clean exit at 2 and 3 ranks) and times how the job ends.
+    # (exception, SIGKILL, mismatch, deadline, clean exit at 2 and 3 ranks) and times how the job ends; with
+    # it the jobs that need a world size of their own (the reproducible training step at 1, 2, 3 and 4 ranks).
     rc, out = run([sys.executable, "-m", "pytest", "tests/crash", "-q", "-s", "--timeout", "300"], 1200)
     p, f = pytest_counts(out)
     ok = rc == 0 and p > 0

@@ -23,8 +23,9 @@ Sizes are bytes per rank (the buffer each rank passes: for reduce_scatter and al
   across rank counts.
 
 ``--reproducible`` makes float and complex sums and means reproducible (``comm.reproducible = True``,
-as ``COLLECTIVES_REPRODUCIBLE=1`` does, which the bench also honours): run the bench with and without it
-to see the mode's cost. ``--check`` runs one more call per size on patterned data and counts the wrong elements over all ranks
+as ``COLLECTIVES_REPRODUCIBLE=1`` does, which the bench also honours), and times the ordinary call too
+(``comm.reproducible = False``, the same buffer, right after): the tables of such sums and means gain the
+columns ``ordinary(us)`` (its time, as "time") and ``cost``, the ratio of the two: the mode's cost. ``--check`` runs one more call per size on patterned data and counts the wrong elements over all ranks
 (exit status 1 if any). Progress goes to stderr on sweeps that take more than a few seconds.
 """
 
@@ -445,10 +446,18 @@ def main(argv=None) -> int:
             x = arrays.filled(count, 0 if op in (None, "sum") else 1)
             call, _ = make_call(coll, comm, collective, op or "sum", args.root, x, args.leaves)
             mine = float(np.median(time_calls(comm, call, arrays.sync, iters, args.warmup)))
+            ordinary = math.nan
+            if costed(comm, arrays, op):  # the mode's cost: the ordinary call of the same buffer, right after
+                comm.reproducible = False
+                try:
+                    call, _ = make_call(coll, comm, collective, op or "sum", args.root, x, args.leaves)
+                    ordinary = float(np.median(time_calls(comm, call, arrays.sync, iters, args.warmup)))
+                finally:
+                    comm.reproducible = True
             del x, call
             wrong = run_check(coll, comm, arrays, collective, op or "sum", args.root, count, args.leaves) \
                 if args.check else 0
-            gathered = coll.allgather(np.array([mine, float(wrong)]), comm=comm)
+            gathered = coll.allgather(np.array([mine, float(wrong), ordinary]), comm=comm)
             medians, wrong = gathered[:, 0], int(gathered[:, 1].sum())
             t = float(np.median(medians))
             moved = nbytes * (n if collective in ("allgather", "gather") else 1)
@@ -457,6 +466,10 @@ def main(argv=None) -> int:
                    "count": count, "iters": iters, "time_us": t * 1e6,
                    "min_us": float(medians.min()) * 1e6, "max_us": float(medians.max()) * 1e6,
                    "algbw_GBps": algbw, "busbw_GBps": algbw * bus_factor(collective, n)}
+            if not math.isnan(ordinary):
+                ordinary_s = float(np.median(gathered[:, 2]))
+                row["ordinary_us"] = ordinary_s * 1e6
+                row["cost"] = t / ordinary_s if ordinary_s > 0 else math.inf
             if args.check:
                 row["wrong"] = wrong
                 failed += wrong
@@ -471,6 +484,12 @@ def main(argv=None) -> int:
     elif rank == 0:
         print(f"# took {time.monotonic() - started:.1f} s" + (f"; {failed} wrong elements" if failed else ""))
     return 1 if failed else 0
+
+
+def costed(comm, arrays, op) -> bool:
+    """Whether a row times the ordinary call beside the reproducible one: a float or complex sum or mean
+    while the communicator's sums are reproducible (``--reproducible``, ``COLLECTIVES_REPRODUCIBLE=1``)."""
+    return bool(comm.reproducible) and op in ("sum", "mean") and arrays.kind in "fc"
 
 
 _printed_header = False
@@ -494,10 +513,15 @@ def print_table(info: dict, collective: str, op, rows: list[dict], check: bool) 
     print(f"#\n# {title}")
     cols = f"{'size':>10} {'count':>11} {'iters':>5} {'time(us)':>11} {'min(us)':>11} {'max(us)':>11} " \
            f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11}"
+    cost = any("cost" in r for r in rows)
+    if cost:
+        cols += f" {'ordinary(us)':>12} {'cost':>6}"
     print("#" + cols[1:] + ("  #wrong" if check else ""))
     for r in rows:
         line = (f"{r['bytes']:>10} {r['count']:>11} {r['iters']:>5} {r['time_us']:>11.2f} {r['min_us']:>11.2f} "
                 f"{r['max_us']:>11.2f} {r['algbw_GBps']:>11.3f} {r['busbw_GBps']:>11.3f}")
+        if cost:
+            line += f" {r['ordinary_us']:>12.2f} {r['cost']:>5.2f}x"
         if check:
             line += f"  {r['wrong']:>6}"
         print(line, flush=True)

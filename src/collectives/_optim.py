@@ -24,7 +24,7 @@ from ._tree import WRAPPER_ATTRIBUTE, is_array, map_leaves
 def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_step: int = 1,
                          bucket_bytes: int | None = None, comm=None, overlap: bool = True,
                          grad_views: bool = True, missing_grads: str = "error", shard_state: bool = False,
-                         compression: str | None = None):
+                         compression: str | None = None, reproducible: bool = False):
     """Wrap an optimizer so that every update uses gradients averaged over all ranks.
 
     Two kinds of optimizer are accepted:
@@ -98,6 +98,24 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
       averages ``grads`` over the ranks and then calls the inner ``update``. Call it outside ``jax.jit``
       (the communication runs on the host).
 
+    **The same bits at any number of ranks** (``reproducible=True``, with op ``"mean"`` or ``"sum"``): the
+    unit of an exact sum (:func:`allreduce_units`) is one micro-batch's gradient, whichever rank computed
+    it, so with the global batch, its micro-batches, the seed, the data order and the initial values kept
+    fixed the parameters after any number of steps are bitwise the same at any number of ranks and any
+    split of the micro-batches among them (docs/guide-data-parallel.md, "The same bits at any number of
+    ranks").
+
+    - torch: every ``backward()`` pass is one unit. A hook takes each parameter's gradient at the end of
+      the pass (``.grad`` is then ``None``: the next pass does not add to it); ``step()``, called once per
+      global batch after this rank's passes (any number, 0 included), sums every rank's units per dtype
+      and divides by their number (``"mean"``), then runs the inner step. A parameter without gradient in
+      some pass counts zeros for it; one without gradient anywhere keeps ``.grad`` ``None``.
+      ``zero_grad()`` drops nothing; ``average_gradients()`` sums early. No overlap with backward
+      (``overlap``, ``grad_views``, ``bucket_bytes`` have no effect); ``step(closure)`` and GradScaler are a
+      RuntimeError.
+    - optax-like: ``update(units, state, params)`` takes this rank's units as a list of gradient trees, one
+      per micro-batch (``[]`` on a rank without any: ``params`` then gives the structure).
+
     Gradient accumulation, ``backward_passes_per_step=k`` (Horovod's name): ranks communicate only
     every k-th step.
 
@@ -125,6 +143,7 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
             only is (see above).
         shard_state: torch: shard the optimizer state over the ranks (see above).
         compression: torch: ``None`` (default), ``"fp16"`` or ``"bf16"``: the type gradients travel in.
+        reproducible: sum micro-batch gradients exactly, the same bits at any number of ranks (see above).
 
     Returns:
         A :class:`TorchDistributedOptimizer` or a :class:`DistributedTransformation`.
@@ -135,7 +154,9 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
         ValueError: ``backward_passes_per_step`` is not a positive integer, the optimizer is already
             distributed, ``missing_grads`` or ``compression`` is unknown, ``compression`` with an op other
             than mean or sum, or ``shard_state``/``missing_grads``/``compression`` for an optax-like
-            optimizer.
+            optimizer; with ``reproducible=True``: ``compression``, ``shard_state``,
+            ``backward_passes_per_step`` other than 1, an op other than mean or sum, a parameter outside
+            host memory (a TypeError for one not of float16, bfloat16, float32 or float64).
 
     Example:
         >>> import numpy as np, collectives as coll
@@ -161,6 +182,17 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
         >>> opt.step()                                    # each rank steps its share; allgather
         >>> sorted(opt.state_dict()["state"])             # the full state (collective)
         [0, 1]
+
+        The same bits at any number of ranks: one backward pass per micro-batch, one unit each:
+
+        >>> model = coll.synchronize(torch.nn.Linear(4, 1))
+        >>> opt = coll.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), reproducible=True)
+        >>> data = torch.arange(24.0).reshape(6, 1, 4)         # six micro-batches, the same on every rank
+        >>> for i in range(coll.world().rank, 6, coll.world().size):    # this rank's (any split)
+        ...     model(data[i]).sum().backward()
+        >>> opt.step()                                    # the exact mean over the six units, then SGD
+        >>> model.weight.grad.tolist()                    # (0+4+...+20)/6 + j for column j
+        [[10.0, 11.0, 12.0, 13.0]]
     """
     if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int):
         raise TypeError(f"backward_passes_per_step must be a positive integer, got "
@@ -177,6 +209,18 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
         raise ValueError(f"compression averages or sums (in float32); op={op!r} is not supported with it")
     if missing_grads not in MISSING_GRADS:
         raise ValueError(f"missing_grads must be one of {', '.join(map(repr, MISSING_GRADS))}, got {missing_grads!r}")
+    if not isinstance(reproducible, bool):
+        raise TypeError(f"reproducible must be True or False, got {type(reproducible).__name__} {reproducible!r}")
+    if reproducible:
+        from ._units import REFUSED
+
+        if op not in ("mean", "sum"):
+            raise ValueError(f"reproducible=True sums or averages the gradients exactly; op={op!r} is not a sum: "
+                             f"use op='mean' or op='sum'")
+        for name, given in (("compression", compression is not None), ("shard_state", shard_state),
+                            ("backward_passes_per_step", backward_passes_per_step != 1)):
+            if given:
+                raise ValueError(f"DistributedOptimizer: {name} with reproducible=True: {REFUSED[name]}")
     if isinstance(optimizer, TorchDistributedOptimizer) or getattr(getattr(optimizer, "update", None),
                                                                    "_collectives_distributed", False):
         raise ValueError("this optimizer is already a DistributedOptimizer; wrap the inner optimizer once")
@@ -191,7 +235,8 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
         return TorchDistributedOptimizer(optimizer, op=op, backward_passes_per_step=backward_passes_per_step,
                                          bucket_bytes=bucket_bytes, comm=c, overlap=overlap,
                                          grad_views=grad_views, missing_grads=missing_grads,
-                                         shard_state=shard_state, compression=compression)
+                                         shard_state=shard_state, compression=compression,
+                                         reproducible=reproducible)
     if callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None)):
         if shard_state or missing_grads != "error" or compression is not None:
             raise ValueError(
@@ -199,7 +244,7 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
                 "shard_state and missing_grads are for torch optimizers (an optax update gets the whole "
                 "gradient tree, and its gradients are never missing), and so is compression. overlap and grad_views have no effect "
                 "(the gradients exist only once the whole backward pass has run)")
-        return _transformation(optimizer, op, backward_passes_per_step, bucket_bytes, c)
+        return _transformation(optimizer, op, backward_passes_per_step, bucket_bytes, c, reproducible)
     raise TypeError(
         f"DistributedOptimizer expects a torch-like optimizer (with param_groups and step) or an optax-like "
         f"one (with init and update functions); got {type(optimizer).__name__}"
@@ -243,8 +288,11 @@ class TorchDistributedOptimizer:
 
     def __init__(self, optimizer, *, op: str = "mean", backward_passes_per_step: int = 1,
                  bucket_bytes: int | None = None, comm=None, overlap: bool = True, grad_views: bool = True,
-                 missing_grads: str = "error", shard_state: bool = False, compression: str | None = None):
+                 missing_grads: str = "error", shard_state: bool = False, compression: str | None = None,
+                 reproducible: bool = False):
         self.inner = optimizer
+        self.reproducible = reproducible
+        self._units = None  # reproducible=True: the backward passes' gradients, one unit each (_units)
         self.compression = compression
         self.comm = _resolve(comm)
         self.op = op
@@ -262,6 +310,11 @@ class TorchDistributedOptimizer:
         self._waiting = None  # the meeting a call gave up on (a retry on every rank completes it)
 
     def _make_engine(self):
+        if self.reproducible:
+            from ._units import TorchUnits
+
+            self._units = TorchUnits(self.inner, self.comm, self.op)
+            return None
         if not (self.overlap or self.shard_state or self.compression):
             return None
         from . import _overlap
@@ -287,6 +340,8 @@ class TorchDistributedOptimizer:
         """
         if self._engine is not None:
             self._engine.close()
+        if self._units is not None:
+            self._units.close()
 
     def __getattr__(self, name):
         inner = self.__dict__.get("inner")
@@ -304,7 +359,7 @@ class TorchDistributedOptimizer:
                             "optimizer state: save state_dict() (the full state) instead of pickling it")
         state = dict(self.__dict__)
         state["comm"] = None
-        state["_engine"] = None
+        state["_engine"] = state["_units"] = None
         return state
 
     def __setstate__(self, state):
@@ -324,7 +379,7 @@ class TorchDistributedOptimizer:
         memo[id(self.comm)] = self.comm  # shared, not copied
         clone = object.__new__(type(self))
         memo[id(self)] = clone
-        state = {k: v for k, v in self.__dict__.items() if k != "_engine"}
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_engine", "_units")}
         clone.__dict__.update(copy.deepcopy(state, memo))
         clone._engine = clone._make_engine()
         return clone
@@ -332,6 +387,7 @@ class TorchDistributedOptimizer:
     def __repr__(self) -> str:
         extra = "" if self.overlap else ", overlap=False"
         extra += ", shard_state=True" if self.shard_state else ""
+        extra += ", reproducible=True" if self.reproducible else ""
         return (f"DistributedOptimizer({self.inner!r}, op={self.op!r}, "
                 f"backward_passes_per_step={self.backward_passes_per_step}{extra})")
 
@@ -359,6 +415,10 @@ class TorchDistributedOptimizer:
             >>> bool((p.grad == p.grad[0]).all())
             True
         """
+        if self._units is not None:
+            self._units.sum()
+            self._averaged = True
+            return
         if self._engine is not None:
             with self._told_apart():
                 self._engine.finish()
@@ -420,6 +480,8 @@ class TorchDistributedOptimizer:
         if closure is not None and k > 1:
             raise ValueError("step(closure) is not supported with backward_passes_per_step > 1: the closure "
                              "would run one backward pass more than the k accumulated ones")
+        if self._units is not None:
+            return self._unit_step(closure, amp)
         engine = self._engine
         self._passes += 1
         if self._passes < k:
@@ -470,6 +532,20 @@ class TorchDistributedOptimizer:
         self._averaged = False
         return self.inner.step(averaged_closure)
 
+    def _unit_step(self, closure, amp):
+        """step() with reproducible=True: the units' exact mean (or sum) into ``.grad``, then the inner step."""
+        if closure is not None or amp is not None:
+            self._averaged = False
+            _amp_done(self)
+            what = "step(closure)" if closure is not None else "torch.amp.GradScaler"
+            raise RuntimeError(f"DistributedOptimizer(reproducible=True) does not support {what}: every backward() "
+                               "pass is one unit, summed at step(); run the backward passes, then step() (for "
+                               "gradient scaling, scale the loss by a fixed power of two and divide it out)")
+        if not self._averaged:
+            self._units.sum()  # type: ignore[union-attr]  # (checked by the caller)
+        self._averaged = False
+        return self.inner.step()
+
     def _grads(self) -> list:
         return [p.grad for group in self.inner.param_groups for p in group["params"] if p.grad is not None]
 
@@ -507,6 +583,8 @@ class TorchDistributedOptimizer:
         engine = self._engine
         if engine is None:
             self.inner.add_param_group(param_group)
+            if self._units is not None:
+                self._units.hook_params()
             return
         if self.shard_state:
             self._meet("add_param_group()")
@@ -742,7 +820,7 @@ def _add(a, b):
     return None if a is None else a + b
 
 
-def _transformation(inner, op: str, k: int, bucket_bytes, comm) -> DistributedTransformation:
+def _transformation(inner, op: str, k: int, bucket_bytes, comm, reproducible: bool = False) -> DistributedTransformation:
     def init(params):
         acc = map_leaves(_zeros_like, params) if k > 1 else None
         return DistributedState(inner.init(params), acc, 0)
@@ -757,6 +835,12 @@ def _transformation(inner, op: str, k: int, bucket_bytes, comm) -> DistributedTr
                             "computation (jax.jit(jax.value_and_grad(loss))), call "
                             "`updates, state = opt.update(grads, state, params)` on the arrays it returns, then "
                             "optax.apply_updates (it may be jitted on its own)")
+        if reproducible:  # grads: this rank's units, a list of gradient trees (_units)
+            from ._units import sum_units
+
+            grads = sum_units(grads, params, op, comm)
+            updates, inner_state = inner.update(grads, state.inner_state, params, **extra)
+            return updates, DistributedState(inner_state, None, 0)
         if k == 1:
             grads = allreduce_tree(grads, op, comm=comm, bucket_bytes=bucket_bytes)
             updates, inner_state = inner.update(grads, state.inner_state, params, **extra)

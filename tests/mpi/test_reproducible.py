@@ -497,3 +497,119 @@ def test_distributed_optimizer_under_the_default(comm):
         want = run(c, "recipe")
         for mode in ("overlap", "fused", "sharded"):
             assert run(c, mode) == want, mode
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_distributed_optimizer_reproducible_at_every_size(comm, framework):
+    """DistributedOptimizer(..., reproducible=True): every backward pass (torch) or every gradient tree of
+    update()'s list (optax) is one unit; 20 steps on a fixed global batch give parameters bitwise identical
+    at every number of ranks (sub-communicators of every size; tests/crash/test_reproducible_jobs.py runs
+    jobs of 1 to 4 ranks)."""
+    from support import steps
+
+    if framework == "torch":
+        pytest.importorskip("torch")
+        run = steps.torch_steps
+    else:
+        pytest.importorskip("jax")
+        pytest.importorskip("optax")
+        run = steps.jax_steps
+    with alone(comm) as solo:
+        want = run(solo)
+    assert run(comm) == want
+    for s in range(2, comm.size):
+        with first(comm, s, reverse=True) as sub:  # also a rank order other than the world's
+            if sub is not None:
+                assert run(sub) == want, s
+
+
+@pytest.mark.parametrize("op", ["mean", "sum"])
+def test_reproducible_optimizer_units(comm, op):
+    """What a unit is: a parameter unused in some backward passes contributes zeros to those units; one
+    without gradient in every unit on every rank keeps ``.grad`` None and its value; ``average_gradients()``
+    writes the units' mean into ``.grad`` (for clipping) and ``step()`` does not sum again; ``zero_grad()``
+    between the backward passes of a step drops nothing."""
+    torch = pytest.importorskip("torch")
+    a, b, c = (torch.nn.Parameter(torch.zeros(2)) for _ in range(3))
+    opt = coll.DistributedOptimizer(torch.optim.SGD([a, b, c], lr=1.0), op=op, comm=comm, reproducible=True)
+    for i in range(comm.rank, 6, comm.size):  # six units in all, whatever the number of ranks
+        opt.zero_grad()
+        loss = (a * (i + 1)).sum() + (b.sum() if i % 2 == 0 else 0)
+        loss.backward()
+        assert a.grad is None  # taken by the wrapper: the next pass starts from nothing
+    opt.average_gradients()
+    scale = 6 if op == "sum" else 1
+    assert a.grad.tolist() == [3.5 * scale] * 2  # (1 + ... + 6) / 6
+    assert b.grad.tolist() == [0.5 * scale] * 2  # three units of 1, three of 0
+    assert c.grad is None
+    opt.step()
+    assert a.detach().tolist() == [-3.5 * scale] * 2 and b.detach().tolist() == [-0.5 * scale] * 2
+    assert c.detach().tolist() == [0.0, 0.0]
+    opt.close()
+
+
+def test_reproducible_optimizer_refuses_before_anything_moves(comm):
+    """What cannot be reproducible is refused at construction (or at the call), with a typed error that says
+    why, on every rank alike and before any communication."""
+    torch = pytest.importorskip("torch")
+    p = torch.nn.Parameter(torch.zeros(3))
+    sgd = torch.optim.SGD([p], lr=0.1)
+    for kwargs, error, words in [
+        ({"compression": "fp16"}, ValueError, "compression"),
+        ({"shard_state": True}, ValueError, "shard_state"),
+        ({"backward_passes_per_step": 2}, ValueError, "one unit"),
+        ({"op": "max"}, ValueError, "not a sum"),
+        ({"reproducible": 1}, TypeError, "True or False"),
+    ]:
+        with pytest.raises(error, match=words):
+            coll.DistributedOptimizer(sgd, comm=comm, **{"reproducible": True, **kwargs})
+    with pytest.raises(TypeError, match="complex64"):
+        coll.DistributedOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2, dtype=torch.complex64))]),
+                                  comm=comm, reproducible=True)
+    with pytest.raises(ValueError, match="host memory"):
+        coll.DistributedOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2, device="meta"))]),
+                                  comm=comm, reproducible=True)
+    opt = coll.DistributedOptimizer(sgd, comm=comm, reproducible=True)
+    with pytest.raises(RuntimeError, match="closure"):
+        opt.step(lambda: 0.0)
+    opt.close()
+
+    class SGD:  # an optax-like optimizer
+        init = staticmethod(lambda params: ())
+        update = staticmethod(lambda g, s, params=None: ({k: -v for k, v in g.items()}, s))
+
+    dist = coll.DistributedOptimizer(SGD(), comm=comm, reproducible=True)
+    params = {"w": np.zeros(2, np.float32)}
+    state = dist.init(params)
+    with pytest.raises(TypeError, match="list of gradient trees"):
+        dist.update({"w": np.ones(2, np.float32)}, state, params)
+    with pytest.raises(ValueError, match="needs params"):
+        dist.update([], state)
+    with pytest.raises(ValueError, match="structure"):
+        dist.update([{"w": np.ones(2, np.float32), "v": np.ones(1, np.float32)}], state, params)
+    units = [{"w": np.full(2, float(i), np.float32)} for i in range(comm.rank, 4, comm.size)]
+    updates, _ = dist.update(units, state, params)  # ranks past the fourth have no unit: params gives the tree
+    assert updates["w"].tolist() == [-1.5, -1.5]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_split_path_gives_the_same_bits(comm, dtype):
+    """Large blocking allreduces take the words' reduce-scatter, decode a block per rank and allgather the
+    values (Communicator._summing_split): the bits of the one-allreduce path. The size at which it starts
+    is the communicator's SPLIT_BYTES, a private threshold set to 0 here (no public name can choose the
+    path: it is an implementation detail with the same bits by design, which this test checks)."""
+    data = global_units(dtype, seed=40 + DTYPES.index(dtype), count=29 * comm.size)
+    mine = take(data, list(range(comm.rank, UNITS, comm.size)))
+    with alone(comm) as solo:
+        want = {op: raw(coll.allreduce_units(data, op, comm=solo)) for op in ("sum", "mean")}
+    one = take(data, [comm.rank % UNITS])
+    plain = {op: raw(coll.allreduce(one[0].clone() if not isinstance(one, np.ndarray) else one[0].copy(), op,
+                                    comm=comm, reproducible=True)) for op in ("sum", "mean")}
+    comm.SPLIT_BYTES = 0
+    try:
+        for op in ("sum", "mean"):
+            assert raw(coll.allreduce_units(mine, op, comm=comm)) == want[op], op
+            x = one[0].clone() if not isinstance(one, np.ndarray) else one[0].copy()
+            assert raw(coll.allreduce(x, op, comm=comm, reproducible=True)) == plain[op], op
+    finally:
+        del comm.SPLIT_BYTES

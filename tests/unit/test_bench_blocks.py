@@ -28,3 +28,20 @@ def test_a_checked_run_passes():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "reduce_scatter op=max" in out.stdout and "alltoall" in out.stdout
+
+
+def test_reproducible_rows_report_the_modes_cost():
+    """--reproducible: float sums and means are timed beside the ordinary call (issue 36), the others not."""
+    import json
+
+    out = subprocess.run([sys.executable, "-m", "collectives", "bench", "-c", "allreduce,broadcast", "-o", "mean,max",
+                          "-b", "1K", "-e", "4K", "-f", "4", "-n", "3", "-w", "1", "--reproducible", "--json"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = json.loads(out.stdout)["results"]
+    costed = [r for r in rows if "cost" in r]
+    assert {(r["collective"], r["op"]) for r in costed} == {("allreduce", "mean")}, rows
+    assert all(r["ordinary_us"] > 0 and abs(r["cost"] - r["time_us"] / r["ordinary_us"]) <= 1e-9 * r["cost"] for r in costed)
+    text = subprocess.run([sys.executable, "-m", "collectives", "bench", "-o", "sum", "-b", "1K", "-e", "1K", "-n", "3",
+                           "-w", "1", "--reproducible"], capture_output=True, text=True, timeout=120).stdout
+    assert "ordinary(us)" in text and "cost" in text, text
