@@ -9,7 +9,7 @@ wrappers do).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 from collections.abc import Callable
 
 from . import _config, _dtypes
@@ -19,6 +19,9 @@ from ._comm import _resolve, allreduce_tree
 from ._errors import BackendUnavailableError
 from ._overlap import COMPRESSIONS, MEETING, MISSING_GRADS, amp_step, meeting_named
 from ._tree import WRAPPER_ATTRIBUTE, is_array, map_leaves
+
+if TYPE_CHECKING:  # (imported when reproducible=True is used: it needs torch)
+    from ._units import TorchUnits
 
 
 def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_step: int = 1,
@@ -292,7 +295,7 @@ class TorchDistributedOptimizer:
                  reproducible: bool = False):
         self.inner = optimizer
         self.reproducible = reproducible
-        self._units = None  # reproducible=True: the backward passes' gradients, one unit each (_units)
+        self._units: TorchUnits | None = None  # reproducible=True: the backward passes' gradients, one unit each (_units)
         self.compression = compression
         self.comm = _resolve(comm)
         self.op = op
@@ -542,7 +545,7 @@ class TorchDistributedOptimizer:
                                "pass is one unit, summed at step(); run the backward passes, then step() (for "
                                "gradient scaling, scale the loss by a fixed power of two and divide it out)")
         if not self._averaged:
-            self._units.sum()  # type: ignore[union-attr]  # (checked by the caller)
+            self._units.sum()  # type: ignore[union-attr]  # (set: the caller checked)
         self._averaged = False
         return self.inner.step()
 
