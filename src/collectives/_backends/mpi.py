@@ -18,6 +18,7 @@ import sys
 import time
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -37,11 +38,12 @@ _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
 # non-blocking paths reduce beside each call (see _fingerprint), and "groups", the parent of the
 # communicators that only their members make (create_group).
 LANES = ("allreduce", "reduce", "broadcast", "allgather", "gather", "reduce_scatter", "alltoall", "barrier", "objects",
-         "fingerprint", "p2p", "p2p_data", "groups")  # p2p: the headers of send/recv; p2p_data: their data (see send)
-# Made with the transport: the fingerprint lane (the first use of every other lane is agreed on it) and the
-# point-to-point lanes (two ranks take part in a message: there is no point where every rank is). The
-# others are made at their first use (_Lanes).
-EAGER_LANES = ("fingerprint", "p2p", "p2p_data")
+         "fingerprint", "p2p", "p2p_data", "groups", "lanes")  # p2p: the headers of send/recv; p2p_data: their data
+# Made with the transport: the fingerprint lane (the first use of every other lane is agreed on it), the
+# point-to-point lanes (two ranks take part in a message: there is no point where every rank is), and
+# "lanes", the communicator every other lane is duplicated from, one at a time (see _advance). The others
+# are made at their first use (_Lanes).
+EAGER_LANES = ("fingerprint", "p2p", "p2p_data", "lanes")
 _LANE_CODE = 1000  # the wire "collective" field of a lane's making: this plus the lane's index in LANES
 # A call's fingerprint: the caller's call as the engine described it (_call.FIELDS: collective, op as named,
 # exact dtype, structure, root, count; all -1 where no engine call is behind it), then the MPI call itself
@@ -207,7 +209,7 @@ class _Lanes(dict):
     rank first reduces a fingerprint of the lane it is about to make on the fingerprint lane, in the order
     of the calls, as the non-blocking calls reduce theirs (``MPITransport._begin_making``): a rank making
     another lane, or calling a collective whose lane it has, meets it there, and every rank raises
-    :class:`MismatchError` before any call runs on the duplicate begun beside it."""
+    :class:`MismatchError` before anything is duplicated."""
 
     __slots__ = ("_make",)
 
@@ -663,9 +665,9 @@ class MPITransport(HostTransport):
 
     def _begin_making(self, name: str) -> _Making:
         """Begin making the lane ``name``: the fingerprint of its making reduced on the fingerprint lane (in
-        the order of the calls, so it meets whatever the other ranks reduce there at this point), and
-        ``MPI_Comm_idup`` of the transport's communicator. The lane is used only once the fingerprint shows
-        every rank making it (``_advance``)."""
+        the order of the calls, so it meets whatever the other ranks reduce there at this point); its
+        duplicate is begun by ``_advance``. The lane is used only once the fingerprint shows every rank
+        making it."""
         if name in EAGER_LANES or name not in LANES:
             raise KeyError(name)  # closed (its lanes are gone), or not a lane
         self.usable()
@@ -679,15 +681,27 @@ class MPITransport(HostTransport):
             v[len(FIELDS):] = -v[:len(FIELDS)]
             mine = v.tobytes()
             check = (self._lanes["fingerprint"].Iallreduce(self._in_place, v, self._max_op), (v, mine))
-        lane, dup = self.comm.Idup()
-        making = self._making[name] = _Making(name, lane, dup, check)
+        making = self._making[name] = _Making(name, check)
         return making
 
     def _advance(self, making: _Making, wait=None) -> bool:
-        """Move the making of a lane on: with ``wait`` until it is complete, else as far as it can without
-        blocking; True once complete. Complete: the fingerprint checked (MismatchError on every rank if the
-        ranks are not all making this lane), the duplicate made, the lane in use, and the calls that waited
-        for it started, in the order they were made."""
+        """Move the making of a lane on, and those begun before it first: with ``wait`` until it is
+        complete, else as far as it can without blocking; True once complete. The makings complete in the
+        order they began, each duplicate (``MPI_Comm_idup`` of the "lanes" communicator, which carries
+        nothing else) begun once the one before it is made: one in flight at a time, in the same order on
+        every rank (with several in flight on one communicator, waited in another order, Open MPI 5.0.11 hung:
+        tests/mpi/test_async.py's many-outstanding test)."""
+        for earlier in list(self._making.values()):
+            if not self._advance_one(earlier, wait):
+                return False
+            if earlier is making:
+                break
+        return True
+
+    def _advance_one(self, making: _Making, wait) -> bool:
+        """:meth:`_advance` for one making. Complete: the fingerprint checked (MismatchError on every rank
+        if the ranks are not all making this lane), the duplicate made, the lane in use, and the calls that
+        waited for it started, in the order they were made."""
         what = (f"the first {making.name} call (its lane's making)", None, None)
         try:
             if making.check is not None:
@@ -697,6 +711,8 @@ class MPITransport(HostTransport):
                     return False
                 check, making.check = making.check, None
                 self._verify(check[1], what)
+            if making.dup is None:
+                making.lane, making.dup = self._lanes["lanes"].Idup()
             if wait is not None:
                 wait(what, making.dup)
             elif not making.dup.Test():
@@ -1234,14 +1250,17 @@ class _MPIRequest(Request):
 
 
 class _Making:
-    """A lane being made (``MPITransport._begin_making``): its name, the new communicator (usable once
-    ``dup`` completes), the fingerprint of its making (``(request, (buffer, this rank's bytes))``, None
-    once checked or at one rank), and the non-blocking calls waiting for it (:class:`_FirstCall`)."""
+    """A lane being made (``MPITransport._begin_making``): its name, the fingerprint of its making
+    (``(request, (buffer, this rank's bytes))``, None once checked or at one rank), the new communicator
+    and its ``MPI_Comm_idup`` request (None until begun; usable once it completes), and the non-blocking
+    calls waiting for it (:class:`_FirstCall`)."""
 
     __slots__ = ("check", "dup", "lane", "name", "waiting")
 
-    def __init__(self, name, lane, dup, check):
-        self.name, self.lane, self.dup, self.check = name, lane, dup, check
+    def __init__(self, name, check):
+        self.name, self.check = name, check
+        self.lane: Any = None
+        self.dup: Any = None
         self.waiting: list[_FirstCall] = []
 
 
