@@ -146,6 +146,10 @@ class Communicator:
         self._reproducible = _config.reproducible()  # the default of reproducible= (see the property)
         self.check = bool(check)
         host.on_failure(self._forget_fast_paths)  # a failed transport: every later call takes the checks
+        if _config.timeline() is not None:  # COLLECTIVES_TIMELINE: instrumented entries in place of the methods
+            from . import _timeline
+
+            _timeline.install(self)
 
     def _forget_fast_paths(self) -> None:
         self._fast, self._fast_broadcast, self._fast_blocks, self._runners = {}, {}, {}, {}

@@ -361,6 +361,9 @@ def dump(reason: str, *, tell_others: bool = False, exc: BaseException | None = 
     Never raises: a dump must not hide the error it documents."""
     if not enabled():
         return None
+    timeline = sys.modules.get("collectives._timeline")
+    if timeline is not None:  # COLLECTIVES_TIMELINE: its calls so far on disk too (the job may be ending)
+        timeline.flush_all()
     try:
         with _lock:
             _dumping[0] += 1

@@ -311,7 +311,7 @@ def main(name: str) -> None:
         import torch
         import torch.distributed as dist
 
-        import collectives.torch_backend  # noqa: F401 - registers the backend
+        import collectives.torch_backend
 
         dist.init_process_group("collectives")
         t = torch.ones(3)
@@ -321,6 +321,48 @@ def main(name: str) -> None:
         model(torch.ones(4, 3)).sum().backward()  # TRACE-FRONTS-BACKWARD
         opt.step()
         coll.dump_trace()
+        dist.destroy_process_group()
+
+    elif name == "clean-timeline":  # COLLECTIVES_TIMELINE (set by the test): 60 calls of every kind on one
+        # communicator, then the fronts (the torch backend, the gradient buckets) and point-to-point elsewhere
+        import torch
+        import torch.distributed as dist
+
+        import collectives.torch_backend  # noqa: F401 - registers the backend
+
+        sub = comm.split(0)
+        y = np.ones(2, np.float32)
+        for _ in range(20):
+            sub.allreduce(y)  # the hot path from the second call
+        for _ in range(10):
+            sub.broadcast(y, 0)
+        for _ in range(5):
+            sub.allreduce(y, async_op=True).wait()
+        for _ in range(5):
+            sub.allreduce_tree({"w": np.ones(3), "b": np.ones(2, np.float32)})
+        for _ in range(5):
+            sub.reduce_scatter(np.ones(2 * sub.size))
+        for _ in range(5):
+            sub.allgather(y)
+        for _ in range(4):
+            sub.allreduce(np.ones(3), "min")  # a host reduction (min of floats: NaN and zero signs kept)
+        for _ in range(3):
+            sub.barrier()
+        sub.broadcast_object({"step": 1})
+        sub.allgather_object(rank)
+        sub.alltoall(np.ones(sub.size))
+        if comm.size > 1:  # point-to-point on the world communicator: ranks 0 and 1
+            if rank == 0:
+                comm.send(y, 1)
+            elif rank == 1:
+                comm.recv(y, 0)
+        dist.init_process_group("collectives")
+        t = torch.ones(3)
+        dist.all_reduce(t)
+        model = torch.nn.Linear(3, 2)
+        opt = coll.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        model(torch.ones(4, 3)).sum().backward()
+        opt.step()
         dist.destroy_process_group()
 
     else:

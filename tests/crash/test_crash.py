@@ -491,6 +491,48 @@ def test_records_name_the_torch_backend_and_the_gradient_buckets(n):
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.stat().st_size > 2000, proc.stdout
 
 
+@pytest.mark.parametrize("n", [1, *SIZES])
+def test_the_timeline_holds_every_call_with_its_phases(n):
+    """COLLECTIVES_TIMELINE: 60 calls on one communicator (the hot path, asynchronous, trees, host
+    reductions, objects) are 60 events per rank, each with its start, end and phases; the torch backend's
+    calls, the gradient buckets' and point-to-point are there too; the merge names each call's skew."""
+    import json
+
+    prefix = Path(tempfile.mkdtemp(prefix=f"timeline-{n}-", dir=TRACES)) / "timeline"
+    job = run("clean-timeline", n, COLLECTIVES_TIMELINE=str(prefix))
+    assert job.rc == 0 and job.err == "", job
+    for r in range(n):
+        events = json.loads(Path(f"{prefix}.{r}").read_text())["traceEvents"]
+        assert not Path(f"{prefix}.{r}.raw").exists()  # turned into the Chrome trace at exit
+        calls = [e for e in events if e.get("cat") == "call"]
+        sub = [e for e in calls if e["args"]["comm"] == "world.1"]
+        assert len(sub) == 60, [(e["name"], e["args"]["seq"]) for e in sub]
+        assert sorted(e["args"]["seq"] for e in sub) == list(range(1, 61)), sub
+        for e in calls:
+            assert e["ts"] > 0 and e["dur"] >= 0 and e["args"]["state"] == "completed", e
+            assert e["args"]["phases"], e
+            for name, ts, dur in e["args"]["phases"]:  # (microseconds: the clock's nanoseconds rounded)
+                assert e["ts"] - 1e-3 <= ts and ts + dur <= e["ts"] + e["dur"] + 1e-3, (name, e)
+        kinds = {(e["name"], e["args"]["path"].split(",")[0]) for e in sub}
+        assert {("allreduce", "hot path"), ("broadcast", "hot path"), ("allreduce", "asynchronous"),
+                ("allreduce_tree", "tree buckets"), ("reduce_scatter", "hot path"), ("allgather", "blocking"),
+                ("barrier", "blocking"), ("broadcast_object", "blocking"), ("alltoall", "blocking")} <= kinds, kinds
+        phases = {p[0] for e in sub for p in e["args"]["phases"]}
+        assert {"validation", "transfer", "write-back", "start", "host reduction"} <= phases, phases
+        paths = " ".join(e["args"]["path"] or "" for e in calls)
+        assert "torch.distributed backend" in paths and "DistributedOptimizer gradient bucket" in paths, paths
+        p2p = [e for e in calls if e["name"] in ("send", "recv")]
+        assert len(p2p) == (1 if n > 1 and r < 2 else 0), p2p
+    out = Path(f"{prefix}.merged.json")
+    proc = subprocess.run([sys.executable, "-m", "collectives", "trace", str(prefix), "--timeline", str(out)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    merged = [e for e in json.loads(out.read_text())["traceEvents"] if e.get("cat") == "call"]
+    assert {e["pid"] for e in merged} == set(range(n)), proc.stdout
+    first = [e for e in merged if e["args"]["comm"] == "world.1" and e["args"]["seq"] == 1]
+    assert len(first) == n and min(e["args"]["late_us"] for e in first) == 0, first
+
+
 @pytest.mark.parametrize("n", SIZES)
 def test_the_hang_walkthrough_of_the_docs(n):
     """examples/hang.py, as docs/troubleshooting.md runs it: the stall warning, the timeout, the verdict."""
