@@ -63,29 +63,28 @@ METHODS = ("broadcast", "allreduce", "allreduce_units", "reduce", "allgather", "
            "synchronize", "allreduce_tree")
 
 
-def install(comm) -> None:
+def install(comm, engine) -> None:
     """Put the timeline's instrumented entries in place of ``comm``'s public methods (``COLLECTIVES_TIMELINE``
-    is set when ``comm`` is made)."""
+    is set when ``comm`` is made; ``engine``: its Engine, through which the entries read it)."""
     from . import _config
 
     prefix = _config.timeline()
     if prefix is None:
         return
     job = _jobs.get(prefix)
+    host = engine.host_transport()
     if job is None:
-        host = comm._host
         ranks = getattr(host, "world_ranks", None)
         job = _jobs[prefix] = _Timeline(prefix, int(ranks[host.rank]) if ranks else int(host.rank))
         _patch_reduction()
     for name in METHODS:
         method = getattr(comm, name)
-        tag = job.tag(comm, name)
-        entry = _HOT_ENTRIES[name](job, comm, method, tag) if name in _HOT else _general(job, comm, method, tag,
-                                                                                          name in _P2P)
+        tag = job.tag(engine, name)
+        entry = _HOT_ENTRIES[name](job, engine, method, tag) if name in _HOT else _general(job, engine, method, tag,
+                                                                                            name in _P2P)
         setattr(comm, name, functools.wraps(method)(entry))
-    blocking = comm._blocking
-    comm._blocking = lambda steps: blocking(_phased(steps))
-    agree = comm._host.agree_allgather
+    engine.wrap_blocking(lambda blocking: lambda steps: blocking(_phased(steps)))
+    agree = host.agree_allgather
 
     def agree_allgather(send, recv):
         t = _ns()
@@ -94,9 +93,9 @@ def install(comm) -> None:
         finally:
             _marks.append(("agreement", t, _ns()))
 
-    comm._host.agree_allgather = agree_allgather
+    host.agree_allgather = agree_allgather
     for name in _TRANSFERS:  # the host transport's own transfers (a direct call the hot path caches is not one)
-        setattr(comm._host, name, _transfer(getattr(comm._host, name)))
+        setattr(host, name, _transfer(getattr(host, name)))
 
 
 # the host transport's methods whose calls are transfers (``start``, an asynchronous one, is not: its
@@ -193,21 +192,21 @@ def _take_marks(since: int) -> list:
 # A hot method's entry appends (tag, seq, start, end) to the job's array (what the call was is read from
 # the ring when the array is written); any other call, and a call that raised, is a tuple in job.slow.
 
-def _allreduce(job, comm, method, tag):
-    fast, limit, extend = job.fast, 4 * job.batch, job.fast.extend
+def _allreduce(job, engine, method, tag):
+    fast, limit, extend, seq, comm = job.fast, 4 * job.batch, job.fast.extend, engine.seq_reader(), engine.communicator
 
     def allreduce(x, op="sum", *, async_op=False, reproducible=None):
         if async_op:
-            return job.asynchronous(comm, tag, method, (x, op), {"async_op": True, "reproducible": reproducible})
+            return job.asynchronous(engine, tag, method, (x, op), {"async_op": True, "reproducible": reproducible})
         t0 = _ns()
         try:
             result = method(x, op) if reproducible is None else method(x, op, reproducible=reproducible)
         except BaseException as exc:
-            job.failed(comm, tag, False, t0, exc)
+            job.failed(engine, tag, False, t0, exc)
             raise
-        extend((tag, comm._seq, t0, _ns()))
+        extend((tag, seq(comm), t0, _ns()))
         if _marks:
-            job.marks[(tag, comm._seq)] = _take_marks(t0)
+            job.marks[(tag, seq(comm))] = _take_marks(t0)
         if len(fast) >= limit:
             job.flush()
         return result
@@ -215,21 +214,21 @@ def _allreduce(job, comm, method, tag):
     return allreduce
 
 
-def _broadcast(job, comm, method, tag):
-    fast, limit, extend = job.fast, 4 * job.batch, job.fast.extend
+def _broadcast(job, engine, method, tag):
+    fast, limit, extend, seq, comm = job.fast, 4 * job.batch, job.fast.extend, engine.seq_reader(), engine.communicator
 
     def broadcast(x, root=0, *, async_op=False):
         if async_op:
-            return job.asynchronous(comm, tag, method, (x, root), {"async_op": True})
+            return job.asynchronous(engine, tag, method, (x, root), {"async_op": True})
         t0 = _ns()
         try:
             result = method(x, root)
         except BaseException as exc:
-            job.failed(comm, tag, False, t0, exc)
+            job.failed(engine, tag, False, t0, exc)
             raise
-        extend((tag, comm._seq, t0, _ns()))
+        extend((tag, seq(comm), t0, _ns()))
         if _marks:
-            job.marks[(tag, comm._seq)] = _take_marks(t0)
+            job.marks[(tag, seq(comm))] = _take_marks(t0)
         if len(fast) >= limit:
             job.flush()
         return result
@@ -237,21 +236,21 @@ def _broadcast(job, comm, method, tag):
     return broadcast
 
 
-def _reduce_scatter(job, comm, method, tag):
-    fast, limit, extend = job.fast, 4 * job.batch, job.fast.extend
+def _reduce_scatter(job, engine, method, tag):
+    fast, limit, extend, seq, comm = job.fast, 4 * job.batch, job.fast.extend, engine.seq_reader(), engine.communicator
 
     def reduce_scatter(x, op="sum", *, async_op=False, reproducible=None):
         if async_op:
-            return job.asynchronous(comm, tag, method, (x, op), {"async_op": True, "reproducible": reproducible})
+            return job.asynchronous(engine, tag, method, (x, op), {"async_op": True, "reproducible": reproducible})
         t0 = _ns()
         try:
             result = method(x, op) if reproducible is None else method(x, op, reproducible=reproducible)
         except BaseException as exc:
-            job.failed(comm, tag, False, t0, exc)
+            job.failed(engine, tag, False, t0, exc)
             raise
-        extend((tag, comm._seq, t0, _ns()))
+        extend((tag, seq(comm), t0, _ns()))
         if _marks:
-            job.marks[(tag, comm._seq)] = _take_marks(t0)
+            job.marks[(tag, seq(comm))] = _take_marks(t0)
         if len(fast) >= limit:
             job.flush()
         return result
@@ -259,21 +258,21 @@ def _reduce_scatter(job, comm, method, tag):
     return reduce_scatter
 
 
-def _alltoall(job, comm, method, tag):
-    fast, limit, extend = job.fast, 4 * job.batch, job.fast.extend
+def _alltoall(job, engine, method, tag):
+    fast, limit, extend, seq, comm = job.fast, 4 * job.batch, job.fast.extend, engine.seq_reader(), engine.communicator
 
     def alltoall(x, *, async_op=False):
         if async_op:
-            return job.asynchronous(comm, tag, method, (x,), {"async_op": True})
+            return job.asynchronous(engine, tag, method, (x,), {"async_op": True})
         t0 = _ns()
         try:
             result = method(x)
         except BaseException as exc:
-            job.failed(comm, tag, False, t0, exc)
+            job.failed(engine, tag, False, t0, exc)
             raise
-        extend((tag, comm._seq, t0, _ns()))
+        extend((tag, seq(comm), t0, _ns()))
         if _marks:
-            job.marks[(tag, comm._seq)] = _take_marks(t0)
+            job.marks[(tag, seq(comm))] = _take_marks(t0)
         if len(fast) >= limit:
             job.flush()
         return result
@@ -285,30 +284,21 @@ _HOT_ENTRIES = {"allreduce": _allreduce, "broadcast": _broadcast, "reduce_scatte
                 "alltoall": _alltoall}
 
 
-def _general(job, comm, method, tag, p2p: bool):
+def _general(job, engine, method, tag, p2p: bool):
     def call(*args, **kwargs):
         if kwargs.get("async_op"):
-            return job.asynchronous(comm, tag, method, args, kwargs, p2p)
+            return job.asynchronous(engine, tag, method, args, kwargs, p2p)
         t0 = _ns()
         try:
             result = method(*args, **kwargs)
         except BaseException as exc:
-            job.failed(comm, tag, p2p, t0, exc)
+            job.failed(engine, tag, p2p, t0, exc)
             raise
-        seq, entry = _entry(comm, p2p)
+        seq, entry = engine.trace_entry(p2p)
         job.slow.append((tag, seq, t0, _ns(), entry, _take_marks(t0), None))
         return result
 
     return call
-
-
-def _entry(comm, p2p: bool):
-    """``(sequence number, the flight recorder's entry)`` of ``comm``'s last call (or last p2p call)."""
-    if p2p:
-        ring = comm._p2p_ring
-        return comm._p2p_seq, (ring[-1] if ring else None)
-    ring = comm._ring
-    return comm._seq, (ring[comm._seq & comm._mask] if ring is not None else None)
 
 
 class _Finish:
@@ -353,29 +343,30 @@ class _Timeline:
         thread = threading.Thread(target=self._flusher, name="collectives-timeline", daemon=True)
         thread.start()
 
-    def tag(self, comm, name: str) -> int:
-        self.tags.append((weakref.ref(comm), name))
-        if comm._ring is not None:  # the ring must still hold a batch's calls when it is written
-            self.batch = max(1, min(self.batch, len(comm._ring) // 2))
+    def tag(self, engine, name: str) -> int:
+        self.tags.append((weakref.ref(engine), name))
+        ring = engine.trace_ring()[0]
+        if ring is not None:  # the ring must still hold a batch's calls when it is written
+            self.batch = max(1, min(self.batch, len(ring) // 2))
         return len(self.tags) - 1
 
-    def failed(self, comm, tag: int, p2p: bool, t0: int, exc: BaseException) -> None:
+    def failed(self, engine, tag: int, p2p: bool, t0: int, exc: BaseException) -> None:
         """A call that raised: its record's entry where the call made one (its seq moved), else none."""
-        seq, entry = _entry(comm, p2p)
+        seq, entry = engine.trace_entry(p2p)
         state = getattr(entry, "state", None)
         if entry is not None and not (state == "failed" or (entry.__class__ is tuple and len(entry) == 3)):
             seq, entry = -1, None  # refused before it was recorded (another thread inside a collective)
         self.slow.append((tag, seq, t0, _ns(), entry, _take_marks(t0), f"{type(exc).__name__}: {exc}"))
 
-    def asynchronous(self, comm, tag: int, method, args, kwargs, p2p: bool = False):
+    def asynchronous(self, engine, tag: int, method, args, kwargs, p2p: bool = False):
         t0 = _ns()
         try:
             handle = method(*args, **kwargs)
         except BaseException as exc:
-            self.failed(comm, tag, p2p, t0, exc)
+            self.failed(engine, tag, p2p, t0, exc)
             raise
         t1 = _ns()
-        seq, entry = _entry(comm, p2p)
+        seq, entry = engine.trace_entry(p2p)
         marks = [("start", t0, t1), *_take_marks(t0)]
         if handle._finished:
             self.slow.append((tag, seq, t0, t1, entry, marks, None if handle._error is None else
@@ -410,19 +401,19 @@ class _Timeline:
             roots = np.full(len(rows), -1, dtype=np.int64)
             for tag in np.unique(rows[:, 0]).tolist() if len(rows) else ():
                 sel = rows[:, 0] == tag
-                comm = self.tags[tag][0]()
-                ring = None if comm is None else comm._ring
+                engine = self.tags[tag][0]()
+                ring, mask, hot_roots = (None, 0, []) if engine is None else engine.trace_ring()
                 if ring is None:
                     continue
-                at = (rows[sel, 1] & comm._mask).tolist()
+                at = (rows[sel, 1] & mask).tolist()
                 entries = [ring[at[0]]] if len(at) == 1 else itemgetter(*at)(ring)  # (C: the batch's entries)
                 index = {}
                 for e in dict.fromkeys(entries):  # a hot-path entry is shared by every call of its kind
                     index[e] = len(kinds)
-                    kinds.append(_describe(comm, e))
+                    kinds.append(_describe(engine, e))
                 kind[sel] = np.fromiter(map(index.__getitem__, entries), np.int64, len(entries))
                 if self.tags[tag][1] == "broadcast":  # the hot path keeps a broadcast's root beside its entry
-                    got = [comm._roots[at[0]]] if len(at) == 1 else itemgetter(*at)(comm._roots)
+                    got = [hot_roots[at[0]]] if len(at) == 1 else itemgetter(*at)(hot_roots)
                     roots[sel] = np.fromiter((-1 if r is None else r for r in got), np.int64, len(got))
             marks = self.marks
             self.marks = {}
@@ -460,11 +451,11 @@ def flush_all() -> None:
             pass
 
 
-def _name(comm) -> str:
-    return "?" if comm is None else str(comm._name)
+def _name(engine) -> str:
+    return "?" if engine is None else str(engine.name())
 
 
-def _describe(comm, entry) -> tuple:
+def _describe(engine, entry) -> tuple:
     """What a ring entry says of its call: ``(collective, op, root, dtype, shape, nbytes, path, site, state,
     error)`` (a hot-path entry: the cached call, with its shape and error where it keeps them)."""
     if entry is None:
@@ -475,7 +466,7 @@ def _describe(comm, entry) -> tuple:
                 str(entry.dtype).replace("torch.", ""), shape, None if entry.nbytes is None else int(entry.nbytes),
                 entry.path, entry.site, entry.state, entry.error)
     run, shape, error = (*entry, None)[:3] if entry.__class__ is tuple else (entry, None, None)
-    collective, op, dtype = (None, None, None) if comm is None else comm._hot_names.get(run, (None, None, None))
+    collective, op, dtype = (None, None, None) if engine is None else engine.hot_name(run)
     return (collective, op, None, dtype, None if shape is None else [int(n) for n in shape], None, "hot path", None,
             "failed" if error else "completed", error)
 

@@ -234,6 +234,23 @@ def main(name: str) -> None:
             comm.allreduce(x)  # TRACE-SKIP-ALLREDUCE
         comm.barrier()
 
+    elif name == "trace-extra":  # the last rank makes one allreduce more than the others, who go on to a barrier
+        for _ in range(3):
+            comm.allreduce(x)
+        if comm.rank == last:
+            mark(name)
+            comm.allreduce(x)  # TRACE-EXTRA-ALLREDUCE
+        comm.barrier()  # TRACE-EXTRA-BARRIER
+
+    elif name == "trace-count":  # the last rank's allreduce has one element more (unchecked: the fingerprint
+        # beside the transfer, with COLLECTIVES_TIMEOUT set, finds it)
+        for _ in range(3):
+            comm.allreduce(x)
+        y = np.ones(5 if comm.rank == last else 4)
+        if comm.rank == last:
+            mark(name)
+        comm.allreduce(y)  # TRACE-COUNT-ALLREDUCE
+
     elif name == "trace-hang-sigusr1":  # no deadline: the last rank waits in MPI_Recv for a message that never
         # comes while the others wait in an allreduce it never enters; the test signals them (SIGUSR1), reads
         # the dumps, and kills the job

@@ -302,6 +302,33 @@ def test_trace_names_the_rank_that_skipped_an_allreduce(n):
     assert "missing" not in out, out
 
 
+@pytest.mark.parametrize("n", SIZES)
+def test_trace_names_the_rank_that_made_an_extra_call(n):
+    job = run("trace-extra", n, COLLECTIVES_TIMEOUT=5)
+    ended_promptly(job, within=5 + PROMPT_S)
+    assert len(dumps_of(job)) == n, (dumps_of(job), job)
+    first = trace_verdict(job).splitlines()[0]
+    others = ",".join(map(str, range(n - 1)))
+    assert first.startswith("DIVERGENCE on world at call #6:"), first
+    assert f"rank{'s' if n > 2 else ''} {others} called barrier #6 at {SCENARIO}:{line_of('TRACE-EXTRA-BARRIER')} " \
+           f"in main" in first, first
+    assert f"rank {n - 1} called allreduce #6 (op=sum, float64 (4,)) at " \
+           f"{SCENARIO}:{line_of('TRACE-EXTRA-ALLREDUCE')} in main" in first, first
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_trace_names_the_rank_whose_count_differs(n):
+    job = run("trace-count", n, COLLECTIVES_TIMEOUT=5)
+    ended_promptly(job, within=5 + PROMPT_S)
+    assert len(dumps_of(job)) == n, (dumps_of(job), job)
+    first = trace_verdict(job).splitlines()[0]
+    others = ",".join(map(str, range(n - 1)))
+    site = f"{SCENARIO}:{line_of('TRACE-COUNT-ALLREDUCE')} in main"
+    assert first.startswith("DIVERGENCE on world at call #6:"), first
+    assert f"rank{'s' if n > 2 else ''} {others} called allreduce #6 (op=sum, float64 (4,)) at {site}" in first, first
+    assert f"rank {n - 1} called allreduce #6 (op=sum, float64 (5,)) at {site}" in first, first
+
+
 def wait_for_dumps(trace_dir: str, count: int, limit: float = 30.0) -> list[str]:
     """The dump files of ``trace_dir`` once there are ``count`` of them (or whatever is there at ``limit``)."""
     end = time.monotonic() + limit
@@ -568,6 +595,8 @@ TORCH_CASES = {  # scenario: (its environment, the call # of the divergence, the
     "trace-skip": ({"COLLECTIVES_TIMEOUT": 5}, 6, "all_reduce", "barrier"),
     "trace-divergent": ({"COLLECTIVES_TIMEOUT": 5}, 4, "all_reduce", "broadcast"),
     "clean-trace-stall": ({"COLLECTIVES_STALL_WARN_S": 2, "TRACE_SLEEP": 8, "TRACE_ASK_AT": 5}, 3, "all_reduce", None),
+    "trace-extra": ({"COLLECTIVES_TIMEOUT": 5}, 6, "barrier", "all_reduce"),
+    "trace-count": ({"COLLECTIVES_TIMEOUT": 5}, 6, "all_reduce", "all_reduce"),  # the sizes differ
 }
 
 
@@ -598,6 +627,11 @@ def test_torch_fr_trace_reads_the_dumps_and_agrees(scenario, n):
         return
     assert f"Collective sequence number: {seq} has errors" in out, out
     culprits = {int(r) for r in re.findall(r"Culprit rank (\d+);", out)}
+    if others_call == last_call:  # the same collective, another count: its culprits are those of the other size
+        sizes = set(re.findall(r"found input sizes: '\[\[(\d+)\]\]'", out))
+        assert "SIZE_OR_SYNTAX_MISMATCH" in out and f"main at {SCENARIO}:{line_of('TRACE-COUNT-ALLREDUCE')}" in out, out
+        assert (culprits, sizes) in (({n - 1}, {"5"}), (others, {"4"})), out
+        return
     found = set(re.findall(r"found collective type: '(\w+)'", out))
     expected = set(re.findall(r"Expected collective type: '(\w+)'", out))
     if culprits == {n - 1}:  # it read a rank of the majority first
