@@ -1582,10 +1582,31 @@ class Engine:
         """The host transport, as it is (the timeline wraps some of its methods on the instance)."""
         return self.communicator._host
 
-    def wrap_blocking(self, wrap) -> None:
-        """Replace the blocking driver of the communicator's steps with ``wrap(driver)`` (on the instance)."""
+    def instrument(self, name: str, wrap) -> None:
+        """Replace the communicator's ``_blocking`` (the blocking driver of a call's steps) or ``_async``
+        (the asynchronous call) with ``wrap(method)``, on the instance."""
+        if name not in ("_blocking", "_async"):
+            raise ValueError(f"instrument: {name!r} is not one of _blocking, _async")
         c = self.communicator
-        c._blocking = wrap(c._blocking)  # type: ignore[method-assign]
+        setattr(c, name, wrap(getattr(c, name)))
+
+    def instrument_hot(self, make) -> None:
+        """From now on, every call the hot path caches (``_fast_path``) is replaced in its table by
+        ``make((collective, op, dtype name), run)``, which the flight recorder names as ``run``."""
+        c = self.communicator
+        fast_path = c._fast_path
+
+        def caching(*args, **kwargs):
+            fast_path(*args, **kwargs)
+            for table in (*c._fast.values(), c._fast_broadcast, c._fast_blocks):
+                for key, run in list(table.items()):
+                    if not getattr(run, "instrumented", False):
+                        names = c._hot_names.get(run, (None, None, None))
+                        made = table[key] = make(names, run)
+                        made.instrumented = True
+                        c._hot_names[made] = names
+
+        c._fast_path = caching  # type: ignore[method-assign]
 
     # ---- the flight recorder's view (_trace) ----
     def trace_name(self) -> str | None:
