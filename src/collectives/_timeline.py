@@ -1,34 +1,37 @@
 """The timeline (``COLLECTIVES_TIMELINE=FILE``): every call of every communicator, with its phases, per rank.
 
-Off (the default) nothing here runs: the communicators' methods are the class's own. On, each communicator
-made gets instrumented entries in place of its public methods (attributes of the instance, set by
-:func:`install`), and every call, on every path (the hot path, the general path, asynchronous calls,
-point-to-point, trees, and so every call of the torch backend and of the gradient buckets, which are made
-through them), is timed as it happens:
+Off (the default) nothing here runs: ``Communicator.__init__`` reads the variable and, only when it is set,
+calls :func:`install`. On, each communicator made gets instruments in place of some of its parts (the
+hot path's code itself is untouched), and every call, on every path (the hot path, the general path,
+asynchronous calls, point-to-point, trees, and so every call of the torch backend and of the gradient
+buckets, which are made through them), is timed as it happens:
 
-- a blocking call's event spans the call; its phases: ``validation`` (the checks, up to the first
-  transfer; it holds checked mode's ``agreement`` and the NaN check's exchange), each ``transfer``,
-  ``host`` (the work between two transfers), ``write-back`` (after the last transfer: the result written
-  into the caller's array or wrapped), and ``host reduction`` (the widening, ordering or division of
-  values the transport cannot reduce as they are, around and including their transfer). A hot-path call
-  (the cached call, timed: nothing else of the hot path changes) is one ``transfer``. The fingerprint
-  of a host transfer travels beside it, inside ``transfer``;
+- a hot-path call (the cached call of a NumPy or CPU torch array's repeated call): the cached call is
+  replaced by a timed one (``Engine.instrument_hot``), which appends ``(kind, seq, size or root, start,
+  end)`` to a list; its one phase is ``transfer``;
+- a blocking general-path call's event spans the call; its phases: ``validation`` (the checks, up to the
+  first transfer; it holds checked mode's ``agreement`` and the NaN check's exchange), each ``transfer``
+  (the host transport's own calls where they are made, else the step), ``host`` (the work between two
+  transfers), ``write-back`` (after the last transfer: the result written into the caller's array or
+  wrapped), and ``host reduction`` (the widening, ordering or division of values the transport cannot
+  reduce as they are, around and including their transfer). The fingerprint of a host transfer travels
+  beside it, inside ``transfer``;
 - an asynchronous call's event spans the call to its completion (noticed by ``wait()`` or ``done()``):
   ``start`` (validation and the start of the transfer, at the call), ``transfer`` (in flight),
   ``host`` and ``write-back`` (at completion).
 
-The cost, on: the instrumented entry of a hot-path call takes two clock readings and appends four
-integers (``tag, seq, start, end``) to an array; a general-path call also keeps its phases. The array is
-written (``flush``) when it reaches :data:`BATCH` calls, and by a daemon thread every :data:`FLUSH_S`
-seconds: what each call was (collective, op, dtype, shape, path, state, call site) is read then from the
-flight recorder's ring (``_trace``), in bulk with NumPy (a ring entry is shared by every hot-path call of
-one kind), and appended to ``FILE.<rank>.raw`` (marshal, one batch per write). At the end of the process
-(``atexit``) the batches become ``FILE.<rank>``: a Chrome trace (``traceEvents`` JSON; chrome://tracing,
-https://ui.perfetto.dev): one process per rank, one thread per communicator (and one for its
-point-to-point calls), one event per call (``cat`` ``call``; ``args``: its sequence number, collective,
-op, root, dtype, shape, bytes, path, state, error, call site and its ``phases``), the phases as events
-nested in it (``cat`` ``phase``). ``python -m collectives trace --timeline OUT FILE`` merges the ranks'
-files (or their raw batches, of a job that died) into one, with each call's arrival skew across ranks.
+Methods without a hot path get an entry in place of the public method; those with one (allreduce,
+broadcast, reduce_scatter, alltoall) are timed in the blocking driver and the asynchronous call
+(``Engine.instrument``). A daemon thread writes what has accumulated every :data:`FLUSH_S` seconds to
+``FILE.<rank>.raw`` (marshal, one batch per write; what each call was: its kind, named when its cached
+call was made, or the flight recorder's record of a general-path call), as does a flight-recorder dump.
+At the end of the process (``atexit``) the batches become ``FILE.<rank>``: a Chrome trace
+(``traceEvents`` JSON; chrome://tracing, https://ui.perfetto.dev): one process per rank, one thread per
+communicator (and one for its point-to-point calls), one event per call (``cat`` ``call``; ``args``: its
+sequence number, collective, op, root, dtype, shape, bytes, path, state, error, call site and its
+``phases``), the phases of a general-path call as events nested in it (``cat`` ``phase``). ``python -m
+collectives trace FILE --timeline OUT`` merges the ranks' files (or their raw batches, of a job that
+died) into one, with each collective call's arrival skew across ranks (``late_us``).
 """
 
 from __future__ import annotations
@@ -43,7 +46,6 @@ import re
 import threading
 import time
 import weakref
-from array import array
 
 import numpy as np
 
@@ -118,6 +120,7 @@ def _transfer(method):
             if _collect[0]:
                 _marks.append(("transfer", t, _ns()))
 
+    transfer.timeline_transfer = True  # type: ignore[attr-defined]
     return transfer
 
 
@@ -206,7 +209,10 @@ _depth = [0]  # entries under way (the calls they make inside are theirs, not ev
 def _timed_run(job, engine, tags, names, run):
     """The hot path's cached call ``run`` (of ``names``: collective, op, dtype), timed."""
     kind, tag = job.kind(tags.get(names[0], tags["allreduce"]), names)
-    extend, seq, comm = job.fast.extend, engine.seq_reader(), engine.communicator
+    if getattr(run, "timeline_transfer", False):  # the transport's own call, marked as a phase: itself here
+        run = run.__wrapped__
+    extend, seq, comm = job.fast.append, engine.seq_reader(), engine.communicator  # (a tuple appended to a
+    # list: a third of what array.extend takes, which converts each integer; marshal writes the list)
     if names[0] == "broadcast":
         def timed_broadcast(x, root):
             t0 = _ns()
@@ -332,7 +338,7 @@ class _Timeline:
             except OSError:
                 pass
         self.file = open(self.raw, "ab")  # noqa: SIM115 - open for the life of the process, closed at exit
-        self.fast = array("q")  # kind, seq, size (a broadcast: root), start, end of each hot-path call
+        self.fast: list = []  # (kind, seq, size (a broadcast: root), start, end) of each hot-path call
         self.slow: list = []  # (tag, seq, start, end, entry, marks, error) of every other call
         self.kinds: list = []  # kind -> (tag, collective, op, dtype) of a hot-path cached call
         self.tags: list = []  # tag -> (weak reference to the communicator, method)
@@ -394,7 +400,7 @@ class _Timeline:
         """Write the calls kept so far as one batch (see :func:`read`)."""
         with self.lock:
             n = len(self.fast)
-            rows = self.fast[:n].tobytes()
+            rows = self.fast[:n]
             del self.fast[:n]
             k = len(self.slow)
             slow = self.slow[:k]
@@ -419,7 +425,7 @@ class _Timeline:
         trace = chrome(read(self.raw))
         tmp = f"{self.out}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
-            json.dump(trace, f)
+            f.write(json.dumps(trace))  # (in one piece: json.dump writes chunk by chunk, several times slower)
         os.replace(tmp, self.out)
         os.unlink(self.raw)
 
@@ -470,7 +476,7 @@ def read(path: str) -> dict:
                 break
             if form != FORMAT:
                 break
-            for kind, seq, aux, t0, t1 in np.frombuffer(rows, dtype=np.int64).reshape(-1, 5).tolist():
+            for kind, seq, aux, t0, t1 in rows:
                 tag, collective, op, dtype = kinds[kind]
                 info = dict.fromkeys(fields)
                 info.update(collective=collective, op=op, dtype=dtype, path="hot path", state="completed")
@@ -531,6 +537,8 @@ def chrome(timeline: dict, pid: int | None = None, origin: int | None = None) ->
         events.append({"name": c["collective"], "cat": "call", "ph": "X", "pid": rank, "tid": tid,
                        "ts": (c["start"] - origin) / 1e3, "dur": max(0.0, (c["end"] - c["start"]) / 1e3),
                        "args": args})
+        if len(c["phases"]) == 1 and c["phases"][0][1:] == [c["start"], c["end"]]:
+            continue  # one phase, the call itself (a hot-path call): in its args only
         for name, a, b in c["phases"]:
             events.append({"name": name, "cat": "phase", "ph": "X", "pid": rank, "tid": tid, "ts": (a - origin) / 1e3,
                            "dur": max(0.0, (b - a) / 1e3), "args": {"seq": c["seq"]}})

@@ -395,8 +395,9 @@ _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _in_library(path: str) -> bool:
-    """Whether a frame's file is one of the library's, other than this module (the recorder itself)."""
-    return path.startswith(_PACKAGE) and not path.endswith(("_trace.py", "_failure.py"))
+    """Whether a frame's file is one of the library's, other than this module (the recorder itself), the
+    failure path and the timeline (which writes its file at exit)."""
+    return path.startswith(_PACKAGE) and not path.endswith(("_trace.py", "_failure.py", "_timeline.py"))
 
 
 def in_package(path: str) -> bool:
