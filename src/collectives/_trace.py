@@ -203,35 +203,35 @@ def _raw_site(skip: int = 1) -> tuple[tuple | None, str | None]:
     A walk along ``f_back`` makes a frame object of every frame it passes (some 100 ns each, in Python
     3.11+, where frames are objects only once asked for), and a record is made some six frames below the
     user's call: so the last few paths found are remembered (:data:`_PATHS`: the user frame's depth, its
-    code and the code of the library frame it called), and a call that comes the same way is found with
-    two ``sys._getframe(depth)`` (which make only the frame asked for): the user frame at that depth runs
-    the same code, and the frame it called is the same library function."""
+    code and the instruction it was at), and a call that comes the same way is found with one
+    ``sys._getframe(depth)`` (which makes only the frame asked for, and the user's frame of a loop is made
+    once): the frame at that depth runs the same code at the same instruction, so it is making the same
+    call into the library (a recursive user function at another level is at another instruction)."""
     paths = _PATHS
     for path in paths:
-        depth, outer, inner, via = path
-        depth += skip + 1
+        depth, outer, lasti, via = path
         try:
-            user = sys._getframe(depth)
+            user = sys._getframe(depth + skip + 1)
         except ValueError:  # a shallower stack
             continue
-        if user.f_code is outer and sys._getframe(depth - 1).f_code is inner:
+        if user.f_code is outer and user.f_lasti == lasti:
             if path is not paths[0]:
                 with contextlib.suppress(ValueError):  # (another thread may have moved it meanwhile)
                     paths.remove(path)
                     paths.insert(0, path)
-            return (outer, user.f_lasti), via
+            return (outer, lasti), via
     return _walk(skip + 1)
 
 
-_PATHS: list = []  # (depth of the user frame above the recorder's caller, its code, the code of the frame it
-# called, the front end): the last paths _walk found, the latest first (at most _KEPT_PATHS)
+_PATHS: list = []  # (depth of the user frame above the recorder's caller, its code, its instruction offset,
+# the front end): the last paths _walk found, the latest first (at most _KEPT_PATHS)
 _KEPT_PATHS = 4
 
 
 def _walk(skip: int) -> tuple[tuple | None, str | None]:
     """:func:`_raw_site` the long way: along ``f_back`` (and the path remembered)."""
     frame: FrameType | None = sys._getframe(skip + 1)
-    depth, called = 0, None
+    depth = 0
     via = None
     kinds = _CODE_KINDS
     while frame is not None:
@@ -246,13 +246,12 @@ def _walk(skip: int) -> tuple[tuple | None, str | None]:
             if len(kinds) < 65536:  # bounded: code objects of functions that come and go (exec, lambdas)
                 kinds[id(code)] = kind
         if not kind[0]:
-            if called is not None:
-                _PATHS.insert(0, (depth, code, called, via))
-                del _PATHS[_KEPT_PATHS:]
-            return (code, frame.f_lasti), via
+            lasti = frame.f_lasti
+            _PATHS.insert(0, (depth, code, lasti, via))
+            del _PATHS[_KEPT_PATHS:]
+            return (code, lasti), via
         if via is None:
             via = kind[1]
-        called = code
         frame = frame.f_back
         depth += 1
     return None, via
