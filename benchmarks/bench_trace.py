@@ -12,7 +12,10 @@ other call a record with its call site and times. Rows:
 - ``async``: ``comm.allreduce(x, "sum", async_op=True).wait()`` (a full record per call);
 
 each on two communicators over duplicates of ``COMM_WORLD``, made one with the record ("on") and one with
-``COLLECTIVES_TRACE_BUFFER=0`` ("off", set while that one is made). Both sides run on the same buffer in
+``COLLECTIVES_TRACE_BUFFER=0`` ("off", set while that one is made). The rows ``timeline ...`` time the
+same calls on a communicator made with ``COLLECTIVES_TIMELINE`` set (every call timed with its phases and
+written to ``<dir>/timeline.<rank>``, in a temporary directory) against one made without it, both with the
+record on: what the timeline costs on top of the record. Both sides run on the same buffer in
 alternating rounds (``_common.measure``); on/off is the median of per-round ratios. Only ratios of one run
 mean something. A last row, ``A/A``, times the allreduce on "off" against a second "off"
 communicator: what two identical sides differ by in this job (the measurement's floor; a ratio within
@@ -22,7 +25,9 @@ it of 1.0 is no cost that this job can see).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -35,6 +40,10 @@ def communicator(record: bool):
     return communicator_with("COLLECTIVES_TRACE_BUFFER", "2000" if record else "0")
 
 
+def timeline_communicator(directory: str):
+    return communicator_with("COLLECTIVES_TIMELINE", os.path.join(directory, "timeline"))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="8B,1MiB")
@@ -44,6 +53,8 @@ def main() -> int:
     world = collectives.init()
     start = time.perf_counter()
     on, off, off2 = communicator(True), communicator(False), communicator(False)
+    directory = world.broadcast_object(tempfile.mkdtemp(prefix="bench-timeline-") if world.rank == 0 else None)
+    timed = timeline_communicator(directory)
     rows = []
     for nbytes in parse_sizes(args.sizes, 4):
         x = np.zeros(max(1, nbytes // 4), np.float32)
@@ -51,20 +62,25 @@ def main() -> int:
         for name, call, first in (("allreduce", lambda c, x: c.allreduce(x, "sum"), on),
                                ("broadcast", lambda c, x: c.broadcast(x, 0), on),
                                ("async", lambda c, x: c.allreduce(x, "sum", async_op=True).wait(), on),
-                               ("A/A", lambda c, x: c.allreduce(x, "sum"), off2)):
-            sides = (lambda x=x, call=call, first=first: call(first, x), lambda x=x, call=call: call(off, x))
+                               ("A/A", lambda c, x: c.allreduce(x, "sum"), off2),
+                               ("timeline allreduce", lambda c, x: c.allreduce(x, "sum"), timed),
+                               ("timeline broadcast", lambda c, x: c.broadcast(x, 0), timed),
+                               ("timeline async", lambda c, x: c.allreduce(x, "sum", async_op=True).wait(), timed)):
+            second = on if name.startswith("timeline") else off
+            sides = (lambda x=x, call=call, first=first: call(first, x),
+                     lambda x=x, call=call, second=second: call(second, x))
             times = measure(world.barrier, sides, rounds, k)
             times = np.asarray(world.allreduce(times, "max"))
             a, b = np.median(times, axis=0)
             rows.append({"call": name, "bytes": nbytes, "on_s": float(a), "off_s": float(b),
                          "ratio": float(np.median(times[:, 0] / times[:, 1]))})
-    for c in (on, off, off2):
+    for c in (on, off, off2, timed):
         c.close()
     if world.rank == 0:
         print(f"the flight recorder, {world.size} ranks: on / off (median of per-round ratios)")
-        print(f"{'call':>10} {'size':>9} {'on':>11} {'off':>11} {'on/off':>8}")
+        print(f"{'call':>20} {'size':>9} {'on':>11} {'off':>11} {'on/off':>8}")
         for r in rows:
-            print(f"{r['call']:>10} {human(r['bytes']):>9} {fmt_time(r['on_s'])} {fmt_time(r['off_s'])} "
+            print(f"{r['call']:>20} {human(r['bytes']):>9} {fmt_time(r['on_s'])} {fmt_time(r['off_s'])} "
                   f"{r['ratio']:>7.3f}x")
     finish(start, {"rows": rows}, args.json if world.rank == 0 else None)
     return 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import operator
 import pickle
 import sys
 import threading
@@ -146,6 +147,10 @@ class Communicator:
         self._reproducible = _config.reproducible()  # the default of reproducible= (see the property)
         self.check = bool(check)
         host.on_failure(self._forget_fast_paths)  # a failed transport: every later call takes the checks
+        if _config.timeline() is not None:  # COLLECTIVES_TIMELINE: instrumented entries in place of the methods
+            from . import _timeline
+
+            _timeline.install(self, self._engine)
 
     def _forget_fast_paths(self) -> None:
         self._fast, self._fast_broadcast, self._fast_blocks, self._runners = {}, {}, {}, {}
@@ -1102,9 +1107,13 @@ class Communicator:
         if ring is None:
             return None
         n = self._seq = self._seq + 1
-        self._last_activity = _time()
-        rec = _trace.Record(n, collective, op if op is None or op.__class__ is str else repr(op), root,
-                            getattr(x, "dtype", None), getattr(x, "shape", None), getattr(x, "nbytes", None), path)
+        try:  # (an array's three attributes: cheaper read than getattr with a default)
+            dtype, shape, nbytes = x.dtype, x.shape, x.nbytes
+        except AttributeError:
+            dtype, shape, nbytes = getattr(x, "dtype", None), getattr(x, "shape", None), getattr(x, "nbytes", None)
+        rec = _trace.Record(n, collective, op if op is None or op.__class__ is str else repr(op), root, dtype, shape,
+                            nbytes, path)
+        self._last_activity = rec.start
         ring[n & self._mask] = rec
         return rec
 
@@ -1581,6 +1590,64 @@ class Engine:
             hit = table[key] = make()
         return hit
 
+
+    # ---- the timeline's view (_timeline: COLLECTIVES_TIMELINE) ----
+    def name(self) -> str | None:
+        """The communicator's name (``world``, ``world.1``, ``comm1``)."""
+        return self.communicator._name
+
+    def seq_reader(self):
+        """A callable of the communicator giving the sequence number of its last call (a C-level read: the
+        timeline's entries read it after every call)."""
+        return operator.attrgetter("_seq")
+
+    def trace_entry(self, p2p: bool = False) -> tuple:
+        """``(sequence number, the flight recorder's entry)`` of the last call (the last point-to-point call
+        with ``p2p``): a :class:`collectives._trace.Record`, a hot-path entry, or None (record off)."""
+        c = self.communicator
+        if p2p:
+            return c._p2p_seq, (c._p2p_ring[-1] if c._p2p_ring else None)
+        return c._seq, (c._ring[c._seq & c._mask] if c._ring is not None else None)
+
+    def trace_ring(self) -> tuple:
+        """``(ring, mask, roots)``: the flight recorder's ring of entries (None when off), indexed by the
+        sequence number ``& mask``, and the roots of the hot path's broadcasts beside it."""
+        c = self.communicator
+        return c._ring, c._mask, c._roots
+
+    def hot_name(self, run) -> tuple:
+        """``(collective, op, dtype name)`` of a hot-path entry's cached call (Nones if unknown)."""
+        return self.communicator._hot_names.get(run, (None, None, None))
+
+    def host_transport(self):
+        """The host transport, as it is (the timeline wraps some of its methods on the instance)."""
+        return self.communicator._host
+
+    def instrument(self, name: str, wrap) -> None:
+        """Replace the communicator's ``_blocking`` (the blocking driver of a call's steps) or ``_async``
+        (the asynchronous call) with ``wrap(method)``, on the instance."""
+        if name not in ("_blocking", "_async"):
+            raise ValueError(f"instrument: {name!r} is not one of _blocking, _async")
+        c = self.communicator
+        setattr(c, name, wrap(getattr(c, name)))
+
+    def instrument_hot(self, make) -> None:
+        """From now on, every call the hot path caches (``_fast_path``) is replaced in its table by
+        ``make((collective, op, dtype name), run)``, which the flight recorder names as ``run``."""
+        c = self.communicator
+        fast_path = c._fast_path
+
+        def caching(*args, **kwargs):
+            fast_path(*args, **kwargs)
+            for table in (*c._fast.values(), c._fast_broadcast, c._fast_blocks):
+                for key, run in list(table.items()):
+                    if not getattr(run, "instrumented", False):
+                        names = c._hot_names.get(run, (None, None, None))
+                        made = table[key] = make(names, run)
+                        made.instrumented = True
+                        c._hot_names[made] = names
+
+        c._fast_path = caching  # type: ignore[method-assign]
 
     # ---- the flight recorder's view (_trace) ----
     def trace_name(self) -> str | None:

@@ -298,6 +298,15 @@ def trace_format() -> str:
     return value
 
 
+def timeline() -> str | None:
+    """Where each rank writes the timeline of every call (``COLLECTIVES_TIMELINE``: a path prefix, each
+    rank's Chrome trace is ``<prefix>.<rank>``), as an absolute path; None (the default): no timeline."""
+    raw = os.environ.get("COLLECTIVES_TIMELINE")
+    if raw is None or raw.strip() == "":
+        return None
+    return os.path.abspath(raw.strip())
+
+
 def stall_warn_s() -> float | None:
     """Seconds one collective may wait before every waiting rank warns (``COLLECTIVES_STALL_WARN_S``;
     default 60, ``0``: never)."""

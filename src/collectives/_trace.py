@@ -75,31 +75,46 @@ _tmp = itertools.count()  # numbers the temporary files of writes
 _LIBRARY_PREFIXES = ("collectives.", "torch.", "lightning.", "pytorch_lightning.", "accelerate.")
 
 
+_clock = time.time  # (one global look-up each: a record is made on every general-path call)
+_get_ident = threading.get_ident
+
+
 class Record:
     """One call on one communicator, as the flight recorder keeps it (general path)."""
 
     FIELDS = ("seq", "collective", "op", "root", "dtype", "shape", "nbytes", "path", "site", "thread", "start",
               "end", "state", "error")  # in the dumps' order
-    __slots__ = ("collective", "dtype", "end", "error", "nbytes", "op", "path", "root", "seq", "shape", "site",
+    __slots__ = ("_site", "collective", "dtype", "end", "error", "nbytes", "op", "path", "root", "seq", "shape",
                  "start", "state", "thread")
 
     def __init__(self, seq: int, collective: str, op, root, dtype, shape, nbytes, path: str):
         self.seq, self.collective, self.op, self.root = seq, collective, op, root
         self.dtype, self.shape, self.nbytes = dtype, shape, nbytes
-        self.site, via = call_site()
-        hint = getattr(_site_hint, "value", None)
+        site: tuple | list | None
+        site, via = _raw_site()  # (code, instruction offset): its line is looked up when read (the property)
+        hint = _site_hint.value
         if hint is not None:  # a call made for a compiled program: where its source put it (collectives.jax)
-            self.site, via = hint
+            site, via = hint
+        self._site = site
         self.path = path if via is None else f"{path}, {via}"
-        self.thread = threading.get_ident()  # its name is looked up when a dump is written
-        self.start = time.time()
+        self.thread = _get_ident()  # its name is looked up when a dump is written
+        self.start = _clock()
         self.end: float | None = None
         self.state = "started"
         self.error: str | None = None
 
+    @property
+    def site(self) -> list | None:
+        """``[file, line, function]`` of the user's call, or None."""
+        return site_of(self._site)
+
+    @site.setter
+    def site(self, value: list | None) -> None:
+        self._site = value  # type: ignore[assignment]
+
     def finish(self, error: BaseException | None = None) -> None:
         """Mark the call completed, or failed with ``error``."""
-        self.end = time.time()
+        self.end = _clock()
         if error is None:
             self.state = "completed"
         else:
@@ -138,13 +153,17 @@ _FRONT_ENDS = {"collectives._overlap": "DistributedOptimizer gradient bucket", "
 # site_hint(): the (site, front end) the records made on this thread stand for while it is set: a
 # collective inside a jitted JAX function runs in a callback of XLA, far from the line that wrote it
 # (collectives.jax sets it, around each callback, to the site found when jit traced the call).
-_site_hint = threading.local()
+class _SiteHint(threading.local):
+    value: tuple | None = None  # (a class default: reading it never raises, where getattr(local, name, None) would, at a cost)
+
+
+_site_hint = _SiteHint()
 
 
 @contextlib.contextmanager
 def site_hint(site: list | None, via: str):
     """Records made inside this block on this thread get ``site`` and the front end ``via``."""
-    saved = getattr(_site_hint, "value", None)
+    saved = _site_hint.value
     _site_hint.value = (site, via)
     try:
         yield
@@ -155,26 +174,90 @@ def site_hint(site: list | None, via: str):
 def call_site() -> tuple[list | None, str | None]:
     """``([file, line, function], front end)``: the first frame outside the library (see
     :func:`is_library`), and the front end the call came through (``_FRONT_ENDS``), or None."""
-    frame: FrameType | None = sys._getframe(1)
+    raw, via = _raw_site()
+    return site_of(raw), via
+
+
+def site_of(raw) -> list | None:
+    """``[file, line, function]`` of a site as :func:`_raw_site` keeps it (or as given: a list, None)."""
+    if raw is None or raw.__class__ is list:
+        return raw
+    code, lasti = raw
+    line = _LINES.get(raw)
+    if line is None:
+        line = next((n for start, end, n in code.co_lines() if start <= lasti < end), None) or code.co_firstlineno
+        if len(_LINES) < 65536:
+            _LINES[raw] = line
+    return [code.co_filename, line, code.co_name]
+
+
+_LINES: dict = {}  # (code, instruction offset) -> its line (site_of's memo)
+
+
+def _raw_site(skip: int = 1) -> tuple[tuple | None, str | None]:
+    """``((code, instruction offset), front end)`` of the first frame outside the library, from ``skip``
+    frames above the caller on (1: from the caller's caller): what a record keeps of its call site. Its line is looked up
+    only when the record is read (:func:`site_of`): a frame's ``f_lineno`` decodes the line table up to
+    the instruction, some hundreds of ns in a large function or a script's top level.
+
+    A walk along ``f_back`` makes a frame object of every frame it passes (some 100 ns each, in Python
+    3.11+, where frames are objects only once asked for), and a record is made some six frames below the
+    user's call: so the last few paths found are remembered (:data:`_PATHS`: the user frame's depth, its
+    code and the instruction it was at), and a call that comes the same way is found with one
+    ``sys._getframe(depth)`` (which makes only the frame asked for, and the user's frame of a loop is made
+    once): the frame at that depth runs the same code at the same instruction, so it is making the same
+    call into the library (a recursive user function at another level is at another instruction)."""
+    paths = _PATHS
+    for path in paths:
+        depth, outer, lasti, via = path
+        try:
+            user = sys._getframe(depth + skip + 1)
+        except ValueError:  # a shallower stack
+            continue
+        if user.f_code is outer and user.f_lasti == lasti:
+            if path is not paths[0]:
+                with contextlib.suppress(ValueError):  # (another thread may have moved it meanwhile)
+                    paths.remove(path)
+                    paths.insert(0, path)
+            return (outer, lasti), via
+    return _walk(skip + 1)
+
+
+_PATHS: list = []  # (depth of the user frame above the recorder's caller, its code, its instruction offset,
+# the front end): the last paths _walk found, the latest first (at most _KEPT_PATHS)
+_KEPT_PATHS = 4
+
+
+def _walk(skip: int) -> tuple[tuple | None, str | None]:
+    """:func:`_raw_site` the long way: along ``f_back`` (and the path remembered)."""
+    frame: FrameType | None = sys._getframe(skip + 1)
+    depth = 0
     via = None
     kinds = _CODE_KINDS
     while frame is not None:
         code = frame.f_code
-        kind = kinds.get(code)
-        if kind is None:  # once per function: is it the library's, and which front end
+        # keyed by the code object's id, not the object: hashing a code object hashes its constants and
+        # names each time (up to a microsecond for a large function); the entry holds the object itself,
+        # so its id cannot be reused while the entry exists
+        kind = kinds.get(id(code))
+        if kind is None or kind[2] is not code:  # once per function: is it the library's, which front end
             module = frame.f_globals.get("__name__", "")
-            kind = (is_library(module), _FRONT_ENDS.get(module))
+            kind = (is_library(module), _FRONT_ENDS.get(module), code)
             if len(kinds) < 65536:  # bounded: code objects of functions that come and go (exec, lambdas)
-                kinds[code] = kind
+                kinds[id(code)] = kind
         if not kind[0]:
-            return [code.co_filename, frame.f_lineno, code.co_name], via
+            lasti = frame.f_lasti
+            _PATHS.insert(0, (depth, code, lasti, via))
+            del _PATHS[_KEPT_PATHS:]
+            return (code, lasti), via
         if via is None:
             via = kind[1]
         frame = frame.f_back
+        depth += 1
     return None, via
 
 
-_CODE_KINDS: dict = {}  # code object -> (is the library's, front end or None): call_site's memo
+_CODE_KINDS: dict = {}  # id(code object) -> (is the library's, front end or None, the code object): call_site's memo
 
 
 def register(engine) -> None:
@@ -311,8 +394,9 @@ _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _in_library(path: str) -> bool:
-    """Whether a frame's file is one of the library's, other than this module (the recorder itself)."""
-    return path.startswith(_PACKAGE) and not path.endswith(("_trace.py", "_failure.py"))
+    """Whether a frame's file is one of the library's, other than this module (the recorder itself), the
+    failure path and the timeline (which writes its file at exit)."""
+    return path.startswith(_PACKAGE) and not path.endswith(("_trace.py", "_failure.py", "_timeline.py"))
 
 
 def in_package(path: str) -> bool:
@@ -361,6 +445,9 @@ def dump(reason: str, *, tell_others: bool = False, exc: BaseException | None = 
     Never raises: a dump must not hide the error it documents."""
     if not enabled():
         return None
+    timeline = sys.modules.get("collectives._timeline")
+    if timeline is not None:  # COLLECTIVES_TIMELINE: its calls so far on disk too (the job may be ending)
+        timeline.flush_all()
     try:
         with _lock:
             _dumping[0] += 1

@@ -300,13 +300,16 @@ def main(argv: list[str]) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m collectives trace", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("dir", help="the trace directory (COLLECTIVES_TRACE_DIR; default ./collectives-trace)")
+    ap.add_argument("dir", help="the trace directory (COLLECTIVES_TRACE_DIR; default ./collectives-trace), or the "
+                                "COLLECTIVES_TIMELINE prefix of a job's timelines (with --timeline: merge them)")
     ap.add_argument("--job", help="the job id (default: the newest job in DIR)")
     ap.add_argument("--timeline", metavar="FILE", help="write a Chrome trace (JSON) of the records")
     ap.add_argument("--plot", metavar="FILE.png", help="draw the timeline (needs matplotlib)")
     ap.add_argument("--stragglers", action="store_true",
                     help="rank the ranks by how late they arrive at each call (from the records' start times)")
     args = ap.parse_args(argv)
+    if not os.path.isdir(args.dir):  # COLLECTIVES_TIMELINE's prefix: merge the ranks' timelines
+        return _merge_timelines(args)
     job, dumps = load(args.dir, args.job)
     if not dumps:
         torch_dirs = sorted(glob.glob(os.path.join(args.dir, "*.torch")))
@@ -340,4 +343,35 @@ def main(argv: list[str]) -> int:
         if args.plot:
             plot(trace, args.plot)
             print(f"plot: {args.plot}")
+    return 0
+
+
+def _merge_timelines(args) -> int:
+    """``trace PREFIX --timeline OUT``: the ranks' timelines (``COLLECTIVES_TIMELINE=PREFIX``) as one Chrome
+    trace, each collective call with its arrival skew (``late_us``)."""
+    from . import _timeline
+
+    timelines = _timeline.load(args.dir)
+    if not timelines:
+        print(f"no trace directory and no timelines at {args.dir} (expected {args.dir}.<rank> or "
+              f"{args.dir}.<rank>.raw, written with COLLECTIVES_TIMELINE={args.dir})")
+        return 1
+    size = max(timelines) + 1
+    missing = [r for r in range(size) if r not in timelines]
+    calls = {r: len(t["calls"]) for r, t in sorted(timelines.items())}
+    print(f"timelines of {len(timelines)} ranks at {args.dir}: "
+          + ", ".join(f"rank {r}: {n} calls" for r, n in calls.items())
+          + (f"; missing: {_ranks(missing)}" if missing else ""))
+    if not args.timeline and not args.plot:
+        print("(--timeline FILE writes them merged as one Chrome trace)")
+        return 0
+    trace = _timeline.merge(timelines)
+    if args.timeline:
+        with open(args.timeline, "w") as f:
+            json.dump(trace, f)
+        print(f"timeline: {args.timeline} ({sum(e.get('cat') == 'call' for e in trace['traceEvents'])} calls; open it "
+              f"in chrome://tracing or https://ui.perfetto.dev)")
+    if args.plot:
+        plot({"traceEvents": [e for e in trace["traceEvents"] if e.get("cat") != "phase"]}, args.plot)
+        print(f"plot: {args.plot}")
     return 0

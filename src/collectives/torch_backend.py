@@ -75,7 +75,7 @@ import torch.distributed as dist
 
 import collectives as _coll
 
-from . import _call, _config, _launcher
+from . import _call, _config, _launcher, _trace_torch
 from ._comm import engine_of
 from ._errors import BackendUnavailableError, CollectiveTimeoutError, MismatchError
 
@@ -350,6 +350,8 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         self._wait_s = min((b for b in (self._timeout_s, _config.timeout()) if b is not None), default=None)
         self._keep = keep  # the mpi4py communicator ours was made from (its lifetime bounds ours), or
         # (the Communicator ours was split from, that mpi4py communicator)
+        self._torch_seq = [0, 0, 0]  # torch's numbering of the group's operations: collectives, p2p, all
+        # (as ProcessGroupNCCL counts them, for the flight recorder's dumps in torch's format: _numbered)
         # A large CPU allreduce that the ranks' own CPUs compute (one node: the node-shared window) runs at
         # the call, bounded by the group's timeout: every Work is waited for at once anyway (get_future,
         # async_op=False), and MPI's Iallreduce would move it at a fraction of the window's speed
@@ -753,6 +755,48 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         """Start receiving the tensor from any rank; the Work's ``source_rank()`` is the sender's rank."""
         t = _one(tensors, "recv")
         return _ReceiveWork("recv_anysource", self._comm.recv(t, None, tag, async_op=True), [t], self._wait_s)
+
+
+# the group's operations, as torch's flight recorder names them (after "nccl:"); p2p: send, recv
+_TORCH_NAMES = {"allreduce": "all_reduce", "allreduce_coalesced": "allreduce_coalesced", "reduce": "reduce",
+                "reduce_scatter_single": "_reduce_scatter_base", "reduce_scatter": "reduce_scatter",
+                "reduce_scatter_tensor_coalesced": "reduce_scatter_tensor_coalesced", "broadcast": "broadcast",
+                "allgather": "all_gather", "all_gather_single": "_all_gather_base",
+                "allgather_into_tensor_coalesced": "all_gather_into_tensor_coalesced",
+                "allgather_coalesced": "ALLGATHER_coalesced", "all_to_all_single": "all_to_all",
+                "alltoall": "all_to_all", "gather": "gather", "scatter": "scatter", "barrier": "barrier",
+                "send": "send", "recv": "recv", "recv_anysource": "recv"}
+
+
+def _numbered(method, name: str, p2p: bool):
+    """A group operation numbered as torch numbers it: the calls it makes on the group's communicator are
+    noted (``_trace_torch.note``) as torch's operation ``name`` with the group's collective, p2p and
+    operation counts, so that the flight recorder's dumps in torch's format number it as torch would."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        if self._comm is None:  # (shut down: the operation says so)
+            return method(self, *args, **kwargs)
+        engine = engine_of(self._comm)
+        read = engine.trace_p2p_seq if p2p else engine.trace_seq
+        before = read()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            after = read()
+            if after > before:
+                seq = self._torch_seq
+                seq[1 if p2p else 0] += 1
+                seq[2] += 1
+                _trace_torch.note(str(engine.name()), p2p, range(before + 1, after + 1),
+                                  (self.getGroupName() or str(engine.name()), self.getGroupDesc() or "undefined",
+                                   seq[0], seq[1], seq[2], name))
+
+    return run
+
+
+for _method, _torch_name in _TORCH_NAMES.items():
+    setattr(ProcessGroupCollectives, _method, _numbered(getattr(ProcessGroupCollectives, _method), _torch_name,
+                                                        _torch_name in ("send", "recv")))
 
 
 class _ReceiveWork(Work):

@@ -234,6 +234,23 @@ def main(name: str) -> None:
             comm.allreduce(x)  # TRACE-SKIP-ALLREDUCE
         comm.barrier()
 
+    elif name == "trace-extra":  # the last rank makes one allreduce more than the others, who go on to a barrier
+        for _ in range(3):
+            comm.allreduce(x)
+        if comm.rank == last:
+            mark(name)
+            comm.allreduce(x)  # TRACE-EXTRA-ALLREDUCE
+        comm.barrier()  # TRACE-EXTRA-BARRIER
+
+    elif name == "trace-count":  # the last rank's allreduce has one element more (unchecked: the fingerprint
+        # beside the transfer, with COLLECTIVES_TIMEOUT set, finds it)
+        for _ in range(3):
+            comm.allreduce(x)
+        y = np.ones(5 if comm.rank == last else 4)
+        if comm.rank == last:
+            mark(name)
+        comm.allreduce(y)  # TRACE-COUNT-ALLREDUCE
+
     elif name == "trace-hang-sigusr1":  # no deadline: the last rank waits in MPI_Recv for a message that never
         # comes while the others wait in an allreduce it never enters; the test signals them (SIGUSR1), reads
         # the dumps, and kills the job
@@ -311,7 +328,7 @@ def main(name: str) -> None:
         import torch
         import torch.distributed as dist
 
-        import collectives.torch_backend  # noqa: F401 - registers the backend
+        import collectives.torch_backend
 
         dist.init_process_group("collectives")
         t = torch.ones(3)
@@ -320,7 +337,57 @@ def main(name: str) -> None:
         opt = coll.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
         model(torch.ones(4, 3)).sum().backward()  # TRACE-FRONTS-BACKWARD
         opt.step()
+        dist.barrier()  # (torch's analyzer takes a collective numbered K right before a p2p call numbered K
+        # for one coalesced group: not this one, #2 before p2p #1)
+        if comm.size > 1:  # point-to-point through the backend: ranks 0 and 1
+            if rank == 0:
+                dist.send(t, 1)
+            elif rank == 1:
+                dist.recv(t, 0)
+        dist.barrier()
         coll.dump_trace()
+        dist.destroy_process_group()
+
+    elif name == "clean-timeline":  # COLLECTIVES_TIMELINE (set by the test): 60 calls of every kind on one
+        # communicator, then the fronts (the torch backend, the gradient buckets) and point-to-point elsewhere
+        import torch
+        import torch.distributed as dist
+
+        import collectives.torch_backend  # noqa: F401 - registers the backend
+
+        sub = comm.split(0)
+        y = np.ones(2, np.float32)
+        for _ in range(20):
+            sub.allreduce(y)  # the hot path from the second call
+        for _ in range(10):
+            sub.broadcast(y, 0)
+        for _ in range(5):
+            sub.allreduce(y, async_op=True).wait()
+        for _ in range(5):
+            sub.allreduce_tree({"w": np.ones(3), "b": np.ones(2, np.float32)})
+        for _ in range(5):
+            sub.reduce_scatter(np.ones(2 * sub.size))
+        for _ in range(5):
+            sub.allgather(y)
+        for _ in range(4):
+            sub.allreduce(np.ones(3), "min")  # a host reduction (min of floats: NaN and zero signs kept)
+        for _ in range(3):
+            sub.barrier()
+        sub.broadcast_object({"step": 1})
+        sub.allgather_object(rank)
+        sub.alltoall(np.ones(sub.size))
+        if comm.size > 1:  # point-to-point on the world communicator: ranks 0 and 1
+            if rank == 0:
+                comm.send(y, 1)
+            elif rank == 1:
+                comm.recv(y, 0)
+        dist.init_process_group("collectives")
+        t = torch.ones(3)
+        dist.all_reduce(t)
+        model = torch.nn.Linear(3, 2)
+        opt = coll.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        model(torch.ones(4, 3)).sum().backward()
+        opt.step()
         dist.destroy_process_group()
 
     else:

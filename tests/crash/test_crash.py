@@ -302,6 +302,33 @@ def test_trace_names_the_rank_that_skipped_an_allreduce(n):
     assert "missing" not in out, out
 
 
+@pytest.mark.parametrize("n", SIZES)
+def test_trace_names_the_rank_that_made_an_extra_call(n):
+    job = run("trace-extra", n, COLLECTIVES_TIMEOUT=5)
+    ended_promptly(job, within=5 + PROMPT_S)
+    assert len(dumps_of(job)) == n, (dumps_of(job), job)
+    first = trace_verdict(job).splitlines()[0]
+    others = ",".join(map(str, range(n - 1)))
+    assert first.startswith("DIVERGENCE on world at call #6:"), first
+    assert f"rank{'s' if n > 2 else ''} {others} called barrier #6 at {SCENARIO}:{line_of('TRACE-EXTRA-BARRIER')} " \
+           f"in main" in first, first
+    assert f"rank {n - 1} called allreduce #6 (op=sum, float64 (4,)) at " \
+           f"{SCENARIO}:{line_of('TRACE-EXTRA-ALLREDUCE')} in main" in first, first
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_trace_names_the_rank_whose_count_differs(n):
+    job = run("trace-count", n, COLLECTIVES_TIMEOUT=5)
+    ended_promptly(job, within=5 + PROMPT_S)
+    assert len(dumps_of(job)) == n, (dumps_of(job), job)
+    first = trace_verdict(job).splitlines()[0]
+    others = ",".join(map(str, range(n - 1)))
+    site = f"{SCENARIO}:{line_of('TRACE-COUNT-ALLREDUCE')} in main"
+    assert first.startswith("DIVERGENCE on world at call #6:"), first
+    assert f"rank{'s' if n > 2 else ''} {others} called allreduce #6 (op=sum, float64 (4,)) at {site}" in first, first
+    assert f"rank {n - 1} called allreduce #6 (op=sum, float64 (5,)) at {site}" in first, first
+
+
 def wait_for_dumps(trace_dir: str, count: int, limit: float = 30.0) -> list[str]:
     """The dump files of ``trace_dir`` once there are ``count`` of them (or whatever is there at ``limit``)."""
     end = time.monotonic() + limit
@@ -461,6 +488,38 @@ def test_sigusr1_dumps_and_the_job_goes_on(n):
 
 
 @pytest.mark.parametrize("n", SIZES)
+def test_torch_format_numbers_the_backends_operations_as_torch_does(n):
+    """COLLECTIVES_TRACE_FORMAT=both: the torch backend's group is torch's group "0" in the torch-format
+    dumps, its operations numbered as ProcessGroupNCCL numbers them (collectives 1, 2, ... on the group,
+    p2p apart, op_id over both), its send and recv there; torch's fr_trace reads them with no error."""
+    pytest.importorskip("torch.distributed.flight_recorder.fr_trace")
+    import pickle
+
+    job = run("clean-trace-fronts", n, COLLECTIVES_TRACE_FORMAT="both")
+    assert job.rc == 0, job
+    for r in range(n):
+        [path] = Path(job.trace_dir).glob(f"*.torch/collectives_trace_rank_{r}")
+        dump = pickle.loads(path.read_bytes())
+        assert dump["pg_config"]["0"]["desc"] == "default_pg", dump["pg_config"]
+        ops = [e for e in dump["entries"] if e["process_group"][0] == "0"]
+        collectives = [e for e in ops if not e["is_p2p"]]
+        assert [e["collective_seq_id"] for e in collectives] == list(range(1, len(collectives) + 1)), ops
+        assert [e["op_id"] for e in ops] == list(range(1, len(ops) + 1)), ops
+        assert collectives[0]["profiling_name"] == "nccl:all_reduce" and collectives[0]["input_sizes"] == [[3]], ops
+        assert [e["profiling_name"] for e in collectives[-2:]] == ["nccl:barrier"] * 2, ops
+        p2p = [e["profiling_name"] for e in ops if e["is_p2p"]]
+        assert p2p == ({0: ["nccl:send 0->1"], 1: ["nccl:recv 1<-0"]}.get(r, []) if n > 1 else []), ops
+        assert all(e["state"] == "completed" for e in ops), ops
+    out = fr_trace(job)
+    assert "has errors" not in out, out
+    # torch's analyzer expects every rank of a group in a send or receive made outside a coalesced batch: at
+    # 3 ranks it reports the one rank that took no part in the send 0->1 (so it would of NCCL's dumps)
+    missing = re.findall(r"Not all ranks joining collective.*?\ncollective: (\S+)[^\n]*\nmissing ranks: (\{.*?\})",
+                         out, re.S)
+    assert missing == ([] if n < 3 else [("nccl:send", "{2}")]), out
+
+
+@pytest.mark.parametrize("n", SIZES)
 def test_records_name_the_torch_backend_and_the_gradient_buckets(n):
     job = run("clean-trace-fronts", n)
     assert job.rc == 0, job
@@ -489,6 +548,48 @@ def test_records_name_the_torch_backend_and_the_gradient_buckets(n):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.stat().st_size > 2000, proc.stdout
+
+
+@pytest.mark.parametrize("n", [1, *SIZES])
+def test_the_timeline_holds_every_call_with_its_phases(n):
+    """COLLECTIVES_TIMELINE: 60 calls on one communicator (the hot path, asynchronous, trees, host
+    reductions, objects) are 60 events per rank, each with its start, end and phases; the torch backend's
+    calls, the gradient buckets' and point-to-point are there too; the merge names each call's skew."""
+    import json
+
+    prefix = Path(tempfile.mkdtemp(prefix=f"timeline-{n}-", dir=TRACES)) / "timeline"
+    job = run("clean-timeline", n, COLLECTIVES_TIMELINE=str(prefix))
+    assert job.rc == 0 and job.err == "", job
+    for r in range(n):
+        events = json.loads(Path(f"{prefix}.{r}").read_text())["traceEvents"]
+        assert not Path(f"{prefix}.{r}.raw").exists()  # turned into the Chrome trace at exit
+        calls = [e for e in events if e.get("cat") == "call"]
+        sub = [e for e in calls if e["args"]["comm"] == "world.1"]
+        assert len(sub) == 60, [(e["name"], e["args"]["seq"]) for e in sub]
+        assert sorted(e["args"]["seq"] for e in sub) == list(range(1, 61)), sub
+        for e in calls:
+            assert e["ts"] > 0 and e["dur"] >= 0 and e["args"]["state"] == "completed", e
+            assert e["args"]["phases"], e
+            for name, ts, dur in e["args"]["phases"]:  # (microseconds: the clock's nanoseconds rounded)
+                assert e["ts"] - 1e-3 <= ts and ts + dur <= e["ts"] + e["dur"] + 1e-3, (name, e)
+        kinds = {(e["name"], e["args"]["path"].split(",")[0]) for e in sub}
+        assert {("allreduce", "hot path"), ("broadcast", "hot path"), ("allreduce", "asynchronous"),
+                ("allreduce_tree", "tree buckets"), ("reduce_scatter", "hot path"), ("allgather", "blocking"),
+                ("barrier", "blocking"), ("broadcast_object", "blocking"), ("alltoall", "blocking")} <= kinds, kinds
+        phases = {p[0] for e in sub for p in e["args"]["phases"]}
+        assert {"validation", "transfer", "write-back", "start", "host reduction"} <= phases, phases
+        paths = " ".join(e["args"]["path"] or "" for e in calls)
+        assert "torch.distributed backend" in paths and "DistributedOptimizer gradient bucket" in paths, paths
+        p2p = [e for e in calls if e["name"] in ("send", "recv")]
+        assert len(p2p) == (1 if n > 1 and r < 2 else 0), p2p
+    out = Path(f"{prefix}.merged.json")
+    proc = subprocess.run([sys.executable, "-m", "collectives", "trace", str(prefix), "--timeline", str(out)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    merged = [e for e in json.loads(out.read_text())["traceEvents"] if e.get("cat") == "call"]
+    assert {e["pid"] for e in merged} == set(range(n)), proc.stdout
+    first = [e for e in merged if e["args"]["comm"] == "world.1" and e["args"]["seq"] == 1]
+    assert len(first) == n and min(e["args"]["late_us"] for e in first) == 0, first
 
 
 @pytest.mark.parametrize("n", SIZES)
@@ -526,6 +627,8 @@ TORCH_CASES = {  # scenario: (its environment, the call # of the divergence, the
     "trace-skip": ({"COLLECTIVES_TIMEOUT": 5}, 6, "all_reduce", "barrier"),
     "trace-divergent": ({"COLLECTIVES_TIMEOUT": 5}, 4, "all_reduce", "broadcast"),
     "clean-trace-stall": ({"COLLECTIVES_STALL_WARN_S": 2, "TRACE_SLEEP": 8, "TRACE_ASK_AT": 5}, 3, "all_reduce", None),
+    "trace-extra": ({"COLLECTIVES_TIMEOUT": 5}, 6, "barrier", "all_reduce"),
+    "trace-count": ({"COLLECTIVES_TIMEOUT": 5}, 6, "all_reduce", "all_reduce"),  # the sizes differ
 }
 
 
@@ -556,6 +659,11 @@ def test_torch_fr_trace_reads_the_dumps_and_agrees(scenario, n):
         return
     assert f"Collective sequence number: {seq} has errors" in out, out
     culprits = {int(r) for r in re.findall(r"Culprit rank (\d+);", out)}
+    if others_call == last_call:  # the same collective, another count: its culprits are those of the other size
+        sizes = set(re.findall(r"found input sizes: '\[\[(\d+)\]\]'", out))
+        assert "SIZE_OR_SYNTAX_MISMATCH" in out and f"main at {SCENARIO}:{line_of('TRACE-COUNT-ALLREDUCE')}" in out, out
+        assert (culprits, sizes) in (({n - 1}, {"5"}), (others, {"4"})), out
+        return
     found = set(re.findall(r"found collective type: '(\w+)'", out))
     expected = set(re.findall(r"Expected collective type: '(\w+)'", out))
     if culprits == {n - 1}:  # it read a rank of the majority first

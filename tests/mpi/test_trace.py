@@ -262,3 +262,44 @@ def test_sigusr1_dumps_a_rank_blocked_inside_mpi(comm):
         assert main and any("recv" in frame[2] for frame in main[0]["stack"]), main
     c.barrier()
     c.close()
+
+
+def _outer_call(c, x, depth, function):
+    """A user function that calls itself ``depth`` times, then makes an asynchronous allreduce (through the
+    module's function, one frame deeper, or the method)."""
+    if depth:
+        return _outer_call(c, x, depth - 1, function)
+    if function:
+        return coll.allreduce(x, comm=c, async_op=True).wait()
+    return c.allreduce(x, async_op=True).wait()
+
+
+def test_call_sites_stay_right_when_the_paths_alternate(comm):
+    """The record finds a call site through the paths it remembers (one frame checked, its code and
+    instruction, not the whole stack walked): calls that alternate between paths of different depths,
+    through the module function and the method, from a recursive user function at different depths (where
+    a frame of the same function sits at a remembered depth, at another instruction), each get their own
+    line."""
+    import inspect
+
+    c = fresh(comm)
+    x = np.ones(2)
+    lines = inspect.getsource(test_call_sites_stay_right_when_the_paths_alternate).splitlines()
+    first = test_call_sites_stay_right_when_the_paths_alternate.__code__.co_firstlineno
+    line = {tag: first + next(i for i, t in enumerate(lines) if t.endswith(f"# {tag}")) for tag in ("METHOD", "FUNCTION")}
+    recursive = _outer_call.__code__.co_firstlineno + 6
+    got = []
+    for i in range(12):
+        c.allreduce(x, async_op=True).wait()  # METHOD
+        got.append((records(c)[-1]["site"][1:], ("METHOD", "test_call_sites_stay_right_when_the_paths_alternate")))
+        coll.allreduce(x, comm=c, async_op=True).wait()  # FUNCTION
+        got.append((records(c)[-1]["site"][1:], ("FUNCTION", "test_call_sites_stay_right_when_the_paths_alternate")))
+        _outer_call(c, x, i % 3, True)
+        got.append((records(c)[-1]["site"][1:], ("RECURSIVE-FUNCTION", "_outer_call")))
+        _outer_call(c, x, (i + 1) % 3, False)
+        got.append((records(c)[-1]["site"][1:], ("RECURSIVE-METHOD", "_outer_call")))
+    expected = {"METHOD": line["METHOD"], "FUNCTION": line["FUNCTION"], "RECURSIVE-FUNCTION": recursive,
+                "RECURSIVE-METHOD": recursive + 1}
+    for site, (tag, function) in got:
+        assert site == [expected[tag], function], (site, tag, got)
+    c.close()

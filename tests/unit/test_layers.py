@@ -25,7 +25,7 @@ LAYERS = {
     # 2: reduction rules
     "_reduction": 2, "_reproducible": 2,
     # 3: trees and buckets
-    "_buckets": 3, "_tree": 3,
+    "_buckets": 3, "_tree": 3, "_timeline": 3,
     # 4: the Communicator, init and the public functions
     "_comm": 4, "_failure": 0,
     # 5: what stands on the public functions
