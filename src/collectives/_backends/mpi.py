@@ -1620,7 +1620,7 @@ class DeadlineMPITransport(MPITransport):
         dtype = bufs[0].dtype
         whole = np.lib.stride_tricks.as_strided(np.zeros(1, dtype), (sum(b.size for b in bufs),), (0,))
         what = ("allreduce", whole, f"op={op}, node-shared memory, {len(bufs)} buffers in one pass")
-        req, check = self._fingerprint("allreduce", whole, "sum" if op == "mean" else op)
+        req, check = self._fingerprint("allreduce", whole, wire_op(op))
         self._wait(what, req)
         self._verify(check, what)
 
