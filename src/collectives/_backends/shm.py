@@ -175,7 +175,6 @@ class Reducer:
         self._heads = [c[:3] for c in self._calls]  # (count, dtype, op) of each rank's call
         self._rank = rank
         self._regions: dict = {}  # dtype -> regions[q][p]: rank q's region p, as that dtype
-        self._own: np.ndarray | None = None  # allreduce_many: this rank's own input of a chunk
         self._win_sync: Callable[[], None] | None = self.win.Sync  # None once closed
         self._node_barrier = self.node.Barrier
         self._wait = None  # how this call waits for a node barrier (see allreduce)
@@ -258,7 +257,6 @@ class Reducer:
         divisor = float(self.size) if op == "mean" else None
         regions = self._views(dtype)
         n, p = self.local_size, self.local_rank
-        scratch = self._scratch(dtype)
         if n > 1:
             self._calls[p][:] = (total, ord(dtype.kind) * 64 + dtype.itemsize, _OPS.index(op), self._rank)
 
@@ -283,20 +281,23 @@ class Reducer:
                         divide(f[a:b], divisor, out=f[a:b])
                 continue
             slot = regions[p]
-            for q in range(n):  # 1: my inputs for every slice, mine into the scratch buffer
-                into = scratch if q == p else slot[q]
-                for f, a, b, at in pieces(bounds[q], bounds[q + 1]):
-                    into[at:at + b - a] = f[a:b]
+            for q in range(n):  # 1: my inputs for the other ranks' slices
+                if q != p:
+                    for f, a, b, at in pieces(bounds[q], bounds[q + 1]):
+                        slot[q][at:at + b - a] = f[a:b]
             self._sync()  # 2
             if lo == 0:
                 self._check_calls()
-            m = bounds[p + 1] - bounds[p]  # 3: my slice, over every rank's data, in rank order
-            res = slot[p][:m]
-            src = [scratch[:m] if q == p else regions[q][p][:m] for q in range(n)]
-            ufunc(src[0], src[1], out=res)
-            for q in range(2, n):
-                ufunc(res, src[q], out=res)
-            self._scatter(pieces(bounds[p], bounds[p + 1]), res, divisor)  # (the region keeps the sum)
+            m = bounds[p + 1] - bounds[p]  # 3: my slice, over every rank's data, in rank order, piece by
+            res = slot[p][:m]  # piece (my own input read where it lies, as allreduce reads its chunk)
+            mine = list(pieces(bounds[p], bounds[p + 1]))
+            for f, a, b, at in mine:
+                out = res[at:at + b - a]
+                src = [f[a:b] if q == p else regions[q][p][at:at + b - a] for q in range(n)]
+                ufunc(src[0], src[1], out=out)
+                for q in range(2, n):
+                    ufunc(out, src[q], out=out)
+            self._scatter(mine, res, divisor)  # (the region keeps the sum)
             self._sync()  # 4
             for q in range(n):  # 5: the other ranks' result slices (sums for mean: divided here)
                 if q != p:
@@ -309,13 +310,6 @@ class Reducer:
                 f[a:b] = part[at:at + b - a]
             else:
                 divide(part[at:at + b - a], divisor, out=f[a:b])
-
-    def _scratch(self, dtype: np.dtype) -> np.ndarray:
-        """A private buffer of one region (this rank's own input of a chunk in :meth:`allreduce_many`)."""
-        buf = self._own
-        if buf is None or buf.nbytes < self.stride:
-            buf = self._own = np.empty(self.stride, dtype=np.uint8)
-        return buf[:self.stride // dtype.itemsize * dtype.itemsize].view(dtype)
 
     def _allreduce(self, buf: np.ndarray, op: str) -> None:
         flat = buf.reshape(-1)
