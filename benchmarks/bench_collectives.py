@@ -213,8 +213,12 @@ def main() -> int:
         import torch
 
     results = []
+    probe = cores_probe(raw) if args.repeat > 1 else None
+    probes = []
     started = time.perf_counter()
     for run, nbytes, op in [(run, nbytes, op) for run in range(args.repeat) for nbytes in sizes for op in ops]:
+        if probe is not None and nbytes == sizes[0] and op == ops[0]:
+            probes.append(probe())
         rounds, k = plan(nbytes, args.iters)
         # zeros for sum (stays finite however often it runs), ones for mean (a fixed point)
         count = nbytes // 4 - (nbytes // 4) % size if op in ("rscatter", "alltoall") else nbytes // 4
@@ -245,9 +249,14 @@ def main() -> int:
 
     if rank == 0:
         print_table(header, results, elapsed)
+        if probes and probes[0] is not None:
+            print("\nthe two CPUs before each run (benchmarks/c/cores.c: a cache line's round trip between them; "
+                  "1 MiB written on one, read on the other):")
+            for run, p in enumerate(probes):
+                print(f"  run {run + 1}: round trip {p['round_trip_ns']:.0f} ns, {p['transfer_gbps']:.1f} GB/s")
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"header": header, "elapsed_s": elapsed, "results": results,
+                json.dump({"header": header, "elapsed_s": elapsed, "results": results, "cores": probes,
                            "targets": {"small_bytes": sizes[0], "small_ratio": TARGET_SMALL,
                                        "large_bytes": LARGE, "large_ratio": TARGET_LARGE}}, f, indent=2)
             print(f"\nwrote {args.json}")
@@ -266,6 +275,47 @@ def faults(side, k: int) -> float:
     for _ in range(k):
         side()
     return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / k
+
+
+def cores_probe(raw):
+    """A callable (collective over ``raw``) that measures how far apart this machine's first two CPUs are,
+    now, with ``benchmarks/c/cores.c`` (built here with ``cc``) on rank 0 while the other ranks sleep:
+    ``{"round_trip_ns", "transfer_gbps"}`` on rank 0, None elsewhere. None (no probe) where the job has
+    several nodes, fewer than two CPUs, or no C compiler. On a virtual machine the host may move the two
+    virtual CPUs between cores that share a cache and cores that do not: the probe before each run says
+    which (docs/performance.md, "Run to run")."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "c", "cores.c")
+    ok = 0
+    binary = os.path.join(tempfile.gettempdir(), f"collectives-cores-{os.getpid()}")
+    if raw.Get_rank() == 0 and shutil.which("cc") and len(os.sched_getaffinity(0)) >= 2:
+        built = subprocess.run(["cc", "-O2", "-pthread", "-o", binary, source], capture_output=True)
+        ok = int(built.returncode == 0)
+    from mpi4py import MPI
+
+    nodes = raw.Split_type(MPI.COMM_TYPE_SHARED)
+    one_node = nodes.Get_size() == raw.Get_size()
+    nodes.Free()
+    if not raw.bcast(ok and one_node, root=0):
+        return None
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+
+    def probe():
+        raw.Barrier()
+        out = None
+        if raw.Get_rank() == 0:
+            text = subprocess.run([binary, str(cpus[0]), str(cpus[1])], capture_output=True, text=True,
+                                  timeout=60).stdout.split()
+            out = {"round_trip_ns": float(text[1]), "transfer_gbps": float(text[3])}
+        else:
+            time.sleep(1.0)  # (not spinning in a barrier on the CPUs being measured)
+        raw.Barrier()
+        return out
+
+    return probe
 
 
 def current_cpu() -> int:
@@ -326,6 +376,9 @@ def print_table(header: dict, results: list[dict], elapsed: float) -> None:
                     f"{fmt_time(mid['raw_s'])}  {mid['ratio']:>7.2f}x  {f_ours:>5.0f}/{f_raw:<5.0f}  {target:<13}")
             if runs > 1:
                 line += "  " + " ".join(f"{v:.2f}" for v in ratios) + f"  ({max(ratios) / min(ratios):.2f})"
+                fastest = min(r["raw_s"] for r in rows)  # the machine's speed in each run: raw's own time
+                line += "; raw's time of each run / its fastest: " + " ".join(f"{r['raw_s'] / fastest:.1f}"
+                                                                             for r in rows)
                 shared = [r["run"] for r in rows if len(set(r.get("cpus", []))) < len(r.get("cpus", []))]
                 if shared:
                     line += f"; ranks on one CPU after run(s) {', '.join(str(v + 1) for v in shared)}"
