@@ -384,6 +384,7 @@ class TorchDistributedOptimizer:
         memo[id(self)] = clone
         state = {k: v for k, v in self.__dict__.items() if k not in ("_engine", "_units")}
         clone.__dict__.update(copy.deepcopy(state, memo))
+        clone._units = None  # (made anew by _make_engine with reproducible=True, as the engine is)
         clone._engine = clone._make_engine()
         return clone
 

@@ -372,13 +372,15 @@ def test_torch_dtypes_without_a_numpy_equivalent_are_a_clear_type_error(comm, na
             call(t)
 
 
-def test_a_distributed_optimizer_pickles_and_deep_copies(comm):
+@pytest.mark.parametrize("reproducible", [False, True])
+def test_a_distributed_optimizer_pickles_and_deep_copies(comm, reproducible):
     torch = pytest.importorskip("torch")
     import copy
     import pickle
 
     model = torch.nn.Linear(2, 1)
-    opt = coll.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm=comm)
+    opt = coll.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm=comm,
+                                    reproducible=reproducible)
     twin = copy.deepcopy(opt)
     assert twin.comm is opt.comm and twin.inner is not opt.inner and twin.param_groups[0]["lr"] == 0.1
     back = pickle.loads(pickle.dumps(opt))
