@@ -341,13 +341,11 @@ class MPITransport(HostTransport):
                     self.broadcast(x, root)
 
             return run_bcast_any_size
-        datatype = self._types.get(dtype)
-        if datatype is None or not self.reduces(dtype, wire_op(op)):
-            return None  # float16 this MPI cannot reduce, or a pair it reduces wrongly: widened instead
+        if not self._direct(op, dtype):
+            return None
+        datatype = self._types[dtype]
         allreduce, shm_at = self._lanes["allreduce"].Allreduce, self._shm_threshold
         if op == "mean":
-            if dtype.kind not in "fc":
-                return None
             mop, n = self._ops["sum"], float(size)
 
             def run_mean(x):
@@ -360,8 +358,6 @@ class MPITransport(HostTransport):
                 divide(x, n)
 
             return run_mean
-        if op in ("min", "max") and dtype.kind == "f":
-            return None  # floats go through the NaN-propagating integer mapping (_reduction.to_ordered)
         mop = self._ops[op]
         slow_at = min(shm_at, (max_count + 1) * dtype.itemsize)  # x.size > max_count, or shared memory
 
@@ -371,6 +367,16 @@ class MPITransport(HostTransport):
             allreduce(in_place, [x, datatype], mop)
 
         return run
+
+    def _direct(self, op: str, dtype: np.dtype) -> bool:
+        """Whether :meth:`fast_call` has a direct call for ``op`` (not "broadcast": that always has one) on
+        ``dtype``. Asking makes no lane (the deadline transport asks before its own calls make theirs)."""
+        if dtype not in self._types or not self.reduces(dtype, wire_op(op)):
+            return False  # float16 this MPI cannot reduce, or a pair it reduces wrongly: widened instead
+        if op == "mean":
+            return dtype.kind in "fc"
+        # floats' min and max go through the NaN-propagating integer mapping (_reduction.to_ordered)
+        return not (op in ("min", "max") and dtype.kind == "f")
 
     def fast_blocks(self, operation, op, dtype, size):
         """MPI's own ``Reduce_scatter_block`` / ``Alltoall`` on the whole buffers, the piecewise method
@@ -681,7 +687,7 @@ class MPITransport(HostTransport):
             v[len(FIELDS):] = -v[:len(FIELDS)]
             mine = v.tobytes()
             check = (self._lanes["fingerprint"].Iallreduce(self._in_place, v, self._max_op), (v, mine))
-        making = self._making[name] = _Making(name, check)
+        making = self._making[name] = _Making(name, check, _making_what(name, self.caller))
         return making
 
     def _advance(self, making: _Making, wait=None) -> bool:
@@ -702,7 +708,7 @@ class MPITransport(HostTransport):
         """:meth:`_advance` for one making. Complete: the fingerprint checked (MismatchError on every rank
         if the ranks are not all making this lane), the duplicate made, the lane in use, and the calls that
         waited for it started, in the order they were made."""
-        what = (f"the first {making.name} call (its lane's making)", None, None)
+        what = making.what
         try:
             if making.check is not None:
                 if wait is not None:
@@ -1252,13 +1258,14 @@ class _MPIRequest(Request):
 class _Making:
     """A lane being made (``MPITransport._begin_making``): its name, the fingerprint of its making
     (``(request, (buffer, this rank's bytes))``, None once checked or at one rank), the new communicator
-    and its ``MPI_Comm_idup`` request (None until begun; usable once it completes), and the non-blocking
-    calls waiting for it (:class:`_FirstCall`)."""
+    and its ``MPI_Comm_idup`` request (None until begun; usable once it completes), the non-blocking
+    calls waiting for it (:class:`_FirstCall`), and what a timeout of the making names (the caller's call
+    it is made for, where the engine described one: :func:`_making_what`)."""
 
-    __slots__ = ("check", "dup", "lane", "name", "waiting")
+    __slots__ = ("check", "dup", "lane", "name", "waiting", "what")
 
-    def __init__(self, name, check):
-        self.name, self.check = name, check
+    def __init__(self, name, check, what: tuple):
+        self.name, self.check, self.what = name, check, what
         self.lane: Any = None
         self.dup: Any = None
         self.waiting: list[_FirstCall] = []
@@ -1515,6 +1522,20 @@ def _collective(code: int) -> str:
     return _call.render("collective", code)
 
 
+def _making_what(name: str, caller) -> tuple:
+    """What the making of the lane ``name`` is, for a timeout's message (:meth:`MPITransport._expire`): the
+    caller's call whose first use of the lane it is, as the engine described it (``caller``: its
+    :data:`_call.FIELDS`), else the lane's first call."""
+    if caller is None:
+        return (f"the first {name} call (its lane's making)", None, None)
+    collective, op, dtype, _, root, count = (int(v) for v in caller)
+    text = _call.render("collective", collective)
+    if dtype:
+        text += f" of {count} x {_call.render('dtype', dtype)}"
+    detail = ", ".join(([f"op={_call.render('op', op)}"] if op >= 0 else []) + ([f"root={root}"] if root >= 0 else []))
+    return (text, None, detail or None)
+
+
 def _mine(fields) -> str:
     """This rank's call as the engine described it: ``allreduce op=mean of 4 x float32``."""
     collective, op, dtype, _, root, count = (int(v) for v in fields[:len(_call.FIELDS)])
@@ -1569,17 +1590,17 @@ class DeadlineMPITransport(MPITransport):
         once); ``mean`` of floats sums and divides (so the shared-memory allreduce can divide while
         copying out)."""
         if op != "mean":
-            if super().fast_call(op, dtype, size) is None:
-                return None  # widened, ordered integers, ...: the general path
             if op == "broadcast":
                 return self.broadcast
+            if not self._direct(op, dtype):
+                return None  # widened, ordered integers, ...: the general path
             allreduce = self.allreduce
 
             def run(x):
                 allreduce(x, op)
 
             return run
-        if dtype.kind not in "fc" or dtype not in self._types or not self.reduces(dtype, "sum"):
+        if not self._direct(op, dtype):
             return None
         n = float(size)
 
@@ -1589,7 +1610,6 @@ class DeadlineMPITransport(MPITransport):
                 divide(x, n)
 
         return run_mean
-
 
     def fast_blocks(self, operation, op, dtype, size):
         return None  # the same
