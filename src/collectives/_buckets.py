@@ -40,6 +40,7 @@ Buffers are reused across calls: one per wire dtype per communicator, grown to t
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -130,9 +131,46 @@ class Pool:
         return buf[:n]
 
 
+def assign(keys: Sequence, nbytes: Sequence[int], sizes: Sequence[int], bucket_bytes: int,
+           solo_at: int | None, *, runs: bool = False) -> list[tuple[object, list[int], bool]]:
+    """The one bucket assignment of the library (trees and ``DistributedOptimizer``'s gradients alike; in
+    the manner of DDP's ``compute_bucket_assignment_by_size``): item ``i`` has the key ``keys[i]`` (items
+    may share a bucket only with items of their key), ``nbytes[i]`` bytes as the caller holds it and
+    ``sizes[i]`` bytes in a bucket's buffer. Pure: no array is touched.
+
+    Returns ``[(key, [item indices], solo), ...]`` in the order the buckets are opened: items are taken in
+    the order given; one of ``solo_at`` bytes or more (``nbytes``; None: never) gets a bucket of its own
+    (``solo`` True: reduced where it lies); the others fill their key's open bucket until the next would
+    take it past ``bucket_bytes`` (``sizes``), which closes it (a bucket holds at least one item). With
+    ``runs``, a solo item also closes its key's open bucket, so that every bucket is a run of consecutive
+    items of its key (gradients in the order backward produces them: a bucket is complete early).
+
+    >>> assign(["f", "f", "f", "i"], [4, 40, 8, 4], [4, 40, 8, 4], bucket_bytes=12, solo_at=32)
+    [('f', [0, 2], False), ('f', [1], True), ('i', [3], False)]
+    >>> assign(["f", "f", "f", "i"], [4, 40, 8, 4], [4, 40, 8, 4], bucket_bytes=12, solo_at=32, runs=True)
+    [('f', [0], False), ('f', [1], True), ('f', [2], False), ('i', [3], False)]
+    """
+    out: list[tuple[object, list[int], bool]] = []
+    open_: dict = {}  # key -> [its open bucket's indices, bytes used]
+    for i, (k, n) in enumerate(zip(keys, nbytes)):
+        if solo_at is not None and n >= solo_at:
+            out.append((k, [i], True))
+            if runs:
+                open_.pop(k, None)
+            continue
+        b = open_.get(k)
+        if b is None or b[1] + sizes[i] > bucket_bytes:
+            b = open_[k] = [[], 0]
+            out.append((k, b[0], False))
+        b[0].append(i)
+        b[1] += sizes[i]
+    return out
+
+
 def plan(items: list[Item], bucket_bytes: int, key, size,
          threshold: int | None = None) -> tuple[list[Item], list[tuple[object, list[Item]]]]:
-    """Split items into solo leaves and buckets: ``(solos, [(key, bucket items), ...])``.
+    """Split items into solo leaves and buckets (:func:`assign`): ``(solos, [(key, bucket items), ...])``,
+    the buckets of each key together, keys in the order they first appear.
 
     ``key(item)`` groups items that may share a buffer; ``size(item)`` is an item's bytes in the buffer;
     items of ``threshold`` bytes or more (default ``solo_bytes(bucket_bytes)``) are solo. Zero-size leaves
@@ -140,29 +178,17 @@ def plan(items: list[Item], bucket_bytes: int, key, size,
     """
     if threshold is None:
         threshold = solo_bytes(bucket_bytes)
-    solos: list[Item] = []
-    groups: dict[object, list[Item]] = {}
-    for item in items:
-        nbytes = item.nbytes
-        if nbytes == 0:
-            continue
-        if nbytes >= threshold:
-            solos.append(item)
-        else:
-            groups.setdefault(key(item), []).append(item)
-    buckets = []
-    for k, group in groups.items():
-        current: list[Item] = []
-        used = 0
-        for item in group:
-            n = size(item)
-            if current and used + n > bucket_bytes:
-                buckets.append((k, current))
-                current, used = [], 0
-            current.append(item)
-            used += n
-        if current:
-            buckets.append((k, current))
+    items = [item for item in items if item.nbytes]
+    keys = [key(item) for item in items]
+    assigned = assign(keys, [item.nbytes for item in items], [size(item) for item in items], bucket_bytes,
+                      threshold)
+    rank: dict = {}  # the keys in the order of their first bucket
+    for k, _, solo in assigned:
+        if not solo:
+            rank.setdefault(k, len(rank))
+    solos = [items[b[0]] for _, b, solo in assigned if solo]
+    buckets = sorted(((k, [items[i] for i in b]) for k, b, solo in assigned if not solo),
+                     key=lambda kb: rank[kb[0]])  # (stable: a key's buckets stay in order)
     return solos, buckets
 
 

@@ -73,7 +73,7 @@ import numpy as np
 
 from . import _agree, _call
 from ._comm import engine_of
-from ._buckets import solo_bytes
+from ._buckets import assign, solo_bytes
 from ._errors import CollectiveError, MismatchError, NonFiniteError
 from ._handles import Handle
 
@@ -281,27 +281,27 @@ class Buckets:
                 entries.append((index, name, g, p))
                 index += 1
         size = comm.size
-        buckets: list[_Bucket] = []
-        open_: dict = {}
         self.slots: list[_Slot] = []
         narrow = self.compression
-        solo_at = solo_bytes(bucket_bytes) if not (shard or narrow) else None
-        for order, (index, name, g, p) in enumerate(reversed(entries)):
-            key = (g, p.dtype, p.device)
-            b = open_.get(key)
-            nbytes = p.numel() * p.element_size()
-            large = solo_at is not None and nbytes >= solo_at  # a bucket of its own, reduced in its .grad
-            if large or (b is not None and b.slots and b.numel * p.element_size() + nbytes > bucket_bytes):
-                b = None
-            if b is None:
-                b = _Bucket(key, g)
-                open_[key] = None if large else b
-                buckets.append(b)
-            s = _Slot(index, name, p, b, -(-b.numel // ALIGN) * ALIGN if shard else b.numel)
-            b.slots.append(s)
-            b.numel = s.offset + s.numel
-            b.last = order
-            self.slots.append(s)
+        backward = entries[::-1]  # the order backward produces the gradients, about
+        nbytes = [p.numel() * p.element_size() for _, _, _, p in backward]
+        sharded = [-(-n // (ALIGN * p.element_size())) * ALIGN * p.element_size() for n, (*_, p) in
+                   zip(nbytes, backward)] if shard else nbytes  # sharded: each slot at a multiple of ALIGN
+        buckets: list[_Bucket] = []
+        slots: dict[int, _Slot] = {}
+        for key, members, _ in assign([(g, p.dtype, p.device) for _, _, g, p in backward], nbytes, sharded,
+                                      bucket_bytes, solo_bytes(bucket_bytes) if not (shard or narrow) else None,
+                                      runs=True):
+            b = _Bucket(key, backward[members[0]][2])  # (its param group); a solo one is reduced in its .grad
+            for order in members:
+                index, name, _, p = backward[order]
+                s = _Slot(index, name, p, b, -(-b.numel // ALIGN) * ALIGN if shard else b.numel)
+                b.slots.append(s)
+                b.numel = s.offset + s.numel
+                b.last = order
+                slots[order] = s
+            buckets.append(b)
+        self.slots = [slots[order] for order in range(len(backward))]  # (in backward's order)
         buckets.sort(key=lambda b: b.last)  # they leave in the order backward completes them
         self.buckets = buckets
         self.by_index = {s.index: s for s in self.slots}

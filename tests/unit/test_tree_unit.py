@@ -598,3 +598,36 @@ def test_overlapping_is_not_quadratic_in_the_leaf_count():
     assert _overlapping(tuple(range(0, 16 * n, 16)), (16,) * n) == []
     assert _overlapping((0,) * n, (16,) * n) == list(range(1, n))
     assert time.perf_counter() - t0 < 10.0
+
+
+def test_the_one_bucket_assigner_keeps_its_rules():
+    """_buckets.assign (trees and DistributedOptimizer's gradients alike): every item in exactly one
+    bucket, in the order given; one key per bucket; an item from the solo size up alone and marked solo;
+    a bucket of several items within bucket_bytes (by ``sizes``), closed only when the next item of its key
+    would not fit."""
+    import itertools
+    import random
+
+    rng = random.Random(3)
+    for _ in range(500):
+        n = rng.randint(0, 40)
+        keys = [rng.choice("ab") for _ in range(n)]
+        nbytes = [rng.choice([0, 4, 12, 100, 400, 4096]) for _ in range(n)]
+        sizes = [b + rng.choice([0, 4]) for b in nbytes]  # (a bucket's buffer may hold an item padded)
+        bucket_bytes, solo_at, runs = rng.choice([16, 128, 1024]), rng.choice([None, 400]), rng.random() < 0.5
+        out = _buckets.assign(keys, nbytes, sizes, bucket_bytes, solo_at, runs=runs)
+        assert sorted(i for _, b, _ in out for i in b) == list(range(n))
+        for k, b, solo in out:
+            assert b == sorted(b) and {keys[i] for i in b} == {k}
+            big = solo_at is not None and any(nbytes[i] >= solo_at for i in b)
+            assert solo == big and (not solo or len(b) == 1)
+            if len(b) > 1:
+                assert sum(sizes[i] for i in b) <= bucket_bytes
+        for k in "ab":  # a key's buckets, in order: each closed because the next item did not fit (or,
+            mine = [b for key, b, solo in out if key == k and not solo]  # with runs, a solo one came)
+            for b, after in itertools.pairwise(mine):
+                solo_between = any(s and key == k and b[-1] < c[0] < after[0] for key, c, s in out)
+                assert sum(sizes[i] for i in b) + sizes[after[0]] > bucket_bytes or (runs and solo_between)
+            if runs:  # every bucket a run of consecutive items of its key
+                for b in mine:
+                    assert all(keys[i] != k for i in range(b[0], b[-1] + 1) if i not in b)
