@@ -419,7 +419,7 @@ def start_allreduce(engine, items: list[Item], op: str, bucket_bytes: int, the_p
             run = engine.reducing(host, "allreduce", buf, info, op, (), finish)
         try:
             started.append((run, next(run)))  # starts the transfer
-        except StopIteration:  # ran at the call (see Communicator._reducing)
+        except StopIteration:  # ran at the call (see _comm.rules.reducing)
             pass
 
     def steps():

@@ -1,6 +1,6 @@
 """A call as the user made it: the one description every check of a collective compares.
 
-The engine describes each collective once, when it has validated it (``Communicator._prepare``, the tree
+The engine describes each collective once, when it has validated it (``_comm.validate.prepare``, the tree
 and bucket layers for their flat buffers), from what the caller passed, never from the buffer that goes on
 the wire (after bool became uint8, floats' min/max ordered integers, mean a sum):
 
@@ -13,7 +13,7 @@ the wire (after bool became uint8, floats' min/max ordered integers, mean a sum)
 - ``structure``: the layout a tree bucket or a gradient bucket belongs to (0 for a single array);
 - ``root`` (-1 where there is none) and ``count``, the caller's number of elements.
 
-Checked mode's agreement compares this and the array's shape (``Communicator._agree``); the fingerprint
+Checked mode's agreement compares this and the array's shape (``_comm.validate.agree_host``); the fingerprint
 every non-blocking path reduces beside its call (``_backends.mpi``) carries these fields, so a call that
 checked mode refuses for its collective, op, dtype, count or root is a MismatchError beside it too. NumPy
 and the standard library only.

@@ -1,7 +1,7 @@
 """The NaN check (``COLLECTIVES_CHECK_NAN=1``): a floating reduction of NaN or inf is refused on every rank.
 
 The engine calls :func:`check` where a reduction has been validated and agreed, before anything moves
-(``Communicator._prepare`` for ``allreduce``, ``reduce`` and ``reduce_scatter``, whatever front end made
+(``_comm.validate.prepare`` for ``allreduce``, ``reduce`` and ``reduce_scatter``, whatever front end made
 them: the torch backend, the gradient buckets; the hot path's cached call of a NumPy or CPU torch array,
 :func:`guarded`; ``_tree.allreduce_tree`` for trees, so also ``DistributedOptimizer(overlap=False)`` and
 the optax wrapper). Each rank finds the first non-finite element

@@ -26,8 +26,11 @@ LAYERS = {
     "_reduction": 2, "_reproducible": 2,
     # 3: trees and buckets
     "_buckets": 3, "_tree": 3, "_timeline": 3,
-    # 4: the Communicator, init and the public functions
-    "_comm": 4, "_failure": 0,
+    # 4: the call engine (the package _comm): the Communicator, init and the public functions
+    "_comm": 4, "_comm.steps": 4, "_comm.record": 4, "_comm.validate": 4, "_comm.rules": 4, "_comm.summing": 4,
+    "_comm.call": 4, "_comm.reductions": 4, "_comm.movement": 4, "_comm.p2p": 4, "_comm.objects": 4,
+    "_comm.split": 4, "_comm.trees": 4, "_comm.engine": 4, "_comm.communicator": 4, "_comm.functions": 4,
+    "_failure": 0,
     # 5: what stands on the public functions
     "_shard": 5, "_optim": 5, "_overlap": 5, "_units": 5, "__init__": 6, "_bench": 6, "_tracetool": 6, "__main__": 6, "torch_backend": 6, "jax": 6,
 }
@@ -48,6 +51,27 @@ TRANSPORT_IMPORTS = {
     "_backends": set(),
 }
 WITHIN_TREES = {"_tree": {"_buckets"}, "_buckets": set()}
+# within the call engine: who may import whom, from the bottom (the steps' vocabulary) to the top (the
+# functions, then the package's re-exports)
+WITHIN_COMM = {
+    "_comm.steps": set(),
+    "_comm.record": set(),
+    "_comm.validate": {"_comm.record"},
+    "_comm.rules": {"_comm.steps"},
+    "_comm.summing": {"_comm.rules", "_comm.steps"},
+    "_comm.call": {"_comm.rules", "_comm.steps"},
+    "_comm.reductions": {"_comm.rules", "_comm.summing", "_comm.validate", "_comm.steps"},
+    "_comm.movement": {"_comm.call", "_comm.record", "_comm.validate", "_comm.steps"},
+    "_comm.p2p": {"_comm.record", "_comm.validate", "_comm.steps"},
+    "_comm.objects": {"_comm.record", "_comm.validate"},
+    "_comm.split": {"_comm.record"},
+    "_comm.trees": {"_comm.record"},
+    "_comm.engine": {"_comm.record", "_comm.rules", "_comm.summing", "_comm.validate"},
+    "_comm.communicator": {"_comm.call", "_comm.engine", "_comm.movement", "_comm.objects", "_comm.p2p",
+                           "_comm.record", "_comm.reductions", "_comm.split", "_comm.summing", "_comm.trees"},
+    "_comm.functions": {"_comm.communicator"},
+    "_comm": {"_comm.communicator", "_comm.engine", "_comm.functions"},
+}
 
 
 def module_name(path: Path) -> str:
@@ -106,6 +130,8 @@ def test_imports_go_downward_only():
                 wrong.append(f"transport {mod} imports {dep}")
             elif LAYERS[dep] == LAYERS[mod] == 3 and dep not in WITHIN_TREES[mod]:
                 wrong.append(f"{mod} imports {dep}")
+            elif LAYERS[dep] == LAYERS[mod] == 4 and dep not in WITHIN_COMM[mod]:
+                wrong.append(f"call engine module {mod} imports {dep}")
             elif LAYERS[dep] == LAYERS[mod] == 0 and mod != "_failure" and dep not in ("_errors", "_ops", "_dtypes", "_threads", "_poll",
                                                                                     "_trace", "_trace_torch", "_config"):
                 wrong.append(f"bottom-layer {mod} imports {dep}")
@@ -132,25 +158,41 @@ def test_no_import_cycles():
 
 def test_the_checker_sees_deferred_and_relative_imports(tmp_path):
     """The checker itself: an import inside a function, relative or absolute, is found."""
-    assert "_tree" in imports(SRC / "_comm.py")
+    assert "_timeline" in imports(SRC / "_comm" / "communicator.py")  # imported inside __init__, from ..
+    assert {"_comm.steps", "_call"} <= imports(SRC / "_comm" / "rules.py")  # from . and from ..
     assert "_backends.nccl" in imports(SRC / "_backends" / "factory.py")  # imported inside a function
     assert {"_errors", "_dtypes"} <= imports(SRC / "_reduction.py") | {"_errors"}
 
 
 # ---- attribute reaches: the layers built on the Communicator use its Engine, never its privates ----
 
+def in_the_engine(name: str) -> bool:
+    """Whether module ``name`` is part of the call engine (the package ``_comm``)."""
+    return name == "_comm" or name.startswith("_comm.")
+
+
 def communicator_privates() -> set[str]:
-    """Every private name of ``Communicator``: its ``_methods`` and the ``self._attributes`` it sets."""
-    tree = ast.parse((SRC / "_comm.py").read_text())
+    """Every private name of ``Communicator``: its ``_methods`` (written in the class or bound there from
+    a module of the engine) and the ``_attributes`` set on it: ``self._x`` in the class, ``comm._x`` (or
+    ``c._x``, ``child._x``) in the engine's modules."""
+    tree = ast.parse((SRC / "_comm" / "communicator.py").read_text())
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Communicator")
     names = set()
+    for node in cls.body:  # the bound entries: _transport_for = call.transport_for
+        if isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name) and t.id.startswith("_")
+                         and not t.id.startswith("__"))
     for node in ast.walk(cls):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("_") \
                 and not node.name.startswith("__"):
             names.add(node.name)
-        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) \
-                and isinstance(node.value, ast.Name) and node.value.id == "self" and node.attr.startswith("_"):
-            names.add(node.attr)
+    owners = ("self", "comm", "c", "child")
+    for path in (SRC / "_comm").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) \
+                    and isinstance(node.value, ast.Name) and node.value.id in owners and node.attr.startswith("_") \
+                    and (path.name == "communicator.py" or node.value.id != "self"):
+                names.add(node.attr)
     return names
 
 
@@ -170,13 +212,14 @@ def reaches(name: str, source: str, privates: set[str]) -> list[str]:
 
 
 def test_no_layer_reaches_into_the_communicator():
-    """Outside ``_comm``, no module reads a private attribute of a Communicator (it gets the Engine: public
+    """Outside the engine (``_comm``), no module reads a private attribute of a Communicator (it gets the Engine: public
     methods; ``engine_of(comm)`` hands it over) — the import rule above, for calls at run time."""
     privates = communicator_privates()
-    assert {"_transport_for", "_runner", "_reducing", "_plans", "_pool", "_devices", "_engine"} <= privates
+    assert {"_transport_for", "_blocking", "_async", "_fast_path", "_runners", "_seq", "_plans", "_pool",
+            "_devices", "_engine"} <= privates
     found = []
     for path in sorted(SRC.rglob("*.py")):
-        if module_name(path) != "_comm":
+        if not in_the_engine(module_name(path)):
             found += reaches(module_name(path), path.read_text(), privates - {"_engine"})
     assert not found, "reaches into Communicator privates (use the Engine):\n" + "\n".join(found)
 

@@ -1,0 +1,409 @@
+"""``Communicator``: a group of processes that call collectives together, and its methods.
+
+The class holds the communicator's state (its transports, the hot path's tables, the flight recorder's
+ring, the handles in flight) and its identity, and writes out in full only what must run in the method's
+own frame: the hot path of ``allreduce``, ``broadcast``, ``reduce_scatter`` and ``alltoall`` (a cached
+call on a contiguous NumPy array or CPU torch tensor: two dictionary look-ups and a flag read, no further
+Python frame). Every other method is a front end of a few lines: the thread guard (``_threads``), then
+the collective's steps from the module of its job (``reductions``, ``movement``, ``p2p``, ``objects``,
+``split``, ``trees``) run by one of the two drivers (``call``). The engine's own entries that the timeline
+or a test may replace on one communicator (``_transport_for``, ``_blocking``, ``_async``) are bound from
+``call`` as class attributes, so an instance attribute can stand in for them; none adds a frame.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import OrderedDict, deque
+
+import numpy as np
+
+from .. import _arrays, _buckets, _call, _config, _threads, _trace
+from .._backends.base import HostTransport
+from .._backends.closed import CLOSED
+from .._errors import reraise
+from .._threads import collective
+from .._threads import enter as _enter, leave as _leave, refuse as _refuse_thread
+from . import call, movement, objects, p2p, record, reductions, summing, trees
+from . import split as splitting
+from .engine import Engine
+
+_ndarray = np.ndarray  # one global look-up on the hot path instead of two
+_empty = np.empty
+_torch_tensor = None  # torch.Tensor, once a torch tensor's call has been cached (torch is never imported here)
+_NONE: dict = {}  # read-only by convention: what the hot path looks in for an op with no cached calls
+
+
+def _torch_plain(t) -> bool:
+    """A CPU torch tensor whose ``.numpy()`` is its own memory, in order: strided, contiguous, not lazily
+    negated (``z.conj().imag``). Only called for exact ``torch.Tensor`` of a cached real dtype."""
+    return t.is_cpu and t.layout is _strided and t.is_contiguous() and not t.is_neg()
+
+
+_strided = None  # torch.strided, set with _torch_tensor
+
+
+class Communicator:
+    """A group of processes that call collectives together.
+
+    Made by :func:`init` (or :func:`world`); not constructed directly. Every rank of the group must call
+    every collective on it, in the same order.
+
+    Attributes:
+        rank: this process's index in the group, ``0 <= rank < size``.
+        size: the number of processes.
+        local_rank: this process's index among the group's processes on the same node (shared memory).
+        local_size: the number of the group's processes on this node.
+        backend: ``"mpi"`` or ``"self"``.
+        check: whether a cross-rank agreement check runs before every collective.
+        reproducible: whether float and complex sums and means default to ``reproducible=True``.
+
+    Example:
+        >>> import numpy as np, collectives as coll
+        >>> comm = coll.init()
+        >>> x = np.full(3, float(comm.rank + 1))
+        >>> y = comm.allreduce(x, op="mean")     # in place: y is x
+        >>> bool(y is x and (x == (comm.size + 1) / 2).all())
+        True
+    """
+
+    SCRATCH_BYTES = summing.SCRATCH_BYTES  # (read through the instance: see summing)
+    SPLIT_BYTES = summing.SPLIT_BYTES
+
+    def __init__(self, host: HostTransport, *, check: bool = False):
+        self._host = host
+        self._devices: dict = {}  # (dlpack device type, id) -> device transport
+        self._fast: dict = {}  # op -> {array dtype: the call the general path chose} (hot path); see _fast_path
+        self._fast_broadcast: dict = {}  # the same for broadcast (one look-up less)
+        self._fast_blocks: dict = {}  # ("reduce_scatter", op, dtype) or ("alltoall", dtype) -> the same
+        self._runners: dict = {}  # (op, DType) -> (transport, reduction call); see rules.runner
+        self._pool = _buckets.Pool()  # the fused collectives' flat buffers (_buckets)
+        self._scratch: dict = {}  # what -> a buffer the blocking reproducible sums reuse (summing.reused)
+        self._plans: OrderedDict = OrderedDict()  # tree structure -> (description, digest, plan) (_tree)
+        self._size = host.size  # a plain attribute for the hot path
+        self._subs: list = []  # communicators made by split(), closed with this one
+        self._outstanding: dict = {}  # id -> Handle: asynchronous collectives not yet complete
+        self._derived: dict = {}  # key -> a communicator the layers above made from this one (Engine.derived)
+        self._engine = Engine(self)  # what the layers built on this communicator may use of it
+        # The flight recorder (_trace): the last calls, a ring indexed by the sequence number. A hot-path
+        # call stores its cached call (and a broadcast its root in _roots, at the same index), or (cached
+        # call, shape) (reduce_scatter, alltoall): see record.entries; the others a _trace.Record.
+        capacity = _config.trace_buffer()
+        self._ring: list | None = [None] * (1 << max(capacity - 1, 0).bit_length()) if capacity else None
+        self._mask = len(self._ring) - 1 if self._ring is not None else 0
+        self._roots: list = [None] * len(self._ring) if self._ring is not None else []
+        self._seq = 0  # calls made on this communicator (the last one's sequence number)
+        self._kept = capacity  # how many of the ring's entries a dump shows
+        # point-to-point calls have a ring of their own (only two ranks make each: in the collectives'
+        # sequence they would make the ranks' records differ where nothing diverged)
+        self._p2p_ring: deque | None = deque(maxlen=capacity) if capacity else None
+        self._p2p_seq = 0
+        self._p2p_at = -1  # the collectives' sequence number when the last point-to-point call began
+        self._hot_names: dict = {}  # a hot-path cached call -> (collective, op, dtype name)
+        self._current = None  # the record of the call being validated (for its driver)
+        self._calling: tuple | None = None  # the description of the call being validated (_call), for its driver
+        self._repro = False  # whether the call being validated is a reproducible sum (validate.prepare), for its steps
+        self._last_activity = 0.0  # when the sequence number last moved (the stall inspector's choice)
+        self._name: str | None = None  # "world", "world.2" (a split), "comm1" (init(comm=...)): for dumps
+        self._splits = 0  # split() calls made on this communicator (names its children alike on every rank)
+        _trace.register(self._engine)
+        # COLLECTIVES_CHECK_NAN (agreed by the transport): floating reductions' inputs are scanned before they
+        # move (_finite): in validate.prepare, and by the hot path's cached call (_fast_path caches it guarded)
+        self._check_nan = bool(host.check_nan)
+        self._reproducible = _config.reproducible()  # the default of reproducible= (see the property)
+        self.check = bool(check)
+        host.on_failure(self._forget_fast_paths)  # a failed transport: every later call takes the checks
+        if _config.timeline() is not None:  # COLLECTIVES_TIMELINE: instrumented entries in place of the methods
+            from .. import _timeline
+
+            _timeline.install(self, self._engine)
+
+    def _forget_fast_paths(self) -> None:
+        self._fast, self._fast_broadcast, self._fast_blocks, self._runners = {}, {}, {}, {}
+
+    @property
+    def check(self) -> bool:
+        """Whether a cross-rank agreement check runs before every collective (settable)."""
+        return self._check
+
+    @check.setter
+    def check(self, value) -> None:
+        self._check = bool(value)
+        self._fast, self._fast_broadcast, self._fast_blocks = {}, {}, {}  # the hot path skips the check: empty it (unchecked
+        # calls refill it, see _fast_path)
+
+    @property
+    def reproducible(self) -> bool:
+        """Whether float and complex sums and means default to ``reproducible=True`` (settable; initially
+        ``COLLECTIVES_REPRODUCIBLE``; a communicator made by :meth:`split` starts with its parent's). Other
+        pairs (integer sums, min, max) give the same bits at any number of ranks anyway."""
+        return self._reproducible
+
+    @reproducible.setter
+    def reproducible(self, value) -> None:
+        self._reproducible = bool(value)
+        self._fast, self._fast_blocks = {}, {}  # cached ordinary calls: not for calls that are now reproducible
+
+    # ---- identity ----
+    @property
+    def rank(self) -> int:
+        return self._host.rank
+
+    @property
+    def size(self) -> int:
+        return self._host.size
+
+    @property
+    def local_rank(self) -> int:
+        return self._host.local_rank
+
+    @property
+    def local_size(self) -> int:
+        return self._host.local_size
+
+    @property
+    def backend(self) -> str:
+        return self._host.name
+
+    @property
+    def closed(self) -> bool:
+        return self._host is CLOSED
+
+    def __repr__(self) -> str:
+        if self._host is CLOSED:
+            return "<collectives.Communicator closed>"
+        return (f"<collectives.Communicator backend={self.backend!r} rank={self.rank} size={self.size} "
+                f"local_rank={self.local_rank} local_size={self.local_size}>")
+
+    # ---- the engine's entries, bound from ``call`` (an instance attribute may stand in for one: the timeline
+    # times them, tests replace the transport choice) ----
+    _transport_for = call.transport_for  # the one place a transport is chosen (from the array's device)
+    _blocking = call.blocking  # the blocking driver of a call's steps
+    _async = call.asynchronous  # async_op=True: the steps in a Handle
+
+    # ---- the methods that only hand the call to their module (bound: no frame of their own) ----
+    split = splitting.split  # sub-communicators (its example: split.py)
+    broadcast_object = objects.broadcast_object
+    allgather_object = objects.allgather_object
+    barrier = movement.barrier
+    synchronize = trees.synchronize
+    close = call.close  # releases what this communicator owns (collective)
+
+    # ---- the array collectives ----
+    # Each collective is written once, as its steps (``movement.broadcast``, ``reductions.allreduce``, ...: a
+    # generator that validates, yields each transfer as a steps.Step and finishes with the result); the
+    # blocking call runs them to completion (_blocking), async_op=True runs them in a Handle (_async). The
+    # methods below add the thread guard and, for four of them, the hot path of the blocking call (the
+    # cached call of the steps' last run with the same dtype), written here: no frame between.
+    def broadcast(self, x, root: int = 0, *, async_op: bool = False):
+        """Root's ``x`` on every rank. See :func:`collectives.broadcast`."""
+        if async_op:
+            return self._async("broadcast", movement.broadcast, self, x, root)
+        if _threads.settle is not None:  # a jitted JAX computation's collectives first (_threads)
+            _threads.settle()
+        if not _enter(False):  # another thread is inside a collective: refused (_threads)
+            _refuse_thread("broadcast")
+        try:
+            cls = x.__class__
+            if cls is _ndarray:  # the hot path (see _fast_path): a cached call, no validation
+                run = self._fast_broadcast.get(x.dtype)
+                if run is not None and x.flags.carray and root.__class__ is int and 0 <= root < self._size:
+                    ring = self._ring
+                    if ring is not None:  # the flight recorder (_trace): the cached call; the root beside it
+                        n = self._seq = self._seq + 1
+                        i = n & self._mask
+                        ring[i] = run
+                        self._roots[i] = root
+                    run(x, root)
+                    return x
+            elif cls is _torch_tensor:
+                run = self._fast_broadcast.get(x.dtype)
+                if run is not None and root.__class__ is int and 0 <= root < self._size and _torch_plain(x):
+                    ring = self._ring
+                    if ring is not None:
+                        n = self._seq = self._seq + 1
+                        i = n & self._mask
+                        ring[i] = run
+                        self._roots[i] = root
+                    run(x.detach().numpy() if x.requires_grad else x.numpy(), root)
+                    _arrays.bump_versions((x,))  # written behind autograd's back: as under no_grad
+                    return x
+            return self._blocking(movement.broadcast(self, x, root, False))
+        except Exception as exc:  # noqa: BLE001 - re-raised; costs nothing unless raised: MPI's own errors become CollectiveError
+            record.note_failure(self, exc, x)
+            reraise(exc, "broadcast")
+        finally:
+            _leave()
+
+    def allreduce(self, x, op: str = "sum", *, async_op: bool = False, reproducible: bool | None = None):
+        """Reduce ``x`` over all ranks, result on every rank. See :func:`collectives.allreduce`."""
+        if async_op:
+            return self._async("allreduce", reductions.allreduce, self, x, op, reproducible)
+        if _threads.settle is not None:  # a jitted JAX computation's collectives first (_threads)
+            _threads.settle()
+        if not _enter(False):  # another thread is inside a collective: refused (_threads)
+            _refuse_thread("allreduce")
+        try:
+            cls = x.__class__
+            try:  # (reproducible given: the general path, which never caches a reproducible call)
+                table = self._fast.get(op, _NONE) if reproducible is None else _NONE
+            except TypeError:  # an unhashable op: the general path says what is wrong with it
+                table = _NONE
+            if cls is _ndarray:  # the hot path (see _fast_path)
+                run = table.get(x.dtype)
+                if run is not None and x.flags.carray:  # C-contiguous, aligned and writable
+                    ring = self._ring
+                    if ring is not None:  # the flight recorder (_trace): the cached call only
+                        n = self._seq = self._seq + 1
+                        ring[n & self._mask] = run
+                    run(x)
+                    return x
+            elif cls is _torch_tensor:
+                run = table.get(x.dtype)
+                if run is not None and _torch_plain(x):
+                    ring = self._ring
+                    if ring is not None:
+                        n = self._seq = self._seq + 1
+                        ring[n & self._mask] = run
+                    run(x.detach().numpy() if x.requires_grad else x.numpy())
+                    _arrays.bump_versions((x,))  # written behind autograd's back: as under no_grad
+                    return x
+            return self._blocking(reductions.allreduce(self, x, op, reproducible, False))
+        except Exception as exc:  # noqa: BLE001 - re-raised (MPI errors as CollectiveError)
+            record.note_failure(self, exc, x)
+            reraise(exc, "allreduce")
+        finally:
+            _leave()
+
+    @collective("allreduce_units")
+    def allreduce_units(self, units, op: str = "sum", *, async_op: bool = False):
+        """The reproducible sum or mean of every rank's units. See :func:`collectives.allreduce_units`."""
+        if async_op:
+            return self._async("allreduce", reductions.allreduce_units, self, units, op)
+        return self._blocking(reductions.allreduce_units(self, units, op, False))
+
+    @collective("reduce")
+    def reduce(self, x, op: str = "sum", root: int = 0, *, async_op: bool = False, reproducible: bool | None = None):
+        """Reduce ``x`` over all ranks, result on ``root``. See :func:`collectives.reduce`."""
+        if async_op:
+            return self._async("reduce", reductions.reduce, self, x, op, root, reproducible)
+        return self._blocking(reductions.reduce(self, x, op, root, reproducible, False))
+
+    @collective("allgather")
+    def allgather(self, x, *, async_op: bool = False):
+        """Every rank's ``x``, stacked along a new leading axis. See :func:`collectives.allgather`."""
+        if async_op:
+            return self._async("allgather", movement.allgather, self, x)
+        return self._blocking(movement.allgather(self, x, False))
+
+    @collective("gather")
+    def gather(self, x, root: int = 0, *, async_op: bool = False):
+        """Every rank's ``x`` stacked on ``root``; None elsewhere. See :func:`collectives.gather`."""
+        if async_op:
+            return self._async("gather", movement.gather, self, x, root)
+        return self._blocking(movement.gather(self, x, root, False))
+
+    def reduce_scatter(self, x, op: str = "sum", *, async_op: bool = False, reproducible: bool | None = None):
+        """This rank's block of the reduction of ``x``. See :func:`collectives.reduce_scatter`."""
+        if async_op:
+            return self._async("reduce_scatter", reductions.reduce_scatter, self, x, op, reproducible)
+        if _threads.settle is not None:  # a jitted JAX computation's collectives first (_threads)
+            _threads.settle()
+        if not _enter(False):  # another thread is inside a collective: refused (_threads)
+            _refuse_thread("reduce_scatter")
+        try:
+            if x.__class__ is _ndarray and reproducible is None:  # the hot path (see _fast_path)
+                try:
+                    run = self._fast_blocks.get(("reduce_scatter", op, x.dtype))
+                except TypeError:  # an unhashable op: the general path says what is wrong with it
+                    run = None
+                if run is not None and x.flags.c_contiguous and x.ndim and not x.shape[0] % self._size:
+                    out = _empty((x.shape[0] // self._size,) + x.shape[1:], x.dtype)
+                    ring = self._ring
+                    if ring is not None:  # the cached call and the shape (read above anyway)
+                        n = self._seq = self._seq + 1
+                        ring[n & self._mask] = run, x.shape
+                    run(x, out)
+                    return out
+            return self._blocking(reductions.reduce_scatter(self, x, op, reproducible, False))
+        except Exception as exc:  # noqa: BLE001 - re-raised (MPI errors as CollectiveError)
+            record.note_failure(self, exc, x)
+            reraise(exc, "reduce_scatter")
+        finally:
+            _leave()
+
+    def alltoall(self, x, *, async_op: bool = False):
+        """Block j of ``x`` to rank j, block i of the result from rank i. See :func:`collectives.alltoall`."""
+        if async_op:
+            return self._async("alltoall", movement.alltoall, self, x)
+        if _threads.settle is not None:  # a jitted JAX computation's collectives first (_threads)
+            _threads.settle()
+        if not _enter(False):  # another thread is inside a collective: refused (_threads)
+            _refuse_thread("alltoall")
+        try:
+            if x.__class__ is _ndarray:  # the hot path (see _fast_path)
+                run = self._fast_blocks.get(("alltoall", x.dtype))
+                if run is not None and x.flags.c_contiguous and x.ndim and not x.shape[0] % self._size:
+                    out = _empty(x.shape, x.dtype)
+                    ring = self._ring
+                    if ring is not None:  # the cached call and the shape (read above anyway)
+                        n = self._seq = self._seq + 1
+                        ring[n & self._mask] = run, x.shape
+                    run(x, out)
+                    return out
+            return self._blocking(movement.alltoall(self, x, False))
+        except Exception as exc:  # noqa: BLE001 - re-raised (MPI errors as CollectiveError)
+            record.note_failure(self, exc, x)
+            reraise(exc, "alltoall")
+        finally:
+            _leave()
+
+    # ---- point-to-point: send and recv (only the two ranks concerned call them) ----
+    @collective("send")
+    def send(self, x, dst: int, tag: int = 0, *, async_op: bool = False):
+        """Send ``x`` to rank ``dst``. See :func:`collectives.send`."""
+        if async_op:
+            return self._async("send", p2p.send, self, x, dst, tag)
+        return self._blocking(p2p.send(self, x, dst, tag, False))
+
+    @collective("recv")
+    def recv(self, x, src: int | None = None, tag: int = 0, *, async_op: bool = False):
+        """Receive into ``x`` from rank ``src`` (None: any rank); the sender's rank. See
+        :func:`collectives.recv`."""
+        if async_op:
+            return self._async("recv", p2p.recv, self, x, src, tag)
+        return self._blocking(p2p.recv(self, x, src, tag, False))
+
+    # ---- the tree collectives (``_tree``, on this communicator's Engine) ----
+    def allreduce_tree(self, tree, op: str = "mean", *, bucket_bytes: int | None = None, async_op: bool = False,
+                       reproducible: bool | None = None):
+        """Reduce every array leaf of ``tree``, fused. See :func:`collectives.allreduce_tree`.
+
+        With ``async_op=True`` every fused host transfer (one per bucket and large leaf) is started as a
+        non-blocking collective at the call; ``wait()`` returns the tree. CUDA leaves and Python ints are
+        reduced at the call."""
+        if async_op:
+            return trees.allreduce_tree_async(self, tree, op, bucket_bytes, reproducible)
+        return trees.allreduce_tree(self, tree, op, bucket_bytes, reproducible)
+
+    # ---- the hot path's tables ----
+    def _fast_path(self, op, x, a, view, info, run, blocks: dict | None = None) -> None:
+        """Cache ``run`` (the call the general path has just chosen for a fully validated call) for later
+        calls with the same (op, dtype) on contiguous writable NumPy arrays, and on contiguous CPU torch
+        tensors of a real dtype (called with the tensor's NumPy view): the hot path of the four methods
+        above. Here, which arrays the hot path may take (the rules: ``call.cache``, which fills the
+        tables); written in the class because it sets ``_torch_tensor``, a global the hot path reads."""
+        global _torch_tensor, _strided
+        if self._check or _call.naming_now()[0] is not None:  # (a front end's own op name: not for later calls;
+            return  # a bucket's layout is: each hot call reads its own, see steps.described)
+        if a is _arrays.NUMPY and x.__class__ is _ndarray:
+            if view.dtype != x.dtype:  # the hot path hands run x itself: not for a reinterpreted view
+                return  # (ml_dtypes' bfloat16 and float8 from JAX travel as their storage integers)
+        elif a is _arrays.TORCH and info.name == view.dtype.name and view.dtype.kind in "biuf":
+            torch = sys.modules["torch"]
+            if x.__class__ is not torch.Tensor:
+                return
+            _torch_tensor, _strided = torch.Tensor, torch.strided  # the hot path hands run x.numpy()
+        else:
+            return
+        call.cache(self, op, x, a, info, run, blocks)

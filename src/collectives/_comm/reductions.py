@@ -1,0 +1,85 @@
+"""The reductions: ``allreduce``, ``allreduce_units``, ``reduce``, ``reduce_scatter``, each as its steps.
+
+Each generator validates (``validate.prepare``: ``ValueError``/``TypeError`` before any communication),
+yields one step per transfer (a device transport's own call; a reduction under the host rules,
+``rules.reduction``; a reproducible sum, ``summing.summing``), and returns the result. The Communicator's
+methods run them: blocking (``Communicator._blocking``) or in a Handle (``_async``). The hot-path
+entries of ``allreduce`` and ``reduce_scatter`` are in their methods themselves (no extra Python frame);
+the steps hand the call they used to ``Communicator._fast_path`` for it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import _reduction
+from . import rules, summing, validate
+from .steps import Step, contiguous, placing
+
+
+def allreduce(comm, x, op, reproducible, asynchronous: bool):
+    a, transport, view, info, op, _ = validate.prepare(comm, "allreduce", x, op=op, asynchronous=asynchronous,
+                                                       reproducible=reproducible)
+    if transport.array_level:
+        return a.written(x, (yield Step(transport, "allreduce", (x, a, op), device=True)))
+    buf, place = placing(x, a, view, info)
+    if comm._repro:
+        yield from summing.summing(comm, transport, "allreduce", buf.reshape(1, -1), info, op, asynchronous, out=buf)
+        return place()
+    used = yield rules.reduction(comm, transport, "allreduce", buf, info, op, asynchronous)
+    if used is not None and rules.cacheable(comm, info, op):
+        comm._fast_path(op, x, a, view, info, used)
+    return place()
+
+
+def allreduce_units(comm, units, op, asynchronous: bool):
+    a, transport, view, info, op, _ = validate.prepare(comm, "allreduce", units, op=op, asynchronous=asynchronous,
+                                                       reproducible=True, units=True)
+    out = np.empty(view.shape[1:], dtype=view.dtype)
+    stack = contiguous(view).reshape(view.shape[0], out.size)
+    yield from summing.summing(comm, transport, "allreduce", stack, info, op, asynchronous, out=out)
+    return a.wrap(out, info, units)
+
+
+def reduce(comm, x, op, root, reproducible, asynchronous: bool):
+    a, transport, view, info, op, root = validate.prepare(comm, "reduce", x, op=op, root=root, asynchronous=asynchronous,
+                                                          reproducible=reproducible)
+    if transport.array_level:
+        out = yield Step(transport, "reduce", (x, a, op, root), device=True)
+        return a.written(x, out) if comm.rank == root else x
+    if comm._repro:
+        receives = comm.rank == root
+        buf, place = placing(x, a, view, info) if receives else (contiguous(view), None)
+        yield from summing.summing(comm, transport, "reduce", buf.reshape(1, -1), info, op, asynchronous, (root,),
+                                   receives=receives, out=buf)
+        return place() if receives else x  # type: ignore[misc]
+    if comm.rank != root:  # non-root ranks contribute x and get it back unchanged
+        yield rules.reduction(comm, transport, "reduce", contiguous(view), info, op, asynchronous, (root,),
+                              receives=False)
+        return x
+    buf, place = placing(x, a, view, info)
+    yield rules.reduction(comm, transport, "reduce", buf, info, op, asynchronous, (root,))
+    return place()
+
+
+def reduce_scatter(comm, x, op, reproducible, asynchronous: bool):
+    a, transport, view, info, op, _ = validate.prepare(comm, "reduce_scatter", x, op=op, blocks=True,
+                                                       asynchronous=asynchronous, reproducible=reproducible)
+    if transport.array_level:
+        return (yield Step(transport, "reduce_scatter", (x, a, op), device=True))
+    size = comm._size
+    out = np.empty((view.shape[0] // size,) + view.shape[1:], dtype=view.dtype)
+    if comm._repro:
+        yield from summing.summing(comm, transport, "reduce_scatter", contiguous(view).reshape(1, -1), info, op,
+                                   asynchronous, out=out)
+        return a.wrap(out, info, x)
+    if not _reduction.scatters(info, op):  # longdouble min/max: the block of an allreduce, same bits
+        buf = np.array(view, order="C")
+        yield rules.reduction(comm, transport, "allreduce", buf, info, op, asynchronous)
+        out.reshape(-1)[...] = buf.reshape(size, -1)[comm.rank]
+        return a.wrap(out, info, x)
+    used = yield rules.reduction(comm, transport, "reduce_scatter", contiguous(view), info, op, asynchronous,
+                                 out=out)
+    if used is not None and rules.cacheable(comm, info, op):
+        comm._fast_path(("reduce_scatter", op, view.dtype), x, a, view, info, used, comm._fast_blocks)
+    return a.wrap(out, info, x)
