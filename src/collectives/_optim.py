@@ -382,9 +382,8 @@ class TorchDistributedOptimizer:
         memo[id(self.comm)] = self.comm  # shared, not copied
         clone = object.__new__(type(self))
         memo[id(self)] = clone
-        state = {k: v for k, v in self.__dict__.items() if k not in ("_engine", "_units")}
+        state = {**{k: v for k, v in self.__dict__.items() if k != "_engine"}, "_units": None}  # (both made anew)
         clone.__dict__.update(copy.deepcopy(state, memo))
-        clone._units = None  # (made anew by _make_engine with reproducible=True, as the engine is)
         clone._engine = clone._make_engine()
         return clone
 

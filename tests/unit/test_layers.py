@@ -20,7 +20,7 @@ LAYERS = {
     "_finite": 0, "_trace_torch": 0,
     # 1: transports
     "_backends._libnccl": 1, "_backends.base": 1, "_backends.self": 1, "_backends.shm": 1,
-    "_backends.mpi": 1, "_backends.device": 1, "_backends.cuda": 1, "_backends.nccl": 1,
+    "_backends.mpi": 1, "_backends._fingerprint": 1, "_backends.device": 1, "_backends.cuda": 1, "_backends.nccl": 1,
     "_backends.factory": 1, "_backends.closed": 1, "_backends": 1,
     # 2: reduction rules
     "_reduction": 2, "_reproducible": 2,
@@ -37,7 +37,8 @@ LAYERS = {
 # within the transport layer: who may import whom (the factory knows every transport; the others know only
 # their bases and the shared memory allreduce)
 TRANSPORT_IMPORTS = {
-    "_backends.mpi": {"_backends.base", "_backends.shm"},
+    "_backends.mpi": {"_backends.base", "_backends.shm", "_backends._fingerprint"},
+    "_backends._fingerprint": set(),
     "_backends.self": {"_backends.base"},
     "_backends.device": set(),
     "_backends.cuda": {"_backends.device", "_backends._libnccl"},

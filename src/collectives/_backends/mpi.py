@@ -24,33 +24,19 @@ import numpy as np
 
 from .. import _config, _trace
 from .. import _call
-from .._dtypes import divide, from_numpy, wire_op
+from .._dtypes import divide, wire_op
 from .._errors import BackendUnavailableError, CollectiveError, CollectiveTimeoutError, MismatchError
 from .._poll import poll
 from . import shm  # large allreduces through a node-shared window (made at first use), issue 7
 from .._p2p import HEADER_WORDS, p2p_fields, p2p_header, p2p_mismatch
 from .base import DONE, P2P_OPERATIONS, HostTransport, Request
+from ._fingerprint import EAGER_LANES, FIELDS, LANE_CODE as _LANE_CODE, LANES, NO_CALLER as _NO_CALLER
+from ._fingerprint import describe as _describe, fingerprint_message as _fingerprint_message
+from ._fingerprint import making_what as _making_what, wire_fields as _wire_fields
 
 
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
 
-# The lanes: one MPI communicator per kind of collective (see _Lanes), one for the fingerprints the
-# non-blocking paths reduce beside each call (see _fingerprint), and "groups", the parent of the
-# communicators that only their members make (create_group).
-LANES = ("allreduce", "reduce", "broadcast", "allgather", "gather", "reduce_scatter", "alltoall", "barrier", "objects",
-         "fingerprint", "p2p", "p2p_data", "groups", "lanes")  # p2p: the headers of send/recv; p2p_data: their data
-# Made with the transport: the fingerprint lane (the first use of every other lane is agreed on it), the
-# point-to-point lanes (two ranks take part in a message: there is no point where every rank is), and
-# "lanes", the communicator every other lane is duplicated from, one at a time (see _advance). The others
-# are made at their first use (_Lanes).
-EAGER_LANES = ("fingerprint", "p2p", "p2p_data", "lanes")
-_LANE_CODE = 1000  # the wire "collective" field of a lane's making: this plus the lane's index in LANES
-# A call's fingerprint: the caller's call as the engine described it (_call.FIELDS: collective, op as named,
-# exact dtype, structure, root, count; all -1 where no engine call is behind it), then the MPI call itself
-# (WIRE_FIELDS: which MPI collective, how many elements of which wire dtype, wire op, root).
-WIRE_FIELDS = ("collective", "count", "dtype", "op", "root")
-FIELDS = _call.FIELDS + WIRE_FIELDS
-_NO_CALLER = (-1,) * len(_call.FIELDS)
 
 
 def import_mpi():
@@ -369,14 +355,12 @@ class MPITransport(HostTransport):
         return run
 
     def _direct(self, op: str, dtype: np.dtype) -> bool:
-        """Whether :meth:`fast_call` has a direct call for ``op`` (not "broadcast": that always has one) on
-        ``dtype``. Asking makes no lane (the deadline transport asks before its own calls make theirs)."""
+        """Whether :meth:`fast_call` has a direct call for ``op`` (not "broadcast": it always has) on ``dtype``,
+        asking makes no lane. Not for a pair this MPI cannot reduce or reduces wrongly (widened instead), a
+        mean of a non-float, nor floats' min and max (the NaN-propagating mapping, _reduction.to_ordered)."""
         if dtype not in self._types or not self.reduces(dtype, wire_op(op)):
-            return False  # float16 this MPI cannot reduce, or a pair it reduces wrongly: widened instead
-        if op == "mean":
-            return dtype.kind in "fc"
-        # floats' min and max go through the NaN-propagating integer mapping (_reduction.to_ordered)
-        return not (op in ("min", "max") and dtype.kind == "f")
+            return False
+        return dtype.kind in "fc" if op == "mean" else not (op in ("min", "max") and dtype.kind == "f")
 
     def fast_blocks(self, operation, op, dtype, size):
         """MPI's own ``Reduce_scatter_block`` / ``Alltoall`` on the whole buffers, the piecewise method
@@ -671,17 +655,15 @@ class MPITransport(HostTransport):
 
     def _begin_making(self, name: str) -> _Making:
         """Begin making the lane ``name``: the fingerprint of its making reduced on the fingerprint lane (in
-        the order of the calls, so it meets whatever the other ranks reduce there at this point); its
-        duplicate is begun by ``_advance``. The lane is used only once the fingerprint shows every rank
-        making it."""
+        the order of the calls: it meets whatever the other ranks reduce there now); ``_advance`` begins its
+        duplicate. The lane is used only once the fingerprint shows every rank making it."""
         if name in EAGER_LANES or name not in LANES:
             raise KeyError(name)  # closed (its lanes are gone), or not a lane
         self.usable()
         check = None
         if self.size > 1:
             v = np.zeros(2 * len(FIELDS), dtype=np.int64)
-            # the caller's call as the engine described it (as in _fingerprint: a mismatch names both calls);
-            # where none is (a hot-path entry being made), the lane's collective
+            # the caller's call (as in _fingerprint: a mismatch names both calls), else the lane's collective
             caller = self.caller or (_call.COLLECTIVES.index(name) if name in _call.COLLECTIVES else -1,) + _NO_CALLER[1:]
             v[:len(FIELDS)] = caller + (_LANE_CODE + LANES.index(name), 0, 0, -1, -1)
             v[len(FIELDS):] = -v[:len(FIELDS)]
@@ -691,12 +673,10 @@ class MPITransport(HostTransport):
         return making
 
     def _advance(self, making: _Making, wait=None) -> bool:
-        """Move the making of a lane on, and those begun before it first: with ``wait`` until it is
-        complete, else as far as it can without blocking; True once complete. The makings complete in the
-        order they began, each duplicate (``MPI_Comm_idup`` of the "lanes" communicator, which carries
-        nothing else) begun once the one before it is made: one in flight at a time, in the same order on
-        every rank (with several in flight on one communicator, waited in another order, Open MPI 5.0.11 hung:
-        tests/mpi/test_async.py's many-outstanding test)."""
+        """Move the making of a lane on, those begun before it first: with ``wait`` until complete, else as far
+        as it goes without blocking; True once complete. Each duplicate (``MPI_Comm_idup`` of the "lanes"
+        communicator) is begun once the one before it is made, the same order on every rank (several in flight,
+        waited in another order, hung Open MPI 5.0.11: test_async.py's many-outstanding test)."""
         for earlier in list(self._making.values()):
             if not self._advance_one(earlier, wait):
                 return False
@@ -1444,107 +1424,6 @@ class _Head:
         if r._data is None:
             r._head.Wait()
             r._arrived()
-
-
-def _wire_fields(operation: str, args: tuple) -> tuple[int, ...]:
-    """The fingerprint fields of one MPI call of ``operation`` with ``args`` (:data:`WIRE_FIELDS`)."""
-    kind = _call.COLLECTIVES.index(operation)
-    if not args:
-        return (kind, 0, 0, -1, -1)
-    buf = args[0]
-    op = root = -1
-    rest = args[1:]
-    if operation in ("allreduce", "reduce", "reduce_scatter"):
-        op = _call.OPS.index(rest[-1] if operation == "reduce_scatter" else rest[0])
-    if operation == "reduce":
-        root = rest[1]
-    elif operation == "broadcast":
-        root = rest[0]
-    elif operation == "gather":
-        root = rest[-1]
-    return (kind, buf.size, _call.dtype_code(from_numpy(buf.dtype)), op, root)
-
-
-def _describe(operation: str, args: tuple):
-    """What a request is, for messages: ``(name, buffer or None, detail or None)``; the detail names the
-    op and the root of the call, as its arguments (:meth:`MPITransport._begin`) give them."""
-    if operation in ("allreduce", "reduce_scatter"):
-        detail = f"op={args[-1]}"
-    elif operation == "reduce":
-        detail = f"op={args[1]}, root={args[2]}"
-    elif operation in ("broadcast", "gather"):
-        detail = f"root={args[-1]}"
-    else:
-        detail = None
-    return (operation, args[0] if args else None, detail)
-
-
-def _fingerprint_message(what, mine, high, low, rank: int, size: int) -> str:
-    """The message of the MismatchError every rank raises for a fingerprint whose fields differ (``mine``:
-    this rank's fields; ``high``, ``low``: every field's largest and smallest value over the ranks). It
-    names the caller's call where the engine described it (the op as named, the caller's dtype), else the
-    MPI call's."""
-    name, buf = what[0], what[1]
-    n = len(_call.FIELDS)
-    described = mine[0] >= 0  # the engine described this rank's call
-    this = _mine(mine) if described else f"{name}{f' of {buf.size} x {buf.dtype}' if buf is not None else ''}"
-    collective = 0 if high[0] != low[0] else n if high[n] != low[n] else None
-    if collective is not None:
-        called = " and ".join(dict.fromkeys(_collective(int(v)) for v in (low[collective], high[collective])))
-        head = f"ranks called different collectives at the same point: {called} (this rank, {rank} of {size}: {this})"
-        s = _call.FIELDS.index("structure")
-        if high[s] != low[s]:  # a front end's own calls (a bucket's layout, a meeting): named, as they were
-            head += (f"; structure: {_call.render('structure', int(low[s]))} on some ranks, "
-                     f"{_call.render('structure', int(high[s]))} on others")
-    else:
-        fields = [(f, i) for i, f in enumerate(_call.FIELDS) if i] + [(f, n + i) for i, f in enumerate(WIRE_FIELDS) if i]
-        differ = [(f, i) for f, i in fields if high[i] != low[i]]
-        caller = [(f, i) for f, i in differ if i < n]
-        if caller:
-            differ = caller  # the wire differs as a consequence: name what the callers did
-        else:
-            differ = [(f"{f} on the wire", i) for f, i in differ]
-        parts = [f"{f}: {_call.render(f.split()[0], int(low[i]))} on some ranks, "
-                 f"{_call.render(f.split()[0], int(high[i]))} on others" for f, i in differ]
-        head = (f"ranks disagree about {_call.render('collective', int(mine[0])) if described else name}: "
-                + "; ".join(parts) + f" across the ranks (this rank, {rank} of {size}: {this})")
-    return (f"{head}. Every rank must make the same calls in the same order, with the same arguments. Detected "
-            f"beside the call, after it was started: the communicator cannot be used further (run with "
-            f"COLLECTIVES_CHECK=1 to have such calls refused before anything moves, the communicator usable)")
-
-
-def _collective(code: int) -> str:
-    """A fingerprint's collective field, for messages."""
-    if code < 0:
-        return "a call of the library's own"
-    if code >= _LANE_CODE:
-        return f"the first {LANES[code - _LANE_CODE]} call (its lane's making)"
-    return _call.render("collective", code)
-
-
-def _making_what(name: str, caller) -> tuple:
-    """What the making of the lane ``name`` is, for a timeout's message (:meth:`MPITransport._expire`): the
-    caller's call whose first use of the lane it is, as the engine described it (``caller``: its
-    :data:`_call.FIELDS`), else the lane's first call."""
-    if caller is None:
-        return (f"the first {name} call (its lane's making)", None, None)
-    collective, op, dtype, _, root, count = (int(v) for v in caller)
-    text = _call.render("collective", collective)
-    if dtype:
-        text += f" of {count} x {_call.render('dtype', dtype)}"
-    detail = ", ".join(([f"op={_call.render('op', op)}"] if op >= 0 else []) + ([f"root={root}"] if root >= 0 else []))
-    return (text, None, detail or None)
-
-
-def _mine(fields) -> str:
-    """This rank's call as the engine described it: ``allreduce op=mean of 4 x float32``."""
-    collective, op, dtype, _, root, count = (int(v) for v in fields[:len(_call.FIELDS)])
-    text = _call.render("collective", collective)
-    if op >= 0:
-        text += f" op={_call.render('op', op)}"
-    if root >= 0:
-        text += f" root={root}"
-    return text + (f" of {count} x {_call.render('dtype', dtype)}" if dtype else "")
 
 
 class DeadlineMPITransport(MPITransport):
