@@ -17,9 +17,13 @@ same calls on a communicator made with ``COLLECTIVES_TIMELINE`` set (every call 
 written to ``<dir>/timeline.<rank>``, in a temporary directory) against one made without it, both with the
 record on: what the timeline costs on top of the record. Both sides run on the same buffer in
 alternating rounds (``_common.measure``); on/off is the median of per-round ratios. Only ratios of one run
-mean something. A last row, ``A/A``, times the allreduce on "off" against a second "off"
+mean something. A row ``A/A`` times the allreduce on "off" against a second "off"
 communicator: what two identical sides differ by in this job (the measurement's floor; a ratio within
-it of 1.0 is no cost that this job can see).
+it of 1.0 is no cost that this job can see). The row ``timeline floor`` times the least that any timing of
+a call from Python adds, against the same call untimed: a function around the allreduce that reads the
+hosts' clock before and after it and appends the two readings to a list (a frame, two clock readings, a
+tuple, an append); ``timeline allreduce`` is then to be read against it. The column ``on-off`` is the
+difference per call of the two medians (for ``async``: what the record of an asynchronous call costs).
 """
 
 from __future__ import annotations
@@ -56,6 +60,14 @@ def main() -> int:
     directory = world.broadcast_object(tempfile.mkdtemp(prefix="bench-timeline-") if world.rank == 0 else None)
     timed = timeline_communicator(directory)
     rows = []
+    clock, kept = time.time_ns, []
+    keep = kept.append
+
+    def floor_timed(c, x):  # the least a timed call adds (see the module)
+        t0 = clock()
+        c.allreduce(x, "sum")
+        keep((t0, clock()))
+
     for nbytes in parse_sizes(args.sizes, 4):
         x = np.zeros(max(1, nbytes // 4), np.float32)
         rounds, k = plan(nbytes, args.iters)
@@ -65,7 +77,8 @@ def main() -> int:
                                ("A/A", lambda c, x: c.allreduce(x, "sum"), off2),
                                ("timeline allreduce", lambda c, x: c.allreduce(x, "sum"), timed),
                                ("timeline broadcast", lambda c, x: c.broadcast(x, 0), timed),
-                               ("timeline async", lambda c, x: c.allreduce(x, "sum", async_op=True).wait(), timed)):
+                               ("timeline async", lambda c, x: c.allreduce(x, "sum", async_op=True).wait(), timed),
+                               ("timeline floor", floor_timed, on)):
             second = on if name.startswith("timeline") else off
             sides = (lambda x=x, call=call, first=first: call(first, x),
                      lambda x=x, call=call, second=second: call(second, x))
@@ -74,14 +87,15 @@ def main() -> int:
             a, b = np.median(times, axis=0)
             rows.append({"call": name, "bytes": nbytes, "on_s": float(a), "off_s": float(b),
                          "ratio": float(np.median(times[:, 0] / times[:, 1]))})
+            kept.clear()
     for c in (on, off, off2, timed):
         c.close()
     if world.rank == 0:
         print(f"the flight recorder, {world.size} ranks: on / off (median of per-round ratios)")
-        print(f"{'call':>20} {'size':>9} {'on':>11} {'off':>11} {'on/off':>8}")
+        print(f"{'call':>20} {'size':>9} {'on':>11} {'off':>11} {'on/off':>8} {'on-off':>9}")
         for r in rows:
             print(f"{r['call']:>20} {human(r['bytes']):>9} {fmt_time(r['on_s'])} {fmt_time(r['off_s'])} "
-                  f"{r['ratio']:>7.3f}x")
+                  f"{r['ratio']:>7.3f}x {(r['on_s'] - r['off_s']) * 1e6:>7.2f}us")
     finish(start, {"rows": rows}, args.json if world.rank == 0 else None)
     return 0
 
