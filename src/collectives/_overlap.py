@@ -569,15 +569,15 @@ class Buckets:
         return acc.to(b.narrow)
 
     def _send_flag(self) -> None:
-        """One small allreduce (max) that tells whether the ranks agree on the missing gradients: element 0
-        is 1 where a parameter that requires grad has none; elements 1 and 2 are a digest of the frozen
-        parameters (requires_grad=False) without gradient and its negation, equal on every rank iff
-        max == -max(-x). Frozen layers, the same everywhere, then cost no further collective."""
+        """One small allreduce (max) that tells whether the ranks agree on the missing gradients: element 0 is 1
+        where a parameter that requires grad has none; elements 1 and 2 a digest of the frozen parameters without
+        gradient and its negation (equal on every rank iff max == -max(-x)): frozen layers cost nothing more."""
         frozen = tuple(s.index for s in self.slots if s.missing and not s.param.requires_grad)
         digest = hash(frozen) & ((1 << 62) - 1)
         self.flag[0] = any(s.missing and s.param.requires_grad for s in self.slots)
         self.flag[1], self.flag[2] = digest, -digest
-        self.flag_handle = self.comm.allreduce(self.flag, "max", async_op=True)
+        with meeting_named():  # (as a bucket's call: a meeting found beside an earlier one failed the comm)
+            self.flag_handle = self.comm.allreduce(self.flag, "max", async_op=True)
 
     # ---- in step() ----
     def finish(self) -> None:
