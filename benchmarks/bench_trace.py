@@ -80,8 +80,9 @@ def main() -> int:
                                ("timeline async", lambda c, x: c.allreduce(x, "sum", async_op=True).wait(), timed),
                                ("timeline floor", floor_timed, on)):
             second = on if name.startswith("timeline") else off
+            untimed = (lambda c, x: c.allreduce(x, "sum")) if call is floor_timed else call  # (the floor's other side)
             sides = (lambda x=x, call=call, first=first: call(first, x),
-                     lambda x=x, call=call, second=second: call(second, x))
+                     lambda x=x, call=untimed, second=second: call(second, x))
             times = measure(world.barrier, sides, rounds, k)
             times = np.asarray(world.allreduce(times, "max"))
             a, b = np.median(times, axis=0)
