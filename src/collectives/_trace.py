@@ -77,31 +77,59 @@ _LIBRARY_PREFIXES = ("collectives.", "torch.", "lightning.", "pytorch_lightning.
 
 _clock = time.time  # (one global look-up each: a record is made on every general-path call)
 _get_ident = threading.get_ident
+_getframe = sys._getframe
 
 
 class Record:
-    """One call on one communicator, as the flight recorder keeps it (general path)."""
+    """One call on one communicator, as the flight recorder keeps it (general path).
+
+    Made on every general-path call (an asynchronous call's is its only cost when it is recorded), so it
+    keeps what the call gives as it is and makes text only when read: the call site as ``(code,
+    instruction offset)`` (its line looked up by :attr:`site`), the thread as its ident, and the path as
+    its parts (:attr:`path`: the path, the front end, the transport)."""
 
     FIELDS = ("seq", "collective", "op", "root", "dtype", "shape", "nbytes", "path", "site", "thread", "start",
               "end", "state", "error")  # in the dumps' order
-    __slots__ = ("_site", "collective", "dtype", "end", "error", "nbytes", "op", "path", "root", "seq", "shape",
-                 "start", "state", "thread")
+    __slots__ = ("_path", "_site", "_via", "collective", "dtype", "end", "error", "nbytes", "on", "op", "root", "seq",
+                 "shape", "start", "state", "thread")
 
     def __init__(self, seq: int, collective: str, op, root, dtype, shape, nbytes, path: str):
         self.seq, self.collective, self.op, self.root = seq, collective, op, root
         self.dtype, self.shape, self.nbytes = dtype, shape, nbytes
-        site: tuple | list | None
-        site, via = _raw_site()  # (code, instruction offset): its line is looked up when read (the property)
-        hint = _site_hint.value
-        if hint is not None:  # a call made for a compiled program: where its source put it (collectives.jax)
-            site, via = hint
-        self._site = site
-        self.path = path if via is None else f"{path}, {via}"
+        # the call site: _raw_site's first remembered path inline (the common case: a loop's call, the way
+        # the last one came), else _raw_site itself (depth 0 is the caller of __init__, as it is there)
+        try:
+            depth, outer, lasti, via = _PATHS[0]
+            user = _getframe(depth + 1)
+            seen = user.f_code is outer and user.f_lasti == lasti
+        except (IndexError, ValueError):  # nothing remembered yet, a shallower stack
+            seen = False
+        if seen:
+            self._site: tuple | list | None = (outer, lasti)
+        else:
+            self._site, via = _raw_site()
+        if _hinting[0]:
+            hint = _site_hint.value
+            if hint is not None:  # a call made for a compiled program: where its source put it (collectives.jax)
+                self._site, via = hint
+        self._path, self._via = path, via
+        self.on: str | None = None  # the transport (and ", reproducible"), once validation has chosen it
         self.thread = _get_ident()  # its name is looked up when a dump is written
         self.start = _clock()
         self.end: float | None = None
         self.state = "started"
         self.error: str | None = None
+
+    @property
+    def path(self) -> str:
+        """How the call was made: ``blocking`` or ``asynchronous`` (or another path's name), the front end
+        it came through, the transport it took."""
+        path = self._path if self._via is None else f"{self._path}, {self._via}"
+        return path if self.on is None else f"{path}, {self.on}"
+
+    @path.setter
+    def path(self, value: str) -> None:
+        self._path, self._via, self.on = value, None, None
 
     @property
     def site(self) -> list | None:
@@ -165,10 +193,15 @@ def site_hint(site: list | None, via: str):
     """Records made inside this block on this thread get ``site`` and the front end ``via``."""
     saved = _site_hint.value
     _site_hint.value = (site, via)
+    _hinting[0] += 1
     try:
         yield
     finally:
+        _hinting[0] -= 1
         _site_hint.value = saved
+
+
+_hinting = [0]  # site_hint blocks under way, on any thread (a record reads the thread's hint only then)
 
 
 def call_site() -> tuple[list | None, str | None]:

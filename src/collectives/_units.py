@@ -81,6 +81,7 @@ class TorchUnits:
         self.open = False  # a backward pass is running (its end-of-pass callback is queued)
         self.handles: list = []
         self.hooked: set[int] = set()
+        self.stacks: dict = {}  # dtype -> the units' stack of the last sum (reused while its shape holds)
         self.hook_params()
 
     def hook_params(self) -> None:
@@ -99,6 +100,7 @@ class TorchUnits:
         self.handles.clear()
         self.hooked.clear()
         self.passes.clear()
+        self.stacks.clear()
 
     def take(self, param) -> None:
         if not self.open:
@@ -129,8 +131,13 @@ class TorchUnits:
                 ps = groups[dtype]
                 sizes = [p.numel() for p in ps]
                 n = sum(sizes)
-                # one row per unit: the parameters' gradients, then one presence column per parameter
-                stack = torch.zeros((len(passes), n + len(ps)), dtype=dtype)
+                # one row per unit: the parameters' gradients, then one presence column per parameter (in
+                # the buffer of the last step of the same shape: new memory of some MB costs its page faults
+                # at every step, about a third of what the sum itself costs)
+                shape = (len(passes), n + len(ps))
+                stack = self.stacks.get(dtype)
+                if stack is None or tuple(stack.shape) != shape:
+                    stack = self.stacks[dtype] = torch.empty(shape, dtype=dtype)
                 for row, unit in zip(stack, passes):
                     offset = 0
                     for j, (p, size) in enumerate(zip(ps, sizes)):
@@ -138,6 +145,9 @@ class TorchUnits:
                         if g is not None:
                             row[offset:offset + size].copy_(g.reshape(-1))
                             row[n + j] = 1
+                        else:
+                            row[offset:offset + size].zero_()
+                            row[n + j] = 0
                         offset += size
                 total = allreduce_units(stack, self.op, comm=self.comm)
                 present = total[n:] > 0  # NaN (a mean of no unit anywhere) is not present

@@ -198,3 +198,31 @@ def _round_f32(exact: Fraction) -> float:
     if rest > Fraction(1, 2) or (rest == Fraction(1, 2) and n % 2):
         n += 1
     return float(n * scale)
+
+
+@pytest.mark.parametrize("name", ["float16", "bfloat16", "float32", "float64", "complex64"])
+@pytest.mark.parametrize("k", [1, 3])
+def test_codes_of_mostly_zeros(name, k):
+    """The exponent codes of stacks that are mostly +0.0 and -0.0 (a ReLU network's gradients), across
+    more than one piece of ``CHUNK`` elements, against the definition written plainly per element: the
+    exponent field, at least 2; +0.0 is 1, -0.0 is 0; the largest over the units."""
+    info = info_of(name)
+    fmt = rp.format_of(info)
+    rng = np.random.default_rng(7)
+    n = rp.CHUNK + 5 if k == 1 else 1000
+    m = 2 * n if name == "complex64" else n  # real parts
+    with np.errstate(all="ignore"):
+        values = rng.standard_normal((k, m)) * np.exp2(rng.integers(-1100, 1100, (k, m)))
+        real = values.astype(np.float32 if name in ("bfloat16", "complex64") else REALS[name])
+    bits = real.view(np.uint32) >> 16 if name == "bfloat16" else real.view(fmt.bits)
+    bits = bits.astype(fmt.bits)
+    which = rng.random((k, m))
+    bits[which < 0.4] = 0  # +0.0
+    bits[which > 0.9] = fmt.bits.type(1 << (fmt.bits.itemsize * 8 - 1))  # -0.0
+    units = bits.view(info.storage)
+    got = rp.codes(units, info)
+    wide = bits.astype(np.int64) if fmt.bits.itemsize < 8 else bits
+    field = ((wide >> fmt.mbits) & fmt.emask).astype(np.int64)
+    sign_only = fmt.bits.type(1 << (fmt.bits.itemsize * 8 - 1))
+    want = np.where(bits == 0, 1, np.where(bits == sign_only, 0, np.maximum(field, 2)))
+    np.testing.assert_array_equal(got, want.max(axis=0).astype(got.dtype))

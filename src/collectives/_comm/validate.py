@@ -104,7 +104,7 @@ def prepare(comm, collective: str, x, op=UNSET, root=UNSET, blocks: bool = False
             _finite.check(transport, collective, _finite.scan([(view, info)]))
     rec = comm._current
     if rec is not None:
-        rec.path = f"{rec.path}, {transport.name}" + (", reproducible" if comm._repro else "")
+        rec.on = transport.name if not comm._repro else f"{transport.name}, reproducible"
         if units:  # the ranks' unit counts may differ: what must agree is a unit's shape (as described)
             rec.shape = tuple(view.shape[1:])  # type: ignore[union-attr]
     return a, transport, view, info, op, root
