@@ -984,6 +984,46 @@ def test_staging_single_process_in_place():
         t.allreduce(torch.ones(2, dtype=torch.bool), None, "sum")
 
 
+def test_a_staged_device_call_is_one_call_agreed_once(monkeypatch):
+    """Issue 33, calls run upward: a CUDA call through host staging, in checked mode, is validated, recorded
+    and agreed once, by the engine (the agreement on the device array, before its transport is chosen); the
+    host collective's steps run inside it (``Engine.staged``), with no record or agreement of their own,
+    blocking and asynchronous. (Point-to-point, between ranks: tests/mpi/test_checked.py.)"""
+    from collectives import _agree
+    from support.device import OnDevice, staging
+
+    comm = coll.Communicator(SelfTransport(), check=True)
+    staging(comm, monkeypatch)
+    agreed = []
+    real = _agree.agree
+    monkeypatch.setattr(_agree, "agree",
+                        lambda transport, what, *a, **k: (agreed.append(what), real(transport, what, *a, **k)))
+    engine = engine_of(comm)
+
+    def once(what, call, p2p=False):
+        agreed.clear()
+        seq, p2p_seq = engine.trace_seq(), engine.trace_p2p_seq()
+        out = call()
+        assert agreed == ([] if p2p else [what]), (what, agreed)
+        assert (engine.trace_seq() - seq, engine.trace_p2p_seq() - p2p_seq) == ((0, 1) if p2p else (1, 0)), what
+        return out
+
+    x = OnDevice([1.5, -2.0, 3.25, 4.0])
+    assert once("allreduce", lambda: comm.allreduce(x, "mean")).values.tolist() == [1.5, -2.0, 3.25, 4.0]
+    assert once("allreduce", lambda: comm.allreduce(x, "max", async_op=True).wait()) is x
+    assert once("reduce", lambda: comm.reduce(x, "sum", 0)) is x
+    assert once("reduce_scatter", lambda: comm.reduce_scatter(x, "sum")).values.tolist() == x.values.tolist()
+    assert once("alltoall", lambda: comm.alltoall(x)).values.tolist() == x.values.tolist()
+    assert once("broadcast", lambda: comm.broadcast(x, 0)) is x
+    assert once("allgather", lambda: comm.allgather(x)).values.shape == (1, 4)
+    assert once("gather", lambda: comm.gather(x, 0)).values.tolist() == [x.values.tolist()]
+    entries = engine.trace_entries()
+    assert [e["collective"] for e in entries[-8:]] == ["allreduce", "allreduce", "reduce", "reduce_scatter",
+                                                        "alltoall", "broadcast", "allgather", "gather"], entries[-8:]
+    with pytest.raises(TypeError, match="bool"):  # the host rules' words, before anything moves
+        comm.allreduce(OnDevice([True]), "sum")
+
+
 SCRIPT = r"""
 import sys, numpy as np, torch, collectives as coll
 sys.path.insert(0, {here!r})

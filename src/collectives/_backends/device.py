@@ -129,6 +129,12 @@ class DeviceTransport(abc.ABC):
         xp.wait_event(xp.current_stream(x), event)
 
     # ---- point-to-point: the default stages through host memory and the host path ----
+    @property
+    def max_tag(self) -> int:
+        """The largest tag a message may carry: the host transport's (``HostTransport.max_tag``), since a
+        message, or its description (NCCL), travels by the host path under the caller's tag."""
+        return self._host.max_tag
+
     def send(self, x, a, dst: int, tag: int) -> None:
         """Send ``x`` to ``dst`` (validated by the Communicator). Default: a host copy, sent by the host
         path (``Engine.staged``: ``send``'s steps, its header, its deadline), complete when this returns."""
