@@ -1024,6 +1024,25 @@ def test_a_staged_device_call_is_one_call_agreed_once(monkeypatch):
         comm.allreduce(OnDevice([True]), "sum")
 
 
+def test_a_staged_message_is_the_host_path_s_without_a_record():
+    """NCCL's message description, host staging's messages: ``Engine.staged("send", ..., async_op=True)`` is
+    a Handle of the host path's send (its header, the receive's check and words), and neither it nor the
+    staged receive begins a record (the device call has one)."""
+    comm = coll.Communicator(SelfTransport())
+    engine = engine_of(comm)
+    seq = engine.trace_p2p_seq()
+    sent = engine.staged("send", np.arange(3.0), 0, 9, async_op=True)
+    y = np.zeros(3)
+    assert engine.staged("recv", y, 0, 9) == 0 and y.tolist() == [0.0, 1.0, 2.0]
+    assert sent.wait() is None and engine.trace_p2p_seq() == seq
+    engine.staged("send", np.arange(3.0), 0, 9, async_op=True)
+    with pytest.raises(ValueError, match=r"rank 0 sent 3 x float64 \(tag 9\), but the receive buffer holds 2 x"):
+        engine.staged("recv", np.zeros(2), 0, 9)
+    with pytest.raises(ValueError, match="send: dst=0 is this rank: a blocking send to itself"):
+        engine.staged("send", np.arange(3.0), 0, 9)
+    assert engine.trace_p2p_seq() == seq
+
+
 SCRIPT = r"""
 import sys, numpy as np, torch, collectives as coll
 sys.path.insert(0, {here!r})
