@@ -7,6 +7,7 @@ left waiting). Hostile inputs are refused with clear errors before any communica
 nothing hangs even unchecked), and NaN/infinity travel through reductions as IEEE 754 says.
 """
 
+import contextlib
 import threading
 
 import numpy as np
@@ -467,3 +468,85 @@ def test_lazily_negated_and_sparse_tensors_behave_the_same_warm_and_cold(comm):
         sparse = torch.ones(2, 2).to_sparse_csr()
         with pytest.raises(TypeError):
             comm.allreduce(sparse)
+
+
+# ---- a CUDA call through host staging (issue 33: calls run downward), with stand-ins for the device ----
+
+# each collective as (its name, the call on c of an array y with op)
+STAGED_CALLS = [
+    ("allreduce", lambda c, y, op: c.allreduce(y, op)),
+    ("allreduce", lambda c, y, op: c.allreduce(y, op, async_op=True).wait()),
+    ("reduce", lambda c, y, op: c.reduce(y, op, c.size - 1)),
+    ("reduce_scatter", lambda c, y, op: c.reduce_scatter(y, op)),
+    ("broadcast", lambda c, y, op: c.broadcast(y, c.size - 1)),
+    ("allgather", lambda c, y, op: c.allgather(y)),
+    ("alltoall", lambda c, y, op: c.alltoall(y)),
+    ("gather", lambda c, y, op: c.gather(y, 0)),
+]
+
+
+def staged_inputs(rank: int, size: int) -> dict:
+    """dtype name -> (this rank's input, the op): rounding (float16 mean), NaN and signed zeros (float32
+    max: ordered integers), wrapping (int8 sum), complex products."""
+    n = 3 * size
+    return {"float16": (np.linspace(-1, 1, n, dtype=np.float16) * np.float16((rank + 1) / 3), "mean"),
+            "float32": (np.array([np.nan if rank == size - 1 else 1.0, -0.0, 0.0] * size, np.float32) * (rank + 1),
+                        "max"),
+            "int8": (np.full(n, 100 + rank, np.int8), "sum"),
+            "complex64": ((np.arange(n) + 1j * rank).astype(np.complex64), "prod")}
+
+
+@pytest.mark.parametrize("deadline", [False, True], ids=["plain", "deadline"])
+def test_a_staged_device_call_agrees_once_and_gives_the_host_bits(comm, monkeypatch, deadline):
+    """A CUDA call through host staging in checked mode is one call: agreed once (on the device array, by
+    the engine), one record; its host copy runs the host collective's steps (``Engine.staged``), so every
+    result has the bits of the same call on host memory, and point-to-point keeps its header (a message
+    that does not fit raises the host path's error, word for word) on the plain and the deadline transport."""
+    from collectives import _agree
+    from support.comms import communicator
+    from support.device import OnDevice, staging
+
+    if deadline and comm.backend != "mpi":
+        pytest.skip("needs the MPI backend")
+    agreed = []
+    real = _agree.agree
+    monkeypatch.setattr(_agree, "agree",
+                        lambda transport, what, *a, **k: (agreed.append(what), real(transport, what, *a, **k)))
+    with communicator(COLLECTIVES_TIMEOUT=300) if deadline else contextlib.nullcontext(comm) as c:
+        before, c.check = c.check, True
+        try:
+            staging(c, monkeypatch)
+            engine = engine_of(c)
+            for name, (x, op) in staged_inputs(c.rank, c.size).items():
+                for what, call in STAGED_CALLS:
+                    agreed.clear()
+                    seq = engine.trace_seq()
+                    got = call(c, OnDevice(x.copy()), op)
+                    assert agreed == [what] and engine.trace_seq() == seq + 1, (what, agreed)
+                    want = call(c, x.copy(), op)
+                    if want is None:  # gather, off root
+                        assert got is None, what
+                    else:
+                        assert got.values.dtype == want.dtype and got.values.tobytes() == want.tobytes(), (name, what)
+            if c.size == 1:
+                return
+            right, left = (c.rank + 1) % c.size, (c.rank - 1) % c.size
+            x = np.arange(4, dtype=np.float64) + c.rank
+            words = None
+            for on_device in (True, False):  # a message, then one that does not fit: the same words on both
+                wrap = OnDevice if on_device else np.asarray
+                agreed.clear()
+                seq = engine.trace_p2p_seq()
+                send = c.send(wrap(x), right, 5, async_op=True)
+                y = wrap(np.zeros(4))
+                assert c.recv(y, left, 5) == left and not agreed and engine.trace_p2p_seq() == seq + 2
+                send.wait()
+                assert (y.values if on_device else y).tolist() == (np.arange(4) + left).tolist()
+                send = c.send(wrap(x), right, 6, async_op=True)
+                with pytest.raises(ValueError, match="but the receive buffer holds 3 x float64") as info:
+                    c.recv(wrap(np.zeros(3)), left, 6)
+                send.wait()
+                words = words or str(info.value)
+                assert str(info.value) == words
+        finally:
+            c.check = before

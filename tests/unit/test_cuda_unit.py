@@ -465,8 +465,7 @@ class FakeComm:
     def __init__(self, size=3, rank=0, check=False):
         self.host = FakeHost(size, rank)
         self.rank, self.size, self.local_rank, self.local_size = rank, size, rank, size
-        self.check = check
-        self.communicator = self  # its public collectives (check)
+        self.check = check  # checked mode (Engine.check)
 
 
 def nccl_transport(lib=None, *, size=3, rank=0, timeout=5.0, check=False):
@@ -983,6 +982,65 @@ def test_staging_single_process_in_place():
     assert t.allgather(view, None).shape == (1, 3, 2)
     with pytest.raises(TypeError, match="bool"):
         t.allreduce(torch.ones(2, dtype=torch.bool), None, "sum")
+
+
+def test_a_staged_device_call_is_one_call_agreed_once(monkeypatch):
+    """Issue 33, calls run upward: a CUDA call through host staging, in checked mode, is validated, recorded
+    and agreed once, by the engine (the agreement on the device array, before its transport is chosen); the
+    host collective's steps run inside it (``Engine.staged``), with no record or agreement of their own,
+    blocking and asynchronous. (Point-to-point, between ranks: tests/mpi/test_checked.py.)"""
+    from collectives import _agree
+    from support.device import OnDevice, staging
+
+    comm = coll.Communicator(SelfTransport(), check=True)
+    staging(comm, monkeypatch)
+    agreed = []
+    real = _agree.agree
+    monkeypatch.setattr(_agree, "agree",
+                        lambda transport, what, *a, **k: (agreed.append(what), real(transport, what, *a, **k)))
+    engine = engine_of(comm)
+
+    def once(what, call, p2p=False):
+        agreed.clear()
+        seq, p2p_seq = engine.trace_seq(), engine.trace_p2p_seq()
+        out = call()
+        assert agreed == ([] if p2p else [what]), (what, agreed)
+        assert (engine.trace_seq() - seq, engine.trace_p2p_seq() - p2p_seq) == ((0, 1) if p2p else (1, 0)), what
+        return out
+
+    x = OnDevice([1.5, -2.0, 3.25, 4.0])
+    assert once("allreduce", lambda: comm.allreduce(x, "mean")).values.tolist() == [1.5, -2.0, 3.25, 4.0]
+    assert once("allreduce", lambda: comm.allreduce(x, "max", async_op=True).wait()) is x
+    assert once("reduce", lambda: comm.reduce(x, "sum", 0)) is x
+    assert once("reduce_scatter", lambda: comm.reduce_scatter(x, "sum")).values.tolist() == x.values.tolist()
+    assert once("alltoall", lambda: comm.alltoall(x)).values.tolist() == x.values.tolist()
+    assert once("broadcast", lambda: comm.broadcast(x, 0)) is x
+    assert once("allgather", lambda: comm.allgather(x)).values.shape == (1, 4)
+    assert once("gather", lambda: comm.gather(x, 0)).values.tolist() == [x.values.tolist()]
+    entries = engine.trace_entries()
+    assert [e["collective"] for e in entries[-8:]] == ["allreduce", "allreduce", "reduce", "reduce_scatter",
+                                                        "alltoall", "broadcast", "allgather", "gather"], entries[-8:]
+    with pytest.raises(TypeError, match="bool"):  # the host rules' words, before anything moves
+        comm.allreduce(OnDevice([True]), "sum")
+
+
+def test_a_staged_message_is_the_host_path_s_without_a_record():
+    """NCCL's message description, host staging's messages: ``Engine.staged("send", ..., async_op=True)`` is
+    a Handle of the host path's send (its header, the receive's check and words), and neither it nor the
+    staged receive begins a record (the device call has one)."""
+    comm = coll.Communicator(SelfTransport())
+    engine = engine_of(comm)
+    seq = engine.trace_p2p_seq()
+    sent = engine.staged("send", np.arange(3.0), 0, 9, async_op=True)
+    y = np.zeros(3)
+    assert engine.staged("recv", y, 0, 9) == 0 and y.tolist() == [0.0, 1.0, 2.0]
+    assert sent.wait() is None and engine.trace_p2p_seq() == seq
+    engine.staged("send", np.arange(3.0), 0, 9, async_op=True)
+    with pytest.raises(ValueError, match=r"rank 0 sent 3 x float64 \(tag 9\), but the receive buffer holds 2 x"):
+        engine.staged("recv", np.zeros(2), 0, 9)
+    with pytest.raises(ValueError, match="send: dst=0 is this rank: a blocking send to itself"):
+        engine.staged("send", np.arange(3.0), 0, 9)
+    assert engine.trace_p2p_seq() == seq
 
 
 SCRIPT = r"""

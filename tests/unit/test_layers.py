@@ -67,7 +67,8 @@ WITHIN_COMM = {
     "_comm.objects": {"_comm.record", "_comm.validate"},
     "_comm.split": {"_comm.record"},
     "_comm.trees": {"_comm.record"},
-    "_comm.engine": {"_comm.record", "_comm.rules", "_comm.summing", "_comm.validate"},
+    "_comm.engine": {"_comm.call", "_comm.movement", "_comm.p2p", "_comm.record", "_comm.reductions", "_comm.rules",
+                     "_comm.summing", "_comm.validate"},
     "_comm.communicator": {"_comm.call", "_comm.engine", "_comm.movement", "_comm.objects", "_comm.p2p",
                            "_comm.record", "_comm.reductions", "_comm.split", "_comm.summing", "_comm.trees"},
     "_comm.functions": {"_comm.communicator"},
@@ -232,6 +233,80 @@ def test_the_reach_checker_sees_a_reach():
              "class T:\n    def g(self):\n        return self._comm._devices, self._pool\n")
     got = reaches("probe", probe, communicator_privates())
     assert got == ["probe:2: comm._plans", "probe:2: comm._transport_for", "probe:5: self._comm._devices"], got
+
+
+def engine_api() -> set[str]:
+    """The public methods and properties of ``Engine`` (``_comm/engine.py``), less ``communicator``: what a
+    layer below the Communicator may use of it."""
+    tree = ast.parse((SRC / "_comm" / "engine.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Engine")
+    return {n.name for n in cls.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")}
+
+
+def holders(source: str) -> set[str]:
+    """What ``source`` stores a ``.communicator`` in (``self._comm = engine.communicator``: ``self._comm``)."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None and any(
+                isinstance(n, ast.Attribute) and n.attr == "communicator" for n in ast.walk(node.value)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            found.update(ast.unparse(t) for t in targets)
+    return found
+
+
+def upward_calls(name: str, source: str, api: set[str], held: set[str] = frozenset()) -> list[str]:
+    """In a transport module's ``source``: a read of ``.communicator`` (of an engine, or of anything: the
+    Communicator is reached only that way), a call of a method on what one was stored in (``held``, from
+    :func:`holders` of every transport module: a subclass calls what its base stored), a name
+    ``Communicator`` or ``engine_of``, and a use of an engine (``engine.x``, ``self._engine.x``) that is not
+    one of the Engine's public members ``api``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute):
+            owner = node.value
+            engine = (isinstance(owner, ast.Name) and owner.id == "engine") or (
+                isinstance(owner, ast.Attribute) and owner.attr == "_engine")
+            if node.attr == "communicator" or (engine and node.attr not in api) or ast.unparse(owner) in held:
+                found.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Name) and node.id in ("Communicator", "engine_of"):
+            found.append(f"{name}:{node.lineno}: {node.id}")
+    return sorted(found)
+
+
+def test_no_transport_calls_the_communicator():
+    """docs/architecture.md, "The engine interface": calls run downward. No module under ``_backends`` holds
+    or calls a Communicator: none reads ``.communicator`` (an Engine's, or anything's) or uses what it was
+    stored in, names ``Communicator`` or ``engine_of``, or imports ``_registry`` (which holds
+    Communicators), and an engine is used only through the Engine's public methods (a device transport
+    runs its copies in host memory through ``Engine.staged``: the host collective's steps inside the
+    running call, not a second call with its own record and agreement)."""
+    api = engine_api()
+    assert {"staged", "host", "check", "transport_for"} <= api and "communicator" not in api
+    paths = sorted((SRC / "_backends").rglob("*.py"))
+    held = set().union(*(holders(p.read_text()) for p in paths))
+    found = []
+    for path in paths:
+        name = module_name(path)
+        found += upward_calls(name, path.read_text(), api, held)
+        found += [f"{name} imports {m}" for m in imports(path) if m == "_registry" or in_the_engine(m)]
+    assert not found, "a transport calls upward (give the Engine what it needs):\n" + "\n".join(found)
+
+
+def test_the_upward_call_checker_sees_an_upward_call():
+    """The checker itself: holding ``engine.communicator`` and calling its collective (also from a
+    subclass), an Engine private, a member the Engine lacks and ``engine_of`` are found; ``Engine.staged``
+    and a class's own attributes are not."""
+    base = ("class T:\n    def __init__(self, engine):\n        self._comm = engine.communicator\n"
+            "        self._engine, self._host = engine, engine.host\n"
+            "    def f(self, x):\n        self._comm.allreduce(x, 'sum')\n        self._engine.staged('allreduce', x, 'sum')\n"
+            "        self._engine._x, self._engine.allreduce(x), self._host.allreduce(x, 'sum')\n"
+            "        return engine_of(x)\n")
+    sub = "class U(T):\n    def g(self, x):\n        return self._comm.check, self._host.check\n"
+    held = holders(base) | holders(sub)
+    assert held == {"self._comm"}, held
+    got = upward_calls("base", base, engine_api(), held) + upward_calls("sub", sub, engine_api(), held)
+    assert got == ["base:3: engine.communicator", "base:6: self._comm.allreduce", "base:8: self._engine._x",
+                   "base:8: self._engine.allreduce", "base:9: engine_of", "sub:3: self._comm.check"], got
 
 
 def test_the_architecture_page_names_every_module_in_its_layer():

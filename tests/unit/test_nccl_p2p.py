@@ -22,17 +22,19 @@ class _Sent:
 
 
 class P2PComm(FakeComm):
-    """A Communicator stand-in whose host path carries the descriptions (a list each way)."""
+    """An Engine stand-in whose host path (``Engine.staged``) carries the descriptions (a list each way)."""
 
     def __init__(self, size=3, rank=0):
         super().__init__(size, rank)
         self.sent, self.incoming = [], []
 
-    def send(self, x, dst, tag, async_op=False):
-        self.sent.append((x.clone() if isinstance(x, torch.Tensor) else x.copy(), dst, tag, async_op))
-        return _Sent()
-
-    def recv(self, x, src, tag):
+    def staged(self, collective, x, *args, async_op=False):
+        if collective == "send":
+            dst, tag = args
+            self.sent.append((x.clone() if isinstance(x, torch.Tensor) else x.copy(), dst, tag, async_op))
+            return _Sent()
+        assert collective == "recv" and not async_op, collective
+        src, tag = args
         x[...] = self.incoming.pop(0)
         return src
 
@@ -117,7 +119,7 @@ def test_any_source_and_itself_are_refused_before_anything():
 
 def test_the_default_device_path_stages_through_the_host_path():
     """A device transport without point-to-point of its own (host staging, CUDA-aware MPI) sends a host copy
-    by coll.send and receives into one by coll.recv."""
+    by the host path's send and receives into one by its recv (``Engine.staged``: blocking, both)."""
     from collectives._backends.device import DeviceTransport
 
     class Staged(DeviceTransport):
@@ -127,7 +129,7 @@ def test_the_default_device_path_stages_through_the_host_path():
     t = Staged(comm, 0)
     t._library_of = lambda x: FakeTorch()
     t.send(torch.ones(3), None, 1, 4)
-    assert comm.sent[0][1:3] == (1, 4) and (comm.sent[0][0] == 1).all()
+    assert comm.sent[0][1:] == (1, 4, False) and (comm.sent[0][0] == 1).all()
     comm.incoming.append(torch.full((3,), 2.0))
     y = torch.zeros(3)
     box = [None]

@@ -291,15 +291,16 @@ def _ranks(ranks: list[int]) -> str:
 class HostStagingTransport(DeviceTransport):
     """Copy to host memory (waiting for the producer stream), run the host collective, copy back in place.
 
-    Slow but always available. Every rule (dtypes, ops, checked mode) is the host path's, since the host
-    path runs it.
+    Slow but always available. Every rule of the data (dtypes, ops, NaN check) is the host path's, since
+    the host collective's steps run it (``Engine.staged``), as part of the device call: validated,
+    recorded and (checked mode) agreed once, by the engine, before this transport is reached.
     """
 
     name = HOST_STAGING
 
     def broadcast(self, x, a, root):
         xp, _ = self._prepare(x)
-        host = self._comm.broadcast(xp.to_host(x), root)
+        host = self._engine.staged("broadcast", xp.to_host(x), root)
         if self.rank != root:
             xp.from_host(x, host)
         return x
@@ -316,7 +317,7 @@ class HostStagingTransport(DeviceTransport):
 
     def allgather(self, x, a):
         xp, _ = self._prepare(x)
-        return xp.to_device(self._comm.allgather(xp.to_host(x)), x)
+        return xp.to_device(self._engine.staged("allgather", xp.to_host(x)), x)
 
     def reduce_scatter(self, x, a, op):
         _, info = self._prepare(x)

@@ -40,7 +40,7 @@ class DeviceTransport(abc.ABC):
     fuses = False
 
     def __init__(self, engine, index: int):
-        self._comm = engine.communicator  # its public collectives: the staged paths run the host path
+        self._engine = engine  # checked mode, and the host collectives of its staged paths (Engine.staged)
         self._host = engine.host
         self.rank, self.size = engine.rank, engine.size
         self.local_rank, self.local_size = engine.local_rank, engine.local_size
@@ -129,18 +129,24 @@ class DeviceTransport(abc.ABC):
         xp.wait_event(xp.current_stream(x), event)
 
     # ---- point-to-point: the default stages through host memory and the host path ----
+    @property
+    def max_tag(self) -> int:
+        """The largest tag a message may carry: the host transport's (``HostTransport.max_tag``), since a
+        message, or its description (NCCL), travels by the host path under the caller's tag."""
+        return self._host.max_tag
+
     def send(self, x, a, dst: int, tag: int) -> None:
         """Send ``x`` to ``dst`` (validated by the Communicator). Default: a host copy, sent by the host
-        path (``coll.send``: its header, its deadline), complete when this returns."""
+        path (``Engine.staged``: ``send``'s steps, its header, its deadline), complete when this returns."""
         xp, _ = self._prepare(x)
-        self._comm.send(xp.to_host(x), dst, tag)
+        self._engine.staged("send", xp.to_host(x), dst, tag)
 
     def recv(self, x, a, src, tag: int, box: list) -> None:
         """Receive into ``x`` from ``src`` (None: any rank); ``box[0]`` becomes the sender. Default: into a
         host copy by the host path (its check of the message against the buffer), then into ``x``."""
         xp, _ = self._prepare(x)
         host = xp.to_host(x)
-        box[0] = self._comm.recv(host, src, tag)
+        box[0] = self._engine.staged("recv", host, src, tag)
         xp.from_host(x, host)
 
     def allreduce_many(self, arrays, a, op: str):
@@ -181,14 +187,14 @@ class DeviceTransport(abc.ABC):
             xp.copy_back(target, value.reshape(xp.shape(target)))
 
     def _staged(self, x, op: str, root: int | None = None):
-        """Reduce ``x`` through host memory and the host path (every host rule holds), result copied back
-        into ``x`` (on root only for a reduce). The host-staging transport's reductions, and CUDA-aware
-        MPI's integer ops that this MPI was found to get wrong."""
+        """Reduce ``x`` through host memory and the host path (``Engine.staged``: every host rule holds),
+        result copied back into ``x`` (on root only for a reduce). The host-staging transport's reductions,
+        and CUDA-aware MPI's integer ops that this MPI was found to get wrong."""
         xp, _ = self._prepare(x)
         if root is None:
-            xp.from_host(x, self._comm.allreduce(xp.to_host(x), op))
+            xp.from_host(x, self._engine.staged("allreduce", xp.to_host(x), op))
             return x
-        host = self._comm.reduce(xp.to_host(x), op, root)
+        host = self._engine.staged("reduce", xp.to_host(x), op, root)
         if self.rank == root:
             xp.from_host(x, host)
         return x
@@ -197,19 +203,19 @@ class DeviceTransport(abc.ABC):
         """:meth:`reduce_scatter` through host memory and the host path (every host rule holds): the
         host-staging transport's, and CUDA-aware MPI's where :meth:`_staged` is taken."""
         xp, _ = self._prepare(x)
-        return xp.to_device(self._comm.reduce_scatter(xp.to_host(x), op), x)
+        return xp.to_device(self._engine.staged("reduce_scatter", xp.to_host(x), op), x)
 
     def _staged_alltoall(self, x):
         """:meth:`alltoall` through host memory and the host path."""
         xp, _ = self._prepare(x)
-        return xp.to_device(self._comm.alltoall(xp.to_host(x)), x)
+        return xp.to_device(self._engine.staged("alltoall", xp.to_host(x)), x)
 
     def _prepare(self, x):
         xp = self._library_of(x)
         return xp, xp.dtype(x)
 
     def _agree(self, collective: str, xp, x, info, **args) -> None:
-        if self._comm.check:
+        if self._engine.check:
             _agree.agree(self._host, collective, (*args.items(), ("shape", tuple(xp.shape(x))),
                                                   ("dtype", info.name), ("device", "cuda")))
 

@@ -57,7 +57,8 @@ class NCCLTransport(DeviceTransport):
     """CUDA arrays over one NCCL communicator on one device. Made by ``factory.device_transport``.
 
     Args:
-        comm: the Communicator (its host transport carries the unique id).
+        engine: the Communicator's :class:`~collectives._comm.Engine` (its host transport carries the
+            unique id; its host path the descriptions of point-to-point messages).
         index: the CUDA device index.
         lib: the loaded :class:`~collectives._backends._libnccl.NCCLLibrary`.
         api: the device helper (``cuda.device_api()``) used to make ``index`` current during init.
@@ -67,8 +68,8 @@ class NCCLTransport(DeviceTransport):
     name = NCCL
     fuses = True  # allreduce_many: one NCCL group
 
-    def __init__(self, comm, index: int, lib, api, *, timeout: float):
-        super().__init__(comm, index)
+    def __init__(self, engine, index: int, lib, api, *, timeout: float):
+        super().__init__(engine, index)
         self._lib = lib
         self._timeout = float(timeout)
         self._handle = 0
@@ -274,7 +275,7 @@ class NCCLTransport(DeviceTransport):
                                  f"serves cuda:{self.device_index}; group arrays by device")
             plan, dtype, nop, mult = self._reduction(info, op)
             plans.append((x, xp, info, plan, dtype, nop, xp.numel(x) * mult))
-        if self._comm.check:
+        if self._engine.check:
             _agree.agree(self._host, "allreduce_many", (
                 ("op", op), ("device", "cuda"), ("shapes", tuple(tuple(xp.shape(x)) for x, xp, *_ in plans)),
                 ("dtypes", tuple(info.name for _, _, info, *_ in plans))))
@@ -335,11 +336,11 @@ class NCCLTransport(DeviceTransport):
     # ---- point-to-point: the data by ncclSend/ncclRecv, its description over the host path first ----
     # NCCL cannot tell a receive that the message is of another size or dtype (it would hang or write past
     # the buffer), nor receive from any rank. So each send first sends a description (p2p_header) by the
-    # host path (coll.send, asynchronous: it never waits for the receiver), then enqueues ncclSend; the
-    # receiver receives the description (bounded by COLLECTIVES_TIMEOUT: it waits for the sender to have
-    # *called* send, not for its data), checks it, then enqueues ncclRecv from that rank: into the array,
-    # or, for a message that does not fit, into scratch memory of the sender's size (so the sender's stream
-    # completes) before raising the host path's TypeError/ValueError, the array untouched.
+    # host path (Engine.staged: send's steps, asynchronous: it never waits for the receiver), then enqueues
+    # ncclSend; the receiver receives the description (bounded by COLLECTIVES_TIMEOUT: it waits for the
+    # sender to have *called* send, not for its data), checks it, then enqueues ncclRecv from that rank:
+    # into the array, or, for a message that does not fit, into scratch memory of the sender's size (so the
+    # sender's stream completes) before raising the host path's TypeError/ValueError, the array untouched.
     def send(self, x, a, dst, tag):
         self._not_itself("send", dst)
         xp, info = self._prepare(x)
@@ -347,7 +348,7 @@ class NCCLTransport(DeviceTransport):
         nbytes = xp.numel(x) * xp.itemsize(x)
         header = p2p_header(xp.numel(x), nbytes, info.name, 0, nbytes)
         self._described = [h for h in self._described if not h.done()]
-        self._described.append(self._comm.send(header, dst, tag, async_op=True))
+        self._described.append(self._engine.staged("send", header, dst, tag, async_op=True))
         if nbytes:
             lib, handle, stream, p = self._lib, self._handle, xp.stream(x), xp.ptr(buf)
             self._group(lambda: lib.send(p, nbytes, _libnccl.ncclUint8, dst, handle, stream))
@@ -359,7 +360,7 @@ class NCCLTransport(DeviceTransport):
         self._not_itself("recv", src)
         xp, info = self._prepare(x)
         header = np.empty(HEADER_WORDS, dtype=np.int64)
-        self._comm.recv(header, src, tag)
+        self._engine.staged("recv", header, src, tag)
         nbytes = xp.numel(x) * xp.itemsize(x)
         error = p2p_mismatch(header, xp.numel(x), nbytes, info.name, src, tag, self.rank)
         if error is None:

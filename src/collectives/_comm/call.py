@@ -15,7 +15,7 @@ from .. import _arrays, _buckets, _finite, _threads
 from .._backends import closed as _closed
 from .._backends import factory
 from .._backends.closed import CLOSED
-from .._errors import BackendUnavailableError, CollectiveError, transport_failure
+from .._errors import BackendUnavailableError, CollectiveError, reraise, transport_failure
 from .._handles import Handle, settle_all
 from .._threads import enter as _enter, leave as _leave, refuse as _refuse_thread
 from . import rules
@@ -105,6 +105,27 @@ def asynchronous(comm, what: str, define, *args) -> Handle:
     finally:
         _leave()
     return Handle(what, requests(comm, steps, first, calling), comm._outstanding, comm._host.fail, rec)
+
+
+def staged(comm, what: str, define, *args, async_op: bool = False):
+    """A device transport's call through host memory: the host collective ``what``'s steps
+    ``define(comm, *args, asynchronous)`` on the transport's host copy, for the call the engine is running
+    now (``Engine.staged``). That call is already validated, recorded and, in checked mode, agreed: the
+    steps check and describe the host copy (the description the transport's fingerprint carries) but
+    begin no record of their own and agree on nothing (``comm._staging``, ``validate.prepare``). Blocking:
+    run by the blocking driver (``steps.now``); ``async_op``: in a :class:`Handle` (:func:`asynchronous`,
+    without a record). An MPI error becomes the :class:`CollectiveError` of ``what``."""
+    rec, calling, was = comm._current, comm._calling, comm._staging
+    comm._staging = True
+    try:
+        if async_op:
+            return asynchronous(comm, what, define, comm, *args)
+        return now(define(comm, *args, False), comm)
+    except Exception as exc:  # noqa: BLE001 - re-raised (MPI errors as CollectiveError)
+        reraise(exc, what)
+    finally:
+        comm._staging = was
+        comm._current, comm._calling = rec, calling
 
 
 def sweep(comm) -> None:

@@ -103,6 +103,7 @@ class Communicator:
         self._current = None  # the record of the call being validated (for its driver)
         self._calling: tuple | None = None  # the description of the call being validated (_call), for its driver
         self._repro = False  # whether the call being validated is a reproducible sum (validate.prepare), for its steps
+        self._staging = False  # running a device call's host copy (call.staged): validated without a record or agreement
         self._last_activity = 0.0  # when the sequence number last moved (the stall inspector's choice)
         self._name: str | None = None  # "world", "world.2" (a split), "comm1" (init(comm=...)): for dumps
         self._splits = 0  # split() calls made on this communicator (names its children alike on every rank)

@@ -11,7 +11,14 @@ from __future__ import annotations
 import operator
 
 from .. import _arrays
-from . import record, rules, summing, validate
+from . import call, movement, p2p, record, reductions, rules, summing, validate
+
+# The host collectives a device transport may run on its host copy (Engine.staged): their steps, and
+# whether they take ``reproducible`` (given as False: the host rules, never a reproducible sum)
+STAGED = {"allreduce": (reductions.allreduce, True), "reduce": (reductions.reduce, True),
+          "reduce_scatter": (reductions.reduce_scatter, True), "broadcast": (movement.broadcast, False),
+          "allgather": (movement.allgather, False), "alltoall": (movement.alltoall, False),
+          "send": (p2p.send, False), "recv": (p2p.recv, False)}
 
 
 class Engine:
@@ -19,7 +26,9 @@ class Engine:
     (``_tree``, ``_buckets``), sharding (``_shard``), ``DistributedOptimizer`` and its gradient buckets
     (``_optim``, ``_overlap``) and the device transports (``_backends``) get this object, with public
     methods only, and reach no private attribute of the Communicator (``tests/unit/test_layers.py`` checks
-    it). Everything else they need is the Communicator's public API (:attr:`communicator`).
+    it). Everything else the layers above need is the Communicator's public API (:attr:`communicator`);
+    the device transports, below it, never use that (a call upward: a second record, a second
+    agreement): they run their copies in host memory through :meth:`staged`.
 
     Example:
         >>> import collectives as coll
@@ -82,6 +91,20 @@ class Engine:
     def device_transports(self) -> dict:
         """The device transports made so far: ``{(dlpack type, id): transport}`` (a copy)."""
         return dict(self.communicator._devices)
+
+    def staged(self, collective: str, x, *args, async_op: bool = False):
+        """Run ``collective`` (a name in :data:`STAGED`) on ``x``, a device transport's copy in host memory,
+        with ``args`` as the Communicator's method takes them (``op``, ``root``; ``dst``/``src``, ``tag``),
+        as part of the device call this engine is running now, which is already validated, recorded and
+        (checked mode) agreed: the host collective's own steps (the host rules, a message's header and the
+        receive's check, the deadline transport's bound) driven by the blocking driver, or with
+        ``async_op`` in a :class:`~collectives.Handle`; no record of its own, no second agreement
+        (``call.staged``). Returns what the Communicator's method would (a reduction's result in ``x``,
+        a new array, the sender's rank)."""
+        define, reduces = STAGED[collective]
+        if reduces:
+            args = (*args, False)
+        return call.staged(self.communicator, collective, define, x, *args, async_op=async_op)
 
     def runner(self, transport, info, op: str):
         """The call that allreduces a contiguous host buffer of ``info``'s dtype with ``op`` in place under

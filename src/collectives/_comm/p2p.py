@@ -17,9 +17,12 @@ from .steps import Step, contiguous, placing
 def prepare(comm, what: str, x, peer, tag, asynchronous: bool):
     """Validate a send or recv before anything is sent: the array, the peer (``recv``: None is any
     rank), the tag, a writable receive buffer; ``(adapter, transport, view, info, peer, tag)``. No
-    agreement step, checked mode or not: only two ranks take part."""
+    agreement step, checked mode or not: only two ranks take part. A device transport's host copy
+    (``comm._staging``, :func:`call.staged`) begins no record: the device call has one."""
     side = "dst" if what == "send" else "src"
-    comm._current = rec = record.begin_p2p(comm, what, x, asynchronous)
+    rec = None
+    if not comm._staging:
+        comm._current = rec = record.begin_p2p(comm, what, x, asynchronous)
     a = _arrays.adapter(x)
     device = a.device(x)
     if isinstance(tag, (bool, np.bool_)) or not isinstance(tag, (int, np.integer)):

@@ -56,12 +56,18 @@ def prepare(comm, collective: str, x, op=UNSET, root=UNSET, blocks: bool = False
     is described, and agreed, with its op named ``"reproducible sum"`` or ``"reproducible mean"``.
     ``units``: ``x`` is a stack of units (``Communicator.allreduce_units``), whose leading dimension may differ
     between ranks (described and agreed by one unit's shape).
+
+    While ``comm._staging`` (:func:`call.staged`: a device transport's host copy of the call being run) the
+    call already has its record and its agreement: ``x`` is checked and described, but no record is begun
+    and nothing is agreed (the NaN check still runs, as it did for the host copy).
     """
     args: dict[str, object] = {"async_op": True} if asynchronous else {}
     view = info = None
     comm._repro = False
-    comm._current = record.begin(comm, collective, x, None if op is UNSET else op, None if root is UNSET else root,
-                                 "asynchronous" if asynchronous else "blocking")
+    staging = comm._staging
+    if not staging:
+        comm._current = record.begin(comm, collective, x, None if op is UNSET else op,
+                                     None if root is UNSET else root, "asynchronous" if asynchronous else "blocking")
     try:
         a = _arrays.adapter(x)
         device = a.device(x)
@@ -87,7 +93,7 @@ def prepare(comm, collective: str, x, op=UNSET, root=UNSET, blocks: bool = False
                         raise ValueError(f"reproducible sums take at most {_reproducible.MAX_TERMS} terms per "
                                          f"element, and this communicator has {comm._size} ranks")
     except Exception as exc:
-        if comm.check:  # the others wait in the agreement step: tell them, then raise (see _agree)
+        if comm.check and not staging:  # the others wait in the agreement step: tell them, then raise (see _agree)
             _agree.agree(comm._host, collective, (), None, exc)
         raise
     if transport is None:  # checked mode, an array outside host memory
@@ -98,11 +104,11 @@ def prepare(comm, collective: str, x, op=UNSET, root=UNSET, blocks: bool = False
         shape = view.shape[1:] if units else view.shape  # type: ignore[union-attr]
         comm._calling = _call.describe(collective, args.get("op") if isinstance(op, str) else None, info,  # type: ignore[arg-type]
                                        int(np.prod(shape, dtype=np.int64)), root if isinstance(root, int) else -1)
-        if comm.check:
+        if comm.check and not staging:
             agree_host(transport, collective, view, info, shape, **args)
         if comm._check_nan and op is not UNSET and _finite.checks(info):  # COLLECTIVES_CHECK_NAN
             _finite.check(transport, collective, _finite.scan([(view, info)]))
-    rec = comm._current
+    rec = None if staging else comm._current
     if rec is not None:
         rec.on = transport.name if not comm._repro else f"{transport.name}, reproducible"
         if units:  # the ranks' unit counts may differ: what must agree is a unit's shape (as described)
