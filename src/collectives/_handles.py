@@ -24,7 +24,8 @@ from ._poll import poll
 from ._threads import enter, leave, refuse
 
 
-ABANDONED: list = []  # (request, steps) of handles whose wait timed out: kept to the end of the process
+ABANDONED: list = []  # (request, steps) of handles that failed with a transfer in flight (a timeout, a failed
+# communicator): kept to the end of the process, since MPI may still write into their buffers
 
 
 class Handle:
@@ -84,6 +85,8 @@ class Handle:
             self._finish(None, exc)
 
     def _finish(self, result, error) -> None:
+        if error is not None and self._pending is not None:  # failed with a transfer in flight: MPI may
+            ABANDONED.append((self._pending, self._steps))  # still write into its buffers; keep them
         self._finished, self._result, self._error = True, result, error
         self._pending = self._steps = None
         if self._record is not None:
@@ -160,7 +163,6 @@ class Handle:
             self._fail(reason)
         # MPI cannot cancel a started collective and may still write into its buffers (when the late
         # ranks arrive and anything progresses MPI): the request and the steps holding the buffers live on
-        ABANDONED.append((self._pending, self._steps))
         self._finish(None, CollectiveTimeoutError(
             f"{reason}: another rank has not issued the matching call, or died. The communicator cannot be "
             f"used further (every later call on it raises); end the job"))
@@ -177,6 +179,8 @@ def settle_all(handles: list, seconds: float, where: str) -> None:
     deadline = time.monotonic() + seconds
     left = [h for h in handles if not h._settle(max(0.0, deadline - time.monotonic()))]
     if left:
+        # their transfers are in flight for good: MPI may still write into their buffers (ABANDONED)
+        ABANDONED.extend((h._pending, h._steps) for h in left)
         names = ", ".join(h.what for h in left)
         raise CollectiveError(
             f"{where}: {len(left)} asynchronous collective(s) did not complete within {seconds:g} s ({names}): "

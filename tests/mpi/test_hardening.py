@@ -498,3 +498,29 @@ def test_python_ints_in_trees_are_exact(comm):
     assert coll.allreduce_tree({"m": 2**100 * (r + 1)}, op="min", comm=comm)["m"] == 2**100
     with pytest.raises(TypeError, match=r"leaf \['i'\]: Python int scalar: op='mean' on integer dtype Python int would truncate"):
         coll.allreduce_tree({"i": 3, "w": np.ones(1)}, op="mean", comm=comm)
+
+
+# ---- a transfer a failure leaves in flight keeps its buffers to the end of the process ----
+
+def test_a_failed_call_s_buffers_outlive_its_communicator(comm):
+    """A call that failed with its transfer in flight (here the ranks disagreed only on the op's name, so
+    that its data meets on every rank and completes inside some later MPI call) keeps its buffers alive
+    after its communicator is closed and dropped: mpi4py frees a request that is let go with
+    ``MPI_Request_free``, which lets the operation run on, and MPI then wrote into memory the process had
+    reused (the heap of 3-rank test runs was corrupted so, and ranks died later in torch code). Seen through
+    a weak reference to the caller's array, with every reference of the caller's gone."""
+    import gc
+    import weakref
+
+    if comm.size < 2:
+        pytest.skip("a disagreement needs two ranks")
+    c = coll.init(comm=MPI.COMM_WORLD.Dup())
+    x = np.ones(2)
+    alive = weakref.ref(x)
+    with pytest.raises(coll.MismatchError):
+        c.allreduce(x, "sum" if c.rank else "mean", async_op=True).wait()
+    c.close()
+    del c, x
+    gc.collect()
+    assert alive() is not None, "the array of a transfer left in flight was freed"
+    comm.barrier()

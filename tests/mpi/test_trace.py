@@ -303,3 +303,30 @@ def test_call_sites_stay_right_when_the_paths_alternate(comm):
     for site, (tag, function) in got:
         assert site == [expected[tag], function], (site, tag, got)
     c.close()
+
+
+def test_the_watcher_reads_no_other_thread_s_frames_while_nothing_stalls(comm, monkeypatch):
+    """The watcher thread polls twice a second; it must not read the threads' frames to do it: on Python
+    3.11 reading the frames of a thread that is running (``sys._current_frames()``) is a use-after-free
+    that crashed ranks at random inside torch. It learns that a collective is in progress from the thread
+    guard. (``sys._current_frames`` is counted: nothing public shows what the watcher reads.)"""
+    import sys
+    import threading
+    import time
+
+    if not any(t.name == "collectives-trace-watcher" for t in threading.enumerate()):
+        pytest.skip("no watcher thread in this process (the record is off)")
+    readers = []
+    real = sys._current_frames
+
+    def counting():
+        readers.append(threading.current_thread().name)
+        return real()
+
+    monkeypatch.setattr(sys, "_current_frames", counting)
+    x = np.ones(4)
+    for _ in range(160):  # 1.6 s or more: three polls, with collectives in progress and between them (a
+        comm.allreduce(x, "sum")  # count, not a time: every rank makes the same calls)
+        time.sleep(0.01)
+    monkeypatch.undo()
+    assert "collectives-trace-watcher" not in readers, readers

@@ -956,15 +956,27 @@ def test_nccl_close_never_hangs(monkeypatch):
 
 
 @needs_torch
-def test_nccl_checked_mode_agrees_first():
-    t, _lib = nccl_transport(check=True)
-    x = torch.ones(2, 3)
-    t.allreduce(x, None, "mean")
+def test_nccl_in_checked_mode_agrees_nothing_itself(monkeypatch):
+    """Issue 33: a CUDA call in checked mode is agreed once, by the engine, before its transport is chosen
+    (``validate.agree_device``; a tree's device leaves by the tree's agreement): the NCCL transport itself
+    sends no agreement of its own for any collective (it did, a second one, with another header)."""
     from collectives import _agree
 
-    kind, sent = t._host.objects[-1]
-    want = (("op", "mean"), ("shape", (2, 3)), ("dtype", "float32"), ("device", "cuda"))
-    assert kind == "allgather" and bytes(sent[:16]) == _agree.fingerprint("allreduce", want)
+    t, lib = nccl_transport(check=True)
+    agreed = []
+    monkeypatch.setattr(_agree, "agree", lambda *a, **k: agreed.append(a[1]))
+    before = list(t._host.objects)
+    x = torch.ones(3, 2)
+    t.allreduce(x, None, "mean")
+    t.reduce(x, None, "sum", 0)
+    t.broadcast(x, None, 0)
+    t.allgather(x, None)
+    t.reduce_scatter(x, None, "sum")
+    t.alltoall(x, None)
+    t.allreduce_many([x, torch.ones(4)], None, "sum")
+    assert agreed == [] and t._host.objects == before
+    assert [c[0] for c in collective_calls(lib)][:5] == ["all_reduce", "reduce", "broadcast", "all_gather",
+                                                         "reduce_scatter"]
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ LAYERS = {
     # 0: the bottom: no library module above it
     "_version": 0, "_errors": 0, "_ops": 0, "_config": 0, "_dtypes": 0, "_arrays": 0, "_agree": 0,
     "_threads": 0, "_registry": 0, "_launcher": 0, "_handles": 0, "_poll": 0, "_trace": 0, "_p2p": 0, "_call": 0,
-    "_finite": 0, "_trace_torch": 0,
+    "_finite": 0, "_trace_torch": 0, "_records": 0,
     # 1: transports
     "_backends._libnccl": 1, "_backends.base": 1, "_backends.self": 1, "_backends.shm": 1,
     "_backends.mpi": 1, "_backends._fingerprint": 1, "_backends.device": 1, "_backends.cuda": 1, "_backends.nccl": 1,
@@ -135,7 +135,7 @@ def test_imports_go_downward_only():
             elif LAYERS[dep] == LAYERS[mod] == 4 and dep not in WITHIN_COMM[mod]:
                 wrong.append(f"call engine module {mod} imports {dep}")
             elif LAYERS[dep] == LAYERS[mod] == 0 and mod != "_failure" and dep not in ("_errors", "_ops", "_dtypes", "_threads", "_poll",
-                                                                                    "_trace", "_trace_torch", "_config"):
+                                                                                    "_trace", "_trace_torch", "_records", "_config"):
                 wrong.append(f"bottom-layer {mod} imports {dep}")
     assert not wrong, "\n".join(wrong)
 

@@ -44,6 +44,9 @@ from .._errors import CollectiveError
 _F16 = np.dtype(np.float16)
 
 
+ABANDONED: list = []  # requests a failure left pending, with their buffers (HostTransport.abandon)
+
+
 class Request:
     """A started operation. :meth:`test` never blocks; :meth:`wait` returns once it is complete (or raises:
     a timeout, an MPI error). This one is complete from the start."""
@@ -102,14 +105,21 @@ class HostTransport(abc.ABC):
         else:
             self.__dict__.setdefault("_failure_callbacks", []).append(callback)
 
-    def usable(self) -> None:
-        """Raise :class:`CollectiveError` if the transport has failed (:meth:`fail`)."""
+    def usable(self, pending=None) -> None:
+        """Raise :class:`CollectiveError` if the transport has failed (:meth:`fail`), keeping a request still
+        ``pending`` on it (:meth:`abandon`)."""
         if self.failed is not None:
+            if pending is not None:
+                self.abandon(pending)
             raise CollectiveError(f"this communicator is unusable: {self.failed}; the job cannot continue "
                                   f"(other ranks may still be waiting in that collective)")
 
-    def abandon(self, request) -> None:  # noqa: B027 - optional: only transports with pending requests keep them
-        """Keep ``request``, left pending by a failure, alive to the end of the process (its buffers too)."""
+    def abandon(self, request) -> None:
+        """Keep ``request``, left pending by a failure, and its buffers to the end of the process
+        (:data:`ABANDONED`; never on the transport, which a closed communicator lets go). A request let go
+        is freed by mpi4py (``MPI_Request_free`` lets the operation run on): when the late ranks' calls
+        arrive, MPI writes into memory the process has reused (it corrupted the heap of 3-rank test runs)."""
+        ABANDONED.append(request)
 
     def reduces(self, dtype: np.dtype, op: str) -> bool:
         """True if this transport reduces ``dtype`` with ``op`` correctly itself (else the reduction rules

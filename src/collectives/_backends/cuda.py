@@ -372,8 +372,7 @@ class CudaAwareMPITransport(DeviceTransport):
         return self._mpi_type(dt), self._mpi_op(plan.op), dt.itemsize
 
     def broadcast(self, x, a, root):
-        xp, info = self._prepare(x)
-        self._agree("broadcast", xp, x, info, root=root)
+        xp, _ = self._prepare(x)
         is_root = self.rank == root
         buf, in_place = xp.contiguous(x, copy=is_root)
         xp.synchronize(x)
@@ -390,8 +389,6 @@ class CudaAwareMPITransport(DeviceTransport):
         plan = self._plan(info, op)
         if plan is None:
             return self._staged(x, op, root)
-        self._agree("allreduce" if root is None else "reduce", xp, x, info, op=op,
-                    **({} if root is None else {"root": root}))
         receives = root is None or self.rank == root
         buf, in_place = xp.contiguous(x)
         wire, fresh = self._encode(xp, buf, info, plan, keep=not receives)
@@ -443,7 +440,6 @@ class CudaAwareMPITransport(DeviceTransport):
         plan = self._plan(info, op)
         if plan is None or n > self._max:
             return self._staged_scatter(x, op)
-        self._agree("reduce_scatter", xp, x, info, op=op)
         shape = xp.shape(x)
         send, _ = xp.contiguous(x)
         out = xp.empty((shape[0] // self.size,) + shape[1:], like=x)
@@ -459,11 +455,10 @@ class CudaAwareMPITransport(DeviceTransport):
         return out
 
     def alltoall(self, x, a):
-        xp, info = self._prepare(x)
+        xp, _ = self._prepare(x)
         nbytes = xp.numel(x) * xp.itemsize(x)
         if nbytes // self.size > self._max:
             return self._staged_alltoall(x)
-        self._agree("alltoall", xp, x, info)
         send, _ = xp.contiguous(x)
         out = xp.empty(xp.shape(x), like=x)
         if nbytes:

@@ -2,7 +2,10 @@
 
 A device transport moves arrays in device memory: it takes the array itself and its adapter (it needs the
 library's stream as well as the pointer), validates dtype and op with the same rules and words as the
-host path (``_dtypes``), agrees in checked mode (``_agree``), and writes results into the caller's array.
+host path (``_dtypes``) and writes results into the caller's array. It agrees on nothing itself: in checked
+mode every call that reaches it was agreed once, as the user made it, before its transport was chosen (the
+engine's ``validate.agree_device``; a tree's or bucket's device leaves by the tree's agreement), and the
+transport's own checks then fail alike on every rank.
 Three implement it: ``nccl.NCCLTransport`` (our ctypes binding of libnccl), and in ``cuda``
 ``CudaAwareMPITransport`` (device pointers handed to MPI) and ``HostStagingTransport`` (copies to host
 memory, then the host path). Which one a device gets is decided once, by every rank together, in
@@ -17,7 +20,7 @@ import sys
 
 import numpy as np
 
-from .. import _agree, _dtypes
+from .. import _dtypes
 from .._errors import BackendUnavailableError
 
 NCCL = "nccl"
@@ -214,17 +217,11 @@ class DeviceTransport(abc.ABC):
         xp = self._library_of(x)
         return xp, xp.dtype(x)
 
-    def _agree(self, collective: str, xp, x, info, **args) -> None:
-        if self._engine.check:
-            _agree.agree(self._host, collective, (*args.items(), ("shape", tuple(xp.shape(x))),
-                                                  ("dtype", info.name), ("device", "cuda")))
-
     def _allgather_buffers(self, x):
-        """Validate (and in checked mode agree on) an allgather of ``x``: ``(xp, send, out, nbytes)`` with
+        """Validate an allgather of ``x``: ``(xp, send, out, nbytes)`` with
         ``send`` x's contiguous data, ``out`` a new ``(size, *x.shape)`` array on x's device and
         ``nbytes`` the bytes of one rank's part."""
-        xp, info = self._prepare(x)
-        self._agree("allgather", xp, x, info)
+        xp, _ = self._prepare(x)
         send, _ = xp.contiguous(x)
         out = xp.empty((self.size,) + xp.shape(x), like=x)
         return xp, send, out, xp.numel(x) * xp.itemsize(x)

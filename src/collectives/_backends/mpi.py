@@ -266,7 +266,6 @@ class MPITransport(HostTransport):
         self._making: dict[str, _Making] = {}  # lane name -> its making, begun by a non-blocking call
         for name in EAGER_LANES:
             self._lanes[name] = self.comm.Dup()
-        self._abandoned: list = []  # requests left pending by a failure (never freed: MPI may still write)
         self._fingerprints: dict = {}  # call key -> (fields and negations, their bytes), see _fingerprint
         self._max_op = MPI.MAX
         self._pipe_ring = None  # broadcast_many's pack buffers (root only, made at first use)
@@ -784,10 +783,6 @@ class MPITransport(HostTransport):
             return req.Test()
         return test
 
-    def abandon(self, req) -> None:
-        """Keep a request that a failure left pending (and with it its buffers) to the end of the process."""
-        self.__dict__.setdefault("_abandoned", []).append(req)
-
     # ---- point-to-point: send/recv ----
     # A message is two: its header (p2p_header: bytes, elements, dtype name, the data's tag, the piece size)
     # on the "p2p" lane under the user's tag, then its data on the "p2p_data" lane, from the sender
@@ -1210,7 +1205,7 @@ class _MPIRequest(Request):
     def test(self) -> bool:
         if not self._done:
             if self._transport.failed is not None:  # a mismatch or timeout of another call: never completes
-                self._transport.usable()
+                self._transport.usable(self)  # (keeping this request: it never completes)
             if self._transport._receives:
                 self._transport._progress()
             if self._check is not None:
@@ -1223,7 +1218,7 @@ class _MPIRequest(Request):
     def wait(self) -> None:
         if not self._done:
             if self._transport.failed is not None:  # (as in test: raised at once, never waited for)
-                self._transport.usable()
+                self._transport.usable(self)  # (keeping this request: it never completes)
             try:
                 if self._check is not None:
                     self._transport._wait(self._what, self._check[0])
@@ -1275,7 +1270,7 @@ class _FirstCall(Request):
 
     def test(self) -> bool:
         if self._request is None:
-            self._transport.usable()
+            self._transport.usable(self)  # (failed: its fingerprint may be pending for good; kept)
             if not self._transport._advance(self._making):
                 return False
         assert self._request is not None  # started by _advance
@@ -1283,7 +1278,7 @@ class _FirstCall(Request):
 
     def wait(self) -> None:
         if self._request is None:
-            self._transport.usable()
+            self._transport.usable(self)
             try:
                 self._transport._advance(self._making, self._transport._wait)
             except BaseException:  # its fingerprint may be pending for good: kept, with its buffer
@@ -1330,7 +1325,7 @@ class _Sending(Request):
     def test(self) -> bool:
         if not self._done:
             if self._transport.failed is not None:  # a mismatch or timeout of another call: never completes
-                self._transport.usable()
+                self._transport.usable(self)  # (keeping this request: it never completes)
             if self._transport._receives:
                 self._transport._progress()
             self._done = self._transport.MPI.Request.Testall(self._reqs)

@@ -1,0 +1,242 @@
+"""The record of one call, as the flight recorder keeps it (:class:`Record`), and its call site: the first
+frame outside the library (:func:`call_site`), found through the paths remembered (:func:`_raw_site`) and
+turned into a line only when read (:func:`site_of`). ``_trace`` keeps the records in the dumps.
+
+Example:
+    >>> from collectives import _records
+    >>> r = _records.Record(1, "allreduce", "sum", None, "float32", (4,), 16, "asynchronous")
+    >>> r.on = "mpi"
+    >>> r.finish()
+    >>> r.state, r.path
+    ('completed', 'asynchronous, mpi')
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import time
+from types import FrameType
+
+# Frames of these modules are not "the user's call site": the library itself and the frameworks that
+# call it on the user's behalf (torch.distributed, DDP's hooks, Lightning, accelerate).
+_LIBRARY_PREFIXES = ("collectives.", "torch.", "lightning.", "pytorch_lightning.", "accelerate.")
+
+
+_clock = time.time  # (one global look-up each: a record is made on every general-path call)
+_get_ident = threading.get_ident
+_getframe = sys._getframe
+
+
+class Record:
+    """One call on one communicator, as the flight recorder keeps it (general path).
+
+    Made on every general-path call (an asynchronous call's is its only cost when it is recorded), so it
+    keeps what the call gives as it is and makes text only when read: the call site as ``(code,
+    instruction offset)`` (its line looked up by :attr:`site`), the thread as its ident, and the path as
+    its parts (:attr:`path`: the path, the front end, the transport)."""
+
+    FIELDS = ("seq", "collective", "op", "root", "dtype", "shape", "nbytes", "path", "site", "thread", "start",
+              "end", "state", "error")  # in the dumps' order
+    __slots__ = ("_path", "_site", "_via", "collective", "dtype", "end", "error", "nbytes", "on", "op", "root", "seq",
+                 "shape", "start", "state", "thread")
+
+    def __init__(self, seq: int, collective: str, op, root, dtype, shape, nbytes, path: str):
+        self.seq, self.collective, self.op, self.root = seq, collective, op, root
+        self.dtype, self.shape, self.nbytes = dtype, shape, nbytes
+        # the call site: _raw_site's first remembered path inline (the common case: a loop's call, the way
+        # the last one came), else _raw_site itself (depth 0 is the caller of __init__, as it is there)
+        try:
+            depth, outer, lasti, via = _PATHS[0]
+            user = _getframe(depth + 1)
+            seen = user.f_code is outer and user.f_lasti == lasti
+        except (IndexError, ValueError):  # nothing remembered yet, a shallower stack
+            seen = False
+        if seen:
+            self._site: tuple | list | None = (outer, lasti)
+        else:
+            self._site, via = _raw_site()
+        if _hinting[0]:
+            hint = _site_hint.value
+            if hint is not None:  # a call made for a compiled program: where its source put it (collectives.jax)
+                self._site, via = hint
+        self._path, self._via = path, via
+        self.on: str | None = None  # the transport (and ", reproducible"), once validation has chosen it
+        self.thread = _get_ident()  # its name is looked up when a dump is written
+        self.start = _clock()
+        self.end: float | None = None
+        self.state = "started"
+        self.error: str | None = None
+
+    @property
+    def path(self) -> str:
+        """How the call was made: ``blocking`` or ``asynchronous`` (or another path's name), the front end
+        it came through, the transport it took."""
+        path = self._path if self._via is None else f"{self._path}, {self._via}"
+        return path if self.on is None else f"{path}, {self.on}"
+
+    @path.setter
+    def path(self, value: str) -> None:
+        self._path, self._via, self.on = value, None, None
+
+    @property
+    def site(self) -> list | None:
+        """``[file, line, function]`` of the user's call, or None."""
+        return site_of(self._site)
+
+    @site.setter
+    def site(self, value: list | None) -> None:
+        self._site = value  # type: ignore[assignment]
+
+    def finish(self, error: BaseException | None = None) -> None:
+        """Mark the call completed, or failed with ``error``."""
+        self.end = _clock()
+        if error is None:
+            self.state = "completed"
+        else:
+            self.state, self.error = "failed", f"{type(error).__name__}: {error}"
+
+    def as_dict(self) -> dict:
+        out = {name: getattr(self, name) for name in self.FIELDS}
+        out["thread"] = _thread_name(out["thread"])
+        if out["dtype"] is not None:  # kept as the array's own objects until a dump needs their text
+            out["dtype"] = str(out["dtype"]).replace("torch.", "")
+        if out["shape"] is not None:
+            out["shape"] = [int(n) for n in out["shape"]]
+        if out["nbytes"] is not None:
+            out["nbytes"] = int(out["nbytes"])
+        return out
+
+
+def _thread_name(ident) -> str:
+    for t in threading.enumerate():
+        if t.ident == ident:
+            return t.name
+    return f"thread {ident} (ended)"
+
+
+def is_library(module: str) -> bool:
+    """Whether frames of ``module`` belong to the library or a framework calling it (not a call site)."""
+    return module == "collectives" or module == "torch" or module.startswith(_LIBRARY_PREFIXES)
+
+
+# The front ends a call can come through, named in its record's path (the innermost one found).
+_FRONT_ENDS = {"collectives._overlap": "DistributedOptimizer gradient bucket", "collectives._optim":
+               "DistributedOptimizer", "collectives.torch_backend": "torch.distributed backend",
+               "collectives._tree": "tree", "collectives._shard": "shard"}
+
+
+# site_hint(): the (site, front end) the records made on this thread stand for while it is set: a
+# collective inside a jitted JAX function runs in a callback of XLA, far from the line that wrote it
+# (collectives.jax sets it, around each callback, to the site found when jit traced the call).
+class _SiteHint(threading.local):
+    value: tuple | None = None  # (a class default: reading it never raises, where getattr(local, name, None) would, at a cost)
+
+
+_site_hint = _SiteHint()
+
+
+@contextlib.contextmanager
+def site_hint(site: list | None, via: str):
+    """Records made inside this block on this thread get ``site`` and the front end ``via``."""
+    saved = _site_hint.value
+    _site_hint.value = (site, via)
+    _hinting[0] += 1
+    try:
+        yield
+    finally:
+        _hinting[0] -= 1
+        _site_hint.value = saved
+
+
+_hinting = [0]  # site_hint blocks under way, on any thread (a record reads the thread's hint only then)
+
+
+def call_site() -> tuple[list | None, str | None]:
+    """``([file, line, function], front end)``: the first frame outside the library (see
+    :func:`is_library`), and the front end the call came through (``_FRONT_ENDS``), or None."""
+    raw, via = _raw_site()
+    return site_of(raw), via
+
+
+def site_of(raw) -> list | None:
+    """``[file, line, function]`` of a site as :func:`_raw_site` keeps it (or as given: a list, None)."""
+    if raw is None or raw.__class__ is list:
+        return raw
+    code, lasti = raw
+    line = _LINES.get(raw)
+    if line is None:
+        line = next((n for start, end, n in code.co_lines() if start <= lasti < end), None) or code.co_firstlineno
+        if len(_LINES) < 65536:
+            _LINES[raw] = line
+    return [code.co_filename, line, code.co_name]
+
+
+_LINES: dict = {}  # (code, instruction offset) -> its line (site_of's memo)
+
+
+def _raw_site(skip: int = 1) -> tuple[tuple | None, str | None]:
+    """``((code, instruction offset), front end)`` of the first frame outside the library, from ``skip``
+    frames above the caller on (1: from the caller's caller): what a record keeps of its call site. Its line is looked up
+    only when the record is read (:func:`site_of`): a frame's ``f_lineno`` decodes the line table up to
+    the instruction, some hundreds of ns in a large function or a script's top level.
+
+    A walk along ``f_back`` makes a frame object of every frame it passes (some 100 ns each, in Python
+    3.11+, where frames are objects only once asked for), and a record is made some six frames below the
+    user's call: so the last few paths found are remembered (:data:`_PATHS`: the user frame's depth, its
+    code and the instruction it was at), and a call that comes the same way is found with one
+    ``sys._getframe(depth)`` (which makes only the frame asked for, and the user's frame of a loop is made
+    once): the frame at that depth runs the same code at the same instruction, so it is making the same
+    call into the library (a recursive user function at another level is at another instruction)."""
+    paths = _PATHS
+    for path in paths:
+        depth, outer, lasti, via = path
+        try:
+            user = sys._getframe(depth + skip + 1)
+        except ValueError:  # a shallower stack
+            continue
+        if user.f_code is outer and user.f_lasti == lasti:
+            if path is not paths[0]:
+                with contextlib.suppress(ValueError):  # (another thread may have moved it meanwhile)
+                    paths.remove(path)
+                    paths.insert(0, path)
+            return (outer, lasti), via
+    return _walk(skip + 1)
+
+
+_PATHS: list = []  # (depth of the user frame above the recorder's caller, its code, its instruction offset,
+# the front end): the last paths _walk found, the latest first (at most _KEPT_PATHS)
+_KEPT_PATHS = 4
+
+
+def _walk(skip: int) -> tuple[tuple | None, str | None]:
+    """:func:`_raw_site` the long way: along ``f_back`` (and the path remembered)."""
+    frame: FrameType | None = sys._getframe(skip + 1)
+    depth = 0
+    via = None
+    kinds = _CODE_KINDS
+    while frame is not None:
+        code = frame.f_code
+        # keyed by the code object's id, not the object: hashing a code object hashes its constants and
+        # names each time (up to a microsecond for a large function); the entry holds the object itself,
+        # so its id cannot be reused while the entry exists
+        kind = kinds.get(id(code))
+        if kind is None or kind[2] is not code:  # once per function: is it the library's, which front end
+            module = frame.f_globals.get("__name__", "")
+            kind = (is_library(module), _FRONT_ENDS.get(module), code)
+            if len(kinds) < 65536:  # bounded: code objects of functions that come and go (exec, lambdas)
+                kinds[id(code)] = kind
+        if not kind[0]:
+            lasti = frame.f_lasti
+            _PATHS.insert(0, (depth, code, lasti, via))
+            del _PATHS[_KEPT_PATHS:]
+            return (code, lasti), via
+        if via is None:
+            via = kind[1]
+        frame = frame.f_back
+        depth += 1
+    return None, via
+
+
+_CODE_KINDS: dict = {}  # id(code object) -> (is the library's, front end or None, the code object): call_site's memo
