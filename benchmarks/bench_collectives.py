@@ -295,6 +295,10 @@ def cores_probe(raw):
     if raw.Get_rank() == 0 and shutil.which("cc") and len(os.sched_getaffinity(0)) >= 2:
         built = subprocess.run(["cc", "-O2", "-pthread", "-o", binary, source], capture_output=True)
         ok = int(built.returncode == 0)
+        if ok:
+            import atexit
+
+            atexit.register(lambda: os.path.exists(binary) and os.remove(binary))  # (built per job)
     from mpi4py import MPI
 
     nodes = raw.Split_type(MPI.COMM_TYPE_SHARED)

@@ -281,7 +281,6 @@ class Buckets:
                 entries.append((index, name, g, p))
                 index += 1
         size = comm.size
-        self.slots: list[_Slot] = []
         narrow = self.compression
         backward = entries[::-1]  # the order backward produces the gradients, about
         nbytes = [p.numel() * p.element_size() for _, _, _, p in backward]
@@ -301,7 +300,7 @@ class Buckets:
                 b.last = order
                 slots[order] = s
             buckets.append(b)
-        self.slots = [slots[order] for order in range(len(backward))]  # (in backward's order)
+        self.slots: list[_Slot] = [slots[order] for order in range(len(backward))]  # (in backward's order)
         buckets.sort(key=lambda b: b.last)  # they leave in the order backward completes them
         self.buckets = buckets
         self.by_index = {s.index: s for s in self.slots}

@@ -25,7 +25,7 @@ LAYERS = {
     # 2: reduction rules
     "_reduction": 2, "_reproducible": 2,
     # 3: trees and buckets
-    "_buckets": 3, "_tree": 3, "_timeline": 3,
+    "_buckets": 3, "_tree": 3, "_structure": 3, "_timeline": 3,
     # 4: the call engine (the package _comm): the Communicator, init and the public functions
     "_comm": 4, "_comm.steps": 4, "_comm.record": 4, "_comm.validate": 4, "_comm.rules": 4, "_comm.summing": 4,
     "_comm.call": 4, "_comm.reductions": 4, "_comm.movement": 4, "_comm.p2p": 4, "_comm.objects": 4,
@@ -51,7 +51,7 @@ TRANSPORT_IMPORTS = {
     "_backends._libnccl": set(),
     "_backends": set(),
 }
-WITHIN_TREES = {"_tree": {"_buckets"}, "_buckets": set()}
+WITHIN_TREES = {"_tree": {"_buckets", "_structure"}, "_buckets": set(), "_structure": set()}
 # within the call engine: who may import whom, from the bottom (the steps' vocabulary) to the top (the
 # functions, then the package's re-exports)
 WITHIN_COMM = {

@@ -24,7 +24,6 @@ KNOWN = {
     "torch_backend.py:ProcessGroupCollectives": 453,
     "_overlap.py": 1031,
     "_overlap.py:Buckets": 468,
-    "_tree.py": 944,
     "_optim.py": 861,
     "_optim.py:TorchDistributedOptimizer": 467,
 }
