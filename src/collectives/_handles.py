@@ -24,8 +24,9 @@ from ._poll import poll
 from ._threads import enter, leave, refuse
 
 
-ABANDONED: list = []  # (request, steps) of handles that failed with a transfer in flight (a timeout, a failed
-# communicator): kept to the end of the process, since MPI may still write into their buffers
+ABANDONED: list = []  # what a failure left in flight, kept to the end of the process since MPI may still write
+# into its buffers: (request, steps) of handles that failed or that close() could not complete, and the
+# transports' requests (HostTransport.abandon)
 
 
 class Handle:

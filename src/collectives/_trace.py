@@ -50,7 +50,7 @@ import traceback
 import weakref
 
 from . import _config, _trace_torch
-from ._records import Record, call_site, is_library, site_hint, site_of  # noqa: F401 - re-exported: the engine's and front ends' names
+from ._records import Record, call_site, site_hint  # noqa: F401 - re-exported: the engine's and front ends' names
 from ._threads import GUARD as _GUARD
 
 FORMAT = "collectives-trace/1"

@@ -40,11 +40,9 @@ import abc
 import numpy as np
 
 from .._errors import CollectiveError
+from .._handles import ABANDONED  # (the one list of what a failure left in flight, handles' and transports')
 
 _F16 = np.dtype(np.float16)
-
-
-ABANDONED: list = []  # requests a failure left pending, with their buffers (HostTransport.abandon)
 
 
 class Request:
@@ -116,7 +114,7 @@ class HostTransport(abc.ABC):
 
     def abandon(self, request) -> None:
         """Keep ``request``, left pending by a failure, and its buffers to the end of the process
-        (:data:`ABANDONED`; never on the transport, which a closed communicator lets go). A request let go
+        (``_handles.ABANDONED``; never on the transport, which a closed communicator lets go). A request let go
         is freed by mpi4py (``MPI_Request_free`` lets the operation run on): when the late ranks' calls
         arrive, MPI writes into memory the process has reused (it corrupted the heap of 3-rank test runs)."""
         ABANDONED.append(request)

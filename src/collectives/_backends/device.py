@@ -43,7 +43,7 @@ class DeviceTransport(abc.ABC):
     fuses = False
 
     def __init__(self, engine, index: int):
-        self._engine = engine  # checked mode, and the host collectives of its staged paths (Engine.staged)
+        self._engine = engine  # the host collectives of its staged paths (Engine.staged)
         self._host = engine.host
         self.rank, self.size = engine.rank, engine.size
         self.local_rank, self.local_size = engine.local_rank, engine.local_size
