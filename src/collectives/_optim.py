@@ -17,7 +17,7 @@ from ._arrays import is_tracer
 from ._backends import closed as _closed
 from ._comm import _resolve, allreduce_tree
 from ._errors import BackendUnavailableError
-from ._overlap import COMPRESSIONS, MEETING, MISSING_GRADS, amp_step, meeting_named
+from ._gradients import COMPRESSIONS, MEETING, MISSING_GRADS, amp_step, compression_dtype, grad_comm, meeting_named
 from ._tree import WRAPPER_ATTRIBUTE, is_array, map_leaves
 
 if TYPE_CHECKING:  # (imported when reproducible=True is used: it needs torch)
@@ -232,7 +232,7 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
         raise BackendUnavailableError(f"DistributedOptimizer: {_closed.MESSAGE}")
     if hasattr(optimizer, "param_groups") and callable(getattr(optimizer, "step", None)):
         if shard_state:
-            from ._overlap import check_shardable
+            from ._shards import check_shardable
 
             check_shardable(optimizer)
         return TorchDistributedOptimizer(optimizer, op=op, backward_passes_per_step=backward_passes_per_step,
@@ -323,10 +323,10 @@ class TorchDistributedOptimizer:
         from . import _overlap
 
         nbytes = _overlap_bucket_bytes(self.bucket_bytes)
-        return _overlap.Buckets(self.inner, _overlap.grad_comm(self.comm), op=self.op, bucket_bytes=nbytes,
+        return _overlap.Buckets(self.inner, grad_comm(self.comm), op=self.op, bucket_bytes=nbytes,
                                 hooks=self.overlap, views=self.grad_views, missing=self.missing_grads,
                                 shard=self.shard_state, communicating=self.backward_passes_per_step == 1,
-                                compression=_overlap.compression_dtype(self.compression))
+                                compression=compression_dtype(self.compression))
 
     def close(self) -> None:
         """Remove the gradient hooks now (dropping the wrapper does it too). Not collective.
@@ -644,7 +644,7 @@ class TorchDistributedOptimizer:
     def _meet(self, what: str) -> None:
         """Wait until every rank has called ``what`` (a collective of ``shard_state=True``), before any of
         its transfers: a non-blocking one-byte broadcast on the gradient communicator, described as the
-        meeting (``_overlap.MEETING``), polled. The rank-0-only checkpoint of Horovod is what this catches: the other
+        meeting (``_gradients.MEETING``), polled. The rank-0-only checkpoint of Horovod is what this catches: the other
         ranks are then in their next step's gradient collectives on that communicator, whose fingerprint
         (beside every non-blocking call) differs from the meeting's, so every rank raises MismatchError
         naming the fix (:meth:`_told_apart`). Ranks that are elsewhere (not in a gradient collective): after
@@ -689,7 +689,7 @@ class TorchDistributedOptimizer:
             handle.wait()
 
     def _told_apart(self):
-        """:func:`_overlap.meeting_named` where the state is sharded (else nothing to tell apart)."""
+        """:func:`_gradients.meeting_named` where the state is sharded (else nothing to tell apart)."""
         return meeting_named() if self.shard_state else contextlib.nullcontext()
 
     def load_state_dict(self, state_dict: dict) -> None:

@@ -38,11 +38,7 @@
   everywhere is skipped (its ``.grad`` stays ``None``); one without gradient on some ranks only is a
   :class:`MismatchError` naming it on every rank (raised by ``step()``), or, with
   ``missing_grads="zero"``, those ranks contribute zeros;
-- **sharded state** (:class:`Shards`): every parameter starts at a multiple of ``ALIGN`` elements of its
-  bucket, every bucket is padded to a multiple of ``ALIGN`` times the number of ranks and rank r owns the
-  r-th block of each; after the reduce-scatter every rank steps, with an optimizer of the user's class and
-  hyper-parameters, its pieces of the parameters, each a view of one flat tensor per (group, dtype,
-  device) that holds its blocks, and the parameters come back by one allgather per bucket.
+- **sharded state**: ``_shards.Shards`` (its module docstring).
 
 - **rounds**: a backward pass after a round completed (before ``step()``) starts a new round over ``.grad`` as
   torch accumulated it (as DDP reduces every backward pass); the first hook of a round checks that the
@@ -62,11 +58,8 @@ that another rank has not sent yet.
 
 from __future__ import annotations
 
-import contextlib
-import sys
 import threading
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -74,90 +67,12 @@ import numpy as np
 from . import _agree, _call
 from ._comm import engine_of
 from ._buckets import assign, solo_bytes
-from ._errors import CollectiveError, MismatchError, NonFiniteError
+from ._errors import MismatchError, NonFiniteError
+from ._gradients import COMPRESSIBLE, amp_step, describe, meeting_named, missing_report, torch_module as _torch
 from ._handles import Handle
-
-MISSING_GRADS = ("error", "zero")
-
-# The torch optimizers whose update of an element depends only on that element's own gradient and state
-# (and on scalars: the step count, the hyper-parameters): stepping a flat shard of the parameters gives
-# every element what stepping the parameters would.
-# With sharded state every parameter starts at a multiple of ALIGN elements of its bucket and every rank's
-# block is a multiple of ALIGN long, so each piece of a parameter that a rank steps begins at a multiple of
-# ALIGN of the parameter and ends at one or at the parameter's end. Stepped as a tensor of its own, a piece
-# then has its vector body and scalar tail where the whole parameter has them (CPU kernels compute the
-# last numel % width elements with scalar code, which rounds differently in some kernels: fused Adam):
-# 64 elements is a multiple of every vector width (16 float32, 32 bfloat16 with AVX-512) and cache line.
-ALIGN = 64
-
-ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop", "Rprop", "NAdam", "RAdam",
-               "ASGD")
+from ._shards import ALIGN, Shards
 
 _MAIN = threading.main_thread()
-
-# The layout the one-byte meeting of a sharded optimizer's state_dict()/add_param_group() is described with
-# (_call.naming): the gradient buckets of ranks that went on meet it on the gradient communicator, and the
-# fingerprint's MismatchError names this code (see meeting_named).
-MEETING = _call.structure_code("DistributedOptimizer", "state_dict meeting")
-
-
-@contextlib.contextmanager
-def meeting_named():
-    """Raise a CollectiveError of the gradient communicator that names :data:`MEETING` (the fingerprint's
-    mismatch, or a later call's "unusable" that quotes it) again as the MismatchError that says what
-    happened: some ranks met in ``state_dict()``/``add_param_group()`` while the others went on to their
-    next step's gradient collectives (Horovod's rank-0 checkpoint with sharded state). Every rank raises
-    it: the meeting's ranks there, the others in backward's buckets or ``step()``."""
-    try:
-        yield
-    except CollectiveError as exc:
-        if f"{MEETING:#x}" in str(exc):
-            raise MismatchError(
-                "DistributedOptimizer(shard_state=True): some ranks called state_dict() or add_param_group(), "
-                "which are collective (every rank must call them), while the others went on to their next "
-                "step's gradient collectives. Horovod's rank-0 checkpoint (`if rank == 0: "
-                "torch.save(opt.state_dict())`) cannot work with sharded state: call `sd = opt.state_dict()` on "
-                "every rank, then save `sd` on rank 0 only. The optimizer's communicator is failed for good "
-                f"(end the job). ({exc})") from exc
-        raise
-
-
-def grad_comm(comm):
-    """The communicator the gradient collectives of ``comm``'s optimizers run on: one ``split`` of it,
-    made on first use (collective: every rank makes its first DistributedOptimizer on ``comm`` together)
-    and shared by every optimizer on ``comm`` after that. One rank: ``comm`` itself."""
-    if comm.size == 1:
-        return comm
-    return engine_of(comm).derived("gradients", lambda: comm.split(0, comm.rank))  # closed with comm
-
-
-def _torch():
-    return sys.modules["torch"]
-
-
-def COMPRESSIBLE() -> tuple:
-    """The gradient dtypes compression narrows (wider than the narrow types)."""
-    torch = _torch()
-    return (torch.float32, torch.float64)
-
-
-COMPRESSIONS = ("fp16", "bf16")
-
-
-def compression_dtype(name):
-    """The torch dtype of a ``compression`` name (``None``: none)."""
-    if name is None:
-        return None
-    torch = _torch()
-    return {"fp16": torch.float16, "bf16": torch.bfloat16}[name]
-
-
-def _desc(p) -> str:
-    return f"{str(p.dtype).replace('torch.', '')} {tuple(p.shape)}"
-
-
-def _ranks(ranks: list[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(map(str, ranks))
 
 
 class _Slot:
@@ -211,6 +126,15 @@ class _Bucket:
         self.blocking = False  # reduced by the blocking allreduce when it leaves (see Buckets._reduce)
         self.structure = 0  # the agreed layout and this bucket's place in it (_call.structure_code)
 
+    def buffer(self):
+        """The bucket's flat buffer (and its slots' views of it), made on first use."""
+        if self.flat is None:
+            torch = _torch()
+            self.flat = torch.zeros(max(self.padded, 1), dtype=self.key[1], device=self.key[2])[:self.padded]
+            for s in self.slots:
+                s.view = self.flat[s.offset:s.offset + s.numel].view(s.param.shape)
+        return self.flat
+
 
 def _remove_hooks(handles: list) -> None:
     for h in handles:
@@ -237,6 +161,62 @@ def _make_hook(ref, index: int):
         if engine is not None:
             engine.ready(index)
     return hook
+
+
+def lay_out(inner, comm, *, op: str, bucket_bytes: int, shard: bool, narrow) -> tuple[list[_Bucket], list[_Slot]]:
+    """The buckets (in the order they leave) and slots (in backward's order) of ``inner``'s parameters as they
+    are now (their dtype, device and shape), agreed by every rank (collective)."""
+    entries = []
+    index = 0
+    for g, group in enumerate(inner.param_groups):
+        names = group.get("param_names")
+        for i, p in enumerate(group["params"]):
+            name = f"['param_groups'][{g}][{i}]" + (f" ({names[i]})" if names and i < len(names) else "")
+            entries.append((index, name, g, p))
+            index += 1
+    size = comm.size
+    backward = entries[::-1]  # the order backward produces the gradients, about
+    nbytes = [p.numel() * p.element_size() for _, _, _, p in backward]
+    sharded = [-(-n // (ALIGN * p.element_size())) * ALIGN * p.element_size() for n, (*_, p) in
+               zip(nbytes, backward)] if shard else nbytes  # sharded: each slot at a multiple of ALIGN
+    buckets: list[_Bucket] = []
+    slots: dict[int, _Slot] = {}
+    for key, members, _ in assign([(g, p.dtype, p.device) for _, _, g, p in backward], nbytes, sharded,
+                                  bucket_bytes, solo_bytes(bucket_bytes) if not (shard or narrow) else None,
+                                  runs=True):
+        b = _Bucket(key, backward[members[0]][2])  # (its param group); a solo one is reduced in its .grad
+        for order in members:
+            index, name, _, p = backward[order]
+            s = _Slot(index, name, p, b, -(-b.numel // ALIGN) * ALIGN if shard else b.numel)
+            b.slots.append(s)
+            b.numel = s.offset + s.numel
+            b.last = order
+            slots[order] = s
+        buckets.append(b)
+    ordered = [slots[order] for order in range(len(backward))]  # (in backward's order)
+    buckets.sort(key=lambda b: b.last)  # they leave in the order backward completes them
+    callers_cpus = engine_of(comm).reduces_on_the_callers_cpus()  # every rank on one node
+    for b in buckets:
+        b.narrow = narrow if narrow is not None and b.key[1] in COMPRESSIBLE() else None
+        unit = size * ALIGN if shard else size  # sharded: every rank's block a multiple of ALIGN
+        b.padded = -(-b.numel // unit) * unit if shard or b.narrow is not None else b.numel
+        b.solo = not shard and b.narrow is None and len(b.slots) == 1
+        b.blocking = not shard and b.narrow is None and (b is buckets[-1] or (b.key[2].type == "cpu" and callers_cpus))
+        if not b.solo:  # a solo parameter's buffer is made only if ever needed (see _leave)
+            b.buffer()
+    # The ranks agree on the layout once, here (collective: every rank makes its optimizer together), as
+    # allreduce_tree agrees on every tree: ranks whose models differ raise MismatchError on every rank
+    # instead of reducing each other's unrelated gradients.
+    where = {id(b): i for i, b in enumerate(buckets)}
+    layout = tuple((s.name, f"{describe(s.param)} {s.param.device.type} in bucket {where[id(s.bucket)]}")
+                   for s in ordered)
+    header = (("op", op), ("bucket_bytes", int(bucket_bytes)), ("shard_state", bool(shard)),
+              ("compression", str(narrow)))
+    _agree.agree(engine_of(comm).host, "DistributedOptimizer", header, layout, checked=False)
+    digest = _agree.fingerprint("DistributedOptimizer", header, layout).hex()
+    for i, b in enumerate(buckets):  # what the fingerprint beside each bucket's transfer names (_call)
+        b.structure = _call.structure_code(digest, i)
+    return buckets, ordered
 
 
 class Buckets:
@@ -269,62 +249,10 @@ class Buckets:
         self._reset()
 
     def _layout(self) -> None:
-        """The buckets and slots of the parameters as they are now (their dtype, device and shape), agreed
-        by every rank (collective)."""
-        comm, op, bucket_bytes, shard, inner = self.comm, self.op, self.bucket_bytes, self.shard, self.inner
-        entries = []
-        index = 0
-        for g, group in enumerate(inner.param_groups):
-            names = group.get("param_names")
-            for i, p in enumerate(group["params"]):
-                name = f"['param_groups'][{g}][{i}]" + (f" ({names[i]})" if names and i < len(names) else "")
-                entries.append((index, name, g, p))
-                index += 1
-        size = comm.size
-        narrow = self.compression
-        backward = entries[::-1]  # the order backward produces the gradients, about
-        nbytes = [p.numel() * p.element_size() for _, _, _, p in backward]
-        sharded = [-(-n // (ALIGN * p.element_size())) * ALIGN * p.element_size() for n, (*_, p) in
-                   zip(nbytes, backward)] if shard else nbytes  # sharded: each slot at a multiple of ALIGN
-        buckets: list[_Bucket] = []
-        slots: dict[int, _Slot] = {}
-        for key, members, _ in assign([(g, p.dtype, p.device) for _, _, g, p in backward], nbytes, sharded,
-                                      bucket_bytes, solo_bytes(bucket_bytes) if not (shard or narrow) else None,
-                                      runs=True):
-            b = _Bucket(key, backward[members[0]][2])  # (its param group); a solo one is reduced in its .grad
-            for order in members:
-                index, name, _, p = backward[order]
-                s = _Slot(index, name, p, b, -(-b.numel // ALIGN) * ALIGN if shard else b.numel)
-                b.slots.append(s)
-                b.numel = s.offset + s.numel
-                b.last = order
-                slots[order] = s
-            buckets.append(b)
-        self.slots: list[_Slot] = [slots[order] for order in range(len(backward))]  # (in backward's order)
-        buckets.sort(key=lambda b: b.last)  # they leave in the order backward completes them
-        self.buckets = buckets
+        """The buckets and slots of the parameters as they are now (:func:`lay_out`: collective)."""
+        self.buckets, self.slots = lay_out(self.inner, self.comm, op=self.op, bucket_bytes=self.bucket_bytes,
+                                           shard=self.shard, narrow=self.compression)
         self.by_index = {s.index: s for s in self.slots}
-        callers_cpus = engine_of(comm).reduces_on_the_callers_cpus()  # every rank on one node
-        for b in buckets:
-            b.narrow = narrow if narrow is not None and b.key[1] in COMPRESSIBLE() else None
-            unit = size * ALIGN if shard else size  # sharded: every rank's block a multiple of ALIGN
-            b.padded = -(-b.numel // unit) * unit if shard or b.narrow is not None else b.numel
-            b.solo = not shard and b.narrow is None and len(b.slots) == 1
-            b.blocking = not shard and b.narrow is None and (b is buckets[-1] or (b.key[2].type == "cpu" and callers_cpus))
-            if not b.solo:  # a solo parameter's buffer is made only if ever needed (see _leave)
-                self._flat(b)
-        # The ranks agree on the layout once, here (collective: every rank makes its optimizer together), as
-        # allreduce_tree agrees on every tree: ranks whose models differ raise MismatchError on every rank
-        # instead of reducing each other's unrelated gradients.
-        where = {id(b): i for i, b in enumerate(buckets)}
-        layout = tuple((s.name, f"{_desc(s.param)} {s.param.device.type} in bucket {where[id(s.bucket)]}")
-                       for s in self.slots)
-        header = (("op", op), ("bucket_bytes", int(bucket_bytes)), ("shard_state", bool(shard)),
-                  ("compression", str(narrow)))
-        _agree.agree(engine_of(comm).host, "DistributedOptimizer", header, layout, checked=False)
-        digest = _agree.fingerprint("DistributedOptimizer", header, layout).hex()
-        for i, b in enumerate(buckets):  # what the fingerprint beside each bucket's transfer names (_call)
-            b.structure = _call.structure_code(digest, i)
         self.shapes = [(s.param, s.param.dtype, s.param.device, s.param.shape) for s in self.slots]
 
     def _stale(self) -> bool:
@@ -361,16 +289,6 @@ class Buckets:
     def close(self) -> None:
         """Remove the hooks now."""
         self._finalizer()
-
-    @staticmethod
-    def _flat(b: _Bucket):
-        """The bucket's flat buffer (and its slots' views of it), made on first use."""
-        if b.flat is None:
-            torch = _torch()
-            b.flat = torch.zeros(max(b.padded, 1), dtype=b.key[1], device=b.key[2])[:b.padded]
-            for s in b.slots:
-                s.view = b.flat[s.offset:s.offset + s.numel].view(s.param.shape)
-        return b.flat
 
     # ---- rounds: one reduction of the gradients ----
     def _reset(self) -> None:
@@ -506,7 +424,7 @@ class Buckets:
                 s.inplace = True
                 self._reduce(b, g)
                 return
-        flat = self._flat(b)
+        flat = b.buffer()
         with torch.no_grad():
             for s in b.slots:
                 g = s.param.grad
@@ -664,31 +582,13 @@ class Buckets:
         return not any(r() is not None and id(r()) in now for r in self.left)
 
     def _settle_missing(self) -> set:
-        """Some rank lacks some gradient: who lacks which (one object allgather, every rank takes this
-        branch together). Returns the indices of the parameters skipped (no gradient anywhere)."""
-        mine = [s.index for s in self.slots if s.missing]
-        lists = self.comm.allgather_object(mine)
-        size = self.comm.size
-        lacking: dict[int, list[int]] = {}
-        for r, indices in enumerate(lists):
-            for i in indices:
-                lacking.setdefault(i, []).append(r)
-        partial = {i: rs for i, rs in lacking.items() if len(rs) < size}
-        if partial and self.missing_mode == "error":
-            lines = []
-            for i in sorted(partial):
-                s = self.by_index[i]
-                have = [r for r in range(size) if r not in partial[i]]
-                verb_have = "has" if len(have) == 1 else "have"
-                verb_none = "has" if len(partial[i]) == 1 else "have"
-                lines.append(f"{s.name}: {_ranks(have)} {verb_have} {_desc(s.param)}, "
-                             f"{_ranks(partial[i])} {verb_none} None")
+        """Some rank lacks some gradient (:func:`_gradients.missing_report`, every rank together): give zeros
+        where ``missing_grads="zero"``; returns the indices of the parameters skipped (none anywhere)."""
+        try:
+            partial, skipped = missing_report(self.comm, self.slots, self.missing_mode)
+        except MismatchError:
             self._reset()
-            raise MismatchError(
-                "DistributedOptimizer: gradients missing on some ranks only (a parameter this backward pass "
-                "did not reach there): " + "; ".join(lines) + ". Nothing was updated. A model whose graph "
-                "differs between ranks needs DistributedOptimizer(opt, missing_grads=\"zero\") (the ranks "
-                "without a gradient contribute zeros)")
+            raise
         torch = _torch()
         with torch.no_grad():
             for i in partial:  # missing_grads="zero": this rank contributed zeros; it gets the reduction
@@ -696,7 +596,7 @@ class Buckets:
                 if s.missing and self.shards is None:
                     s.param.grad = s.view if self.views else s.view.clone()
                 s.missing = False
-        return {i for i, rs in lacking.items() if len(rs) == size}
+        return skipped
 
     def step(self, closure=None, amp=None):
         """The inner step over the reduced gradients (:meth:`finish` done), or the sharded step; ``amp``:
@@ -706,325 +606,3 @@ class Buckets:
         if closure is not None:
             return self.inner.step(closure)
         return amp_step(self.inner, amp, lambda: [s.param.grad for s in self.slots if s.param.grad is not None])
-
-
-def amp_step(opt, amp, grads_of: Callable, step: Callable | None = None):
-    """``opt.step()`` as torch.amp.GradScaler would run it on a plain optimizer whose gradients are what
-    ``grads_of()`` gives (the averaged ones: the same on every rank, so every rank decides alike).
-
-    An optimizer that unscales itself (fused Adam: ``_step_supports_amp_scaling``) gets ``grad_scale`` and
-    ``found_inf`` as the scaler hands them; for any other, the gradients are unscaled with the scaler's own
-    reciprocal and kernel (unless ``scaler.unscale_`` did it), and the step is skipped when ``found_inf``
-    is set. ``step`` replaces ``opt.step`` (the sharded step, which also gathers the parameters)."""
-    run = opt.step if step is None else step
-    if amp is None:
-        return run()
-    torch = _torch()
-    scale, found_inf = amp
-    if getattr(opt, "_step_supports_amp_scaling", False):
-        opt.grad_scale, opt.found_inf = scale, found_inf
-        try:
-            return run()
-        finally:
-            del opt.grad_scale, opt.found_inf
-    if scale is not None:
-        inv = scale.double().reciprocal().float()  # GradScaler.unscale_'s reciprocal, in float64
-        groups: dict = {}
-        for g in grads_of():
-            groups.setdefault((g.device, g.dtype), []).append(g)
-        with torch.no_grad():
-            for (device, _), grads in groups.items():
-                flag = torch.zeros((), dtype=torch.float32, device=device)
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv.to(device))
-    if found_inf.item():
-        return None
-    return run()
-
-
-# ---------------------------------------------------------------------------------------------------------
-# sharded optimizer state
-
-
-def check_shardable(inner) -> None:
-    """TypeError unless ``inner`` is one of the element-wise torch optimizers (before anything is made)."""
-    name = type(inner).__name__
-    if not (type(inner).__module__.startswith("torch.optim") and name in ELEMENTWISE):
-        raise TypeError(
-            f"shard_state=True needs an element-wise optimizer (each element's update depends only on its "
-            f"own gradient and state): torch.optim's {', '.join(ELEMENTWISE)}; got "
-            f"{type(inner).__module__}.{type(inner).__qualname__}. Use shard_state=False for it")
-
-
-class Shards:
-    """Sharded optimizer state over the flat buckets of a :class:`Buckets` (see the module docstring).
-
-    Rank r owns elements ``r * c .. (r + 1) * c`` of every bucket (``c = padded / size``). Its shard
-    tensors, one per (parameter group, dtype, device), hold its blocks of all the group's buckets one after
-    the other (and their gradients); ``opt`` is an optimizer of the inner optimizer's class over the
-    *pieces* of parameters in them (a view of the shard tensor per parameter piece, so that each is stepped
-    as a tensor of its own: see ``ALIGN``), one param group per shard tensor, with the hyper-parameters of
-    the inner group (copied before every step, so LR schedulers given ``inner`` work).
-    """
-
-    def __init__(self, engine: Buckets):
-        torch = _torch()
-        inner = engine.inner
-        check_shardable(inner)
-        self.engine = engine
-        comm = engine.comm
-        self.size, self.rank = comm.size, comm.rank
-        self.tensors = []  # shard tensors, one per (group, dtype, device)
-        self.groups: list = []  # the inner group index of each shard tensor
-        keyed: dict = {}
-        for b in engine.buckets:
-            c = b.padded // self.size
-            b.lo = self.rank * c
-            k = keyed.get(b.key)
-            if k is None:
-                k = keyed[b.key] = len(self.groups)
-                self.groups.append((b.group, b.key, []))
-            _, _, members = self.groups[k]
-            b.shard_off = sum(m.padded // self.size for m in members)
-            b.shard_k = k
-            members.append(b)
-        self.skipped: set = set()  # this round's parameters without gradient on every rank
-        self.from_grads = False  # average_gradients() put the reduction back into .grad
-        self.pieces = []  # (shard tensor index, position in it, slot, start in the parameter, count)
-        for k, (_, key, members) in enumerate(self.groups):
-            n = sum(b.padded // self.size for b in members)
-            t = torch.zeros(n, dtype=key[1], device=key[2])
-            t.grad = torch.zeros_like(t)
-            self.tensors.append(t)
-            for b in members:
-                c = b.padded // self.size
-                lo, hi = b.lo, b.lo + c
-                for s in b.slots:
-                    a, z = max(s.offset, lo), min(s.offset + s.numel, hi)
-                    if a < z:
-                        self.pieces.append((k, b.shard_off + a - lo, s, a - s.offset, z - a))
-        self.params = []  # per piece: the view of its shard tensor that the shard optimizer steps
-        for k, pos, _, _, n in self.pieces:
-            v = self.tensors[k][pos:pos + n]
-            v.grad = self.tensors[k].grad[pos:pos + n]
-            self.params.append(v)
-        groups = []
-        for k, (g, _, _) in enumerate(self.groups):
-            hyper = {key: v for key, v in inner.param_groups[g].items() if key not in ("params", "param_names")}
-            groups.append({"params": [v for v, piece in zip(self.params, self.pieces) if piece[0] == k], **hyper})
-        if not self.params and groups:  # every block of this rank is padding: an empty piece, so that the
-            empty = self.tensors[0][:0]  # optimizer can be made (torch refuses one without parameters)
-            empty.grad = self.tensors[0].grad[:0]
-            groups[0]["params"] = [empty]
-        cls = type(inner)
-        try:
-            self.opt = cls(groups, **inner.defaults)
-        except TypeError:
-            self.opt = cls(groups)
-        if inner.state:  # state held before wrapping (or made at construction, as Adagrad's): sharded
-            self.load_full(inner.state_dict())
-
-    def _sync_hyper(self) -> None:
-        inner_groups = self.engine.inner.param_groups
-        for k, (g, _, _) in enumerate(self.groups):
-            mine = self.opt.param_groups[k]
-            for key, v in inner_groups[g].items():
-                if key not in ("params", "param_names"):
-                    mine[key] = v
-
-    def take_gradients(self, skipped: set) -> None:
-        """After the reduce-scatter: this rank's blocks into the shard gradients."""
-        torch = _torch()
-        self.skipped = skipped
-        with torch.no_grad():
-            for b in self.engine.buckets:
-                c = b.padded // self.size
-                self.tensors[b.shard_k].grad[b.shard_off:b.shard_off + c].copy_(b.block.reshape(-1))
-                b.block = None
-
-    def agree_finite(self) -> None:
-        """The inf/NaN decision alike on every rank (one 8-byte allreduce): GradScaler looks for inf/NaN
-        in ``.grad``, which holds this rank's own gradients, while the step uses the averaged share. When
-        the averaged gradient is not finite on some rank's share, every rank's ``.grad`` gets an inf (in its first
-        element: the sharded step reads its averaged share, never ``.grad``), as the averaged ``.grad`` of DDP
-        would hold one on every rank: every rank's GradScaler then skips the step and backs off alike.
-        (A rank whose own gradients hold an inf or a NaN puts it in the average of some rank's share.)"""
-        if self.size == 1:
-            return
-        torch = _torch()
-        bad = 0
-        for t in self.tensors:
-            g = t.grad
-            # a sum is not finite when an element is not (or when the sum overflows: then look closer)
-            if not bool(torch.isfinite(g.sum())) and not bool(torch.isfinite(g).all()):
-                bad = 1
-                break
-        flag = np.array([bad], np.int64)
-        self.engine.comm.allreduce(flag, "max")
-        if not flag[0]:
-            return
-        with torch.no_grad():
-            for s in self.engine.slots:  # (the sharded step reads its share, never .grad)
-                g = s.param.grad
-                if g is not None and g.numel() and s.index not in self.skipped:
-                    g[(0,) * g.dim()] = float("inf")
-                    return
-
-    def gather_gradients(self) -> None:
-        """average_gradients(): the reduced blocks back into every ``.grad`` (one allgather per bucket);
-        the next step takes this rank's blocks from ``.grad`` again (after the user's clipping)."""
-        torch = _torch()
-        comm = self.engine.comm
-        skipped = self.skipped
-        with torch.no_grad():
-            handles = [comm.allgather(self._grad_block(b), async_op=True) for b in self.engine.buckets]
-            for b, h in zip(self.engine.buckets, handles):
-                b.flat.copy_(h.wait().reshape(-1))
-                for s in b.slots:
-                    if s.index in skipped:
-                        continue
-                    g = s.param.grad
-                    if g is None:
-                        s.param.grad = s.view if self.engine.views else s.view.clone()
-                    elif g is not s.view:
-                        g.copy_(s.view)
-        self.from_grads = True
-
-    def _grad_block(self, b):
-        c = b.padded // self.size
-        return self.tensors[b.shard_k].grad[b.shard_off:b.shard_off + c]
-
-    def step(self, closure=None, amp=None):
-        torch = _torch()
-        if amp is not None and amp[0] is None and not self.from_grads:
-            raise RuntimeError(
-                "DistributedOptimizer(shard_state=True): scaler.unscale_(opt) unscaled .grad, which holds this "
-                "rank's own gradients, not the averaged share the sharded step uses. Call "
-                "opt.average_gradients() before scaler.unscale_(opt) (it gathers the average into .grad, for "
-                "clipping), or leave the unscaling to scaler.step(opt)")
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._sync_hyper()
-        skipped = self.skipped
-        with torch.no_grad():
-            if self.from_grads:  # average_gradients() gathered them; the user may have changed .grad since
-                for b in self.engine.buckets:
-                    for s in b.slots:
-                        g = s.param.grad
-                        if g is not None and g is not s.view:
-                            s.view.copy_(g)
-                    self._grad_block(b).copy_(b.flat[b.lo:b.lo + b.padded // self.size])
-                self.from_grads = False
-            for k, pos, s, start, n in self.pieces:  # the parameters' current values (the user may have set them)
-                self.tensors[k][pos:pos + n].copy_(s.param.detach().reshape(-1)[start:start + n])
-        # a parameter without gradient anywhere is left as it is, state included (as the unsharded optimizer
-        # leaves a parameter whose .grad is None): its pieces have none in this step
-        dropped = [(v, v.grad) for v, piece in zip(self.params, self.pieces) if piece[2].index in skipped]
-        for v, _ in dropped:
-            v.grad = None
-        try:
-            amp_step(self.opt, amp, lambda: [t.grad for t in self.tensors], step=self._step_and_gather)
-        finally:
-            for v, g in dropped:
-                v.grad = g
-        self.skipped = set()
-        return loss
-
-    def _step_and_gather(self) -> None:
-        """The shard optimizer's step, then the parameters back from every rank's share (one allgather per
-        bucket)."""
-        torch = _torch()
-        skipped = self.skipped
-        self.opt.step()
-        self.engine.inner._opt_called = True  # an LR scheduler given inner: its step() counts as stepped
-        with torch.no_grad():
-            for s in self.engine.slots:
-                if s.index not in skipped:
-                    s.stepped = True
-            comm = self.engine.comm
-            handles = []
-            for b in self.engine.buckets:
-                c = b.padded // self.size
-                handles.append(comm.allgather(self.tensors[b.shard_k][b.shard_off:b.shard_off + c], async_op=True))
-            for b, h in zip(self.engine.buckets, handles):
-                full = h.wait().reshape(-1)
-                for s in b.slots:
-                    if s.index not in skipped:
-                        s.param.detach().copy_(full[s.offset:s.offset + s.numel].view(s.param.shape))
-
-    # ---- state dicts ----
-    def full_state(self) -> dict:
-        """The unsharded optimizer's ``state`` (parameter index -> state), on every rank (collective: one
-        object allgather, then one allgather per bucket and element-wise state entry)."""
-        torch = _torch()
-        comm = self.engine.comm
-        # what each parameter's state holds, in its order: an element-wise entry by its dtype, any other
-        # (the step count) by its value, from this rank's first piece of it; every rank's, merged
-        mine: dict = {}
-        for v, (_, _, s, _, _) in zip(self.params, self.pieces):
-            state = self.opt.state.get(v)
-            if state and s.index not in mine:
-                mine[s.index] = [(name, ("elementwise", str(x.dtype)) if _elementwise(name, x, v) else ("value", x))
-                                 for name, x in state.items()]  # (values are cloned into the result below)
-        entries: dict = {}
-        for theirs in comm.allgather_object(mine):
-            for index, items in theirs.items():
-                entries.setdefault(index, items)
-        out: dict = {}
-        for b in self.engine.buckets:
-            c = b.padded // self.size
-            names: dict = {}
-            for s in b.slots:
-                for name, (kind, what) in entries.get(s.index, ()):
-                    if kind == "elementwise":
-                        names.setdefault(name, getattr(torch, what.split(".")[-1]))
-            here = [(self.opt.state.get(v, {}), pos - b.shard_off, n)
-                    for v, (_, pos, s, _, n) in zip(self.params, self.pieces) if s.bucket is b]
-            gathered = {}
-            for name, dtype in names.items():
-                block = torch.zeros(c, dtype=dtype, device=b.key[2])
-                for state, at, n in here:
-                    if name in state:
-                        block[at:at + n].copy_(state[name])
-                gathered[name] = comm.allgather(block).reshape(-1)
-            for s in b.slots:
-                if not s.stepped or s.index not in entries:
-                    continue
-                out[s.index] = {
-                    name: gathered[name][s.offset:s.offset + s.numel].view(s.param.shape).clone()
-                    if kind == "elementwise" else (what.clone() if torch.is_tensor(what) else what)
-                    for name, (kind, what) in entries[s.index]}
-        return out
-
-    def load_full(self, state_dict: dict) -> None:
-        """Take this rank's pieces of an unsharded ``state_dict`` (the inner optimizer's format)."""
-        torch = _torch()
-        inner = self.engine.inner
-        inner.load_state_dict(state_dict)  # ids, hyper-parameters, dtype and device casts: torch's own rules
-        params = [p for group in inner.param_groups for p in group["params"]]
-        full = {i: inner.state[p] for i, p in enumerate(params) if p in inner.state}
-        for s in self.engine.slots:
-            s.stepped = s.index in full
-        self.opt.state.clear()
-        with torch.no_grad():
-            for v, (_, _, s, start, n) in zip(self.params, self.pieces):
-                entry = full.get(s.index)
-                if entry is None:
-                    continue
-                self.opt.state[v] = {
-                    name: x.reshape(-1)[start:start + n].clone() if _elementwise(name, x, s.param) else
-                    (x.clone() if torch.is_tensor(x) else x) for name, x in entry.items()}
-        inner.state.clear()  # the full state is not kept: this rank's pieces are
-
-    def state_bytes(self) -> int:
-        """Bytes of tensors in this rank's shard optimizer state."""
-        torch = _torch()
-        return sum(v.numel() * v.element_size() for st in self.opt.state.values() for v in st.values()
-                   if torch.is_tensor(v))
-
-
-def _elementwise(name: str, v, param) -> bool:
-    """Whether a per-parameter state entry is element-wise (one value per element of the parameter)."""
-    torch = _torch()
-    return name != "step" and torch.is_tensor(v) and v.shape == param.shape

@@ -32,7 +32,7 @@ LAYERS = {
     "_comm.split": 4, "_comm.trees": 4, "_comm.engine": 4, "_comm.communicator": 4, "_comm.functions": 4,
     "_failure": 0,
     # 5: what stands on the public functions
-    "_shard": 5, "_optim": 5, "_overlap": 5, "_units": 5, "__init__": 6, "_bench": 6, "_tracetool": 6, "__main__": 6, "torch_backend": 6, "jax": 6,
+    "_shard": 5, "_optim": 5, "_overlap": 5, "_gradients": 5, "_shards": 5, "_units": 5, "__init__": 6, "_bench": 6, "_tracetool": 6, "__main__": 6, "torch_backend": 6, "jax": 6,
 }
 # within the transport layer: who may import whom (the factory knows every transport; the others know only
 # their bases and the shared memory allreduce)

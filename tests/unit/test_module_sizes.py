@@ -22,8 +22,6 @@ KNOWN = {
     "_backends/mpi.py:MPITransport": 938,
     "torch_backend.py": 1140,
     "torch_backend.py:ProcessGroupCollectives": 453,
-    "_overlap.py": 1031,
-    "_overlap.py:Buckets": 468,
     "_optim.py": 861,
     "_optim.py:TorchDistributedOptimizer": 467,
 }
