@@ -121,10 +121,21 @@ def is_library(module: str) -> bool:
     return module == "collectives" or module == "torch" or module.startswith(_LIBRARY_PREFIXES)
 
 
-# The front ends a call can come through, named in its record's path (the innermost one found).
+# The front ends a call can come through, named in its record's path (the innermost one found): a module
+# or a package (every module of the package ``collectives.torch_backend`` is the torch backend's).
 _FRONT_ENDS = {"collectives._overlap": "DistributedOptimizer gradient bucket", "collectives._optim":
                "DistributedOptimizer", "collectives.torch_backend": "torch.distributed backend",
                "collectives._tree": "tree", "collectives._shard": "shard"}
+
+
+def _front_end(module: str) -> str | None:
+    """The front end of ``module`` (``_FRONT_ENDS``: the module's own entry, else its package's), or None."""
+    while module:
+        via = _FRONT_ENDS.get(module)
+        if via is not None:
+            return via
+        module = module.rpartition(".")[0]
+    return None
 
 
 # site_hint(): the (site, front end) the records made on this thread stand for while it is set: a
@@ -224,7 +235,7 @@ def _walk(skip: int) -> tuple[tuple | None, str | None]:
         kind = kinds.get(id(code))
         if kind is None or kind[2] is not code:  # once per function: is it the library's, which front end
             module = frame.f_globals.get("__name__", "")
-            kind = (is_library(module), _FRONT_ENDS.get(module), code)
+            kind = (is_library(module), _front_end(module), code)
             if len(kinds) < 65536:  # bounded: code objects of functions that come and go (exec, lambdas)
                 kinds[id(code)] = kind
         if not kind[0]:

@@ -321,3 +321,16 @@ def test_the_distribution_name_is_pyprojects():
     if not pyproject.exists():
         pytest.skip("no pyproject.toml beside the tests")
     assert re.search(r'^name = "([^"]+)"$', pyproject.read_text(), re.M).group(1) == DISTRIBUTION
+
+
+def test_every_module_of_a_front_ends_package_is_that_front_end():
+    """The flight recorder names the front end a call came through (its record's path) by the modules of
+    the frames it passes: every module of a package that is a front end (the torch backend's,
+    DistributedOptimizer's) is that front end, and a module of no front end is none."""
+    from collectives._records import _front_end
+
+    assert _front_end("collectives.torch_backend") == "torch.distributed backend"
+    assert _front_end("collectives.torch_backend.group") == "torch.distributed backend"
+    assert _front_end("collectives._optim.torch_optimizer") == "DistributedOptimizer"
+    assert _front_end("collectives._overlap") == "DistributedOptimizer gradient bucket"
+    assert _front_end("collectives._comm.communicator") is None and _front_end("__main__") is None

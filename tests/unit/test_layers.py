@@ -31,8 +31,15 @@ LAYERS = {
     "_comm.call": 4, "_comm.reductions": 4, "_comm.movement": 4, "_comm.p2p": 4, "_comm.objects": 4,
     "_comm.split": 4, "_comm.trees": 4, "_comm.engine": 4, "_comm.communicator": 4, "_comm.functions": 4,
     "_failure": 0,
-    # 5: what stands on the public functions
-    "_shard": 5, "_optim": 5, "_overlap": 5, "_gradients": 5, "_shards": 5, "_units": 5, "__init__": 6, "_bench": 6, "_tracetool": 6, "__main__": 6, "torch_backend": 6, "jax": 6,
+    # 5: what stands on the public functions (DistributedOptimizer: the package _optim, WITHIN_OPTIM)
+    "_shard": 5, "_optim": 5, "_optim.torch_optimizer": 5, "_optim.fused": 5, "_optim.meeting": 5,
+    "_optim.transformation": 5, "_overlap": 5, "_gradients": 5, "_shards": 5, "_units": 5,
+    # 6: the public names, the tools, and the front ends that import a framework (the torch backend: the
+    # package torch_backend, WITHIN_TORCH_BACKEND)
+    "__init__": 6, "_bench": 6, "_tracetool": 6, "__main__": 6, "jax": 6,
+    "torch_backend": 6, "torch_backend.work": 6, "torch_backend.checks": 6, "torch_backend.uneven": 6,
+    "torch_backend.group": 6, "torch_backend.rendezvous": 6, "torch_backend.creator": 6,
+    "torch_backend.excepthook": 6,
 }
 # within the transport layer: who may import whom (the factory knows every transport; the others know only
 # their bases and the shared memory allreduce)
@@ -73,6 +80,28 @@ WITHIN_COMM = {
                            "_comm.record", "_comm.reductions", "_comm.split", "_comm.summing", "_comm.trees"},
     "_comm.functions": {"_comm.communicator"},
     "_comm": {"_comm.communicator", "_comm.engine", "_comm.functions"},
+}
+
+# within DistributedOptimizer (the package _optim): its __init__ (the function) makes one of the two wrappers
+WITHIN_OPTIM = {
+    "_optim.fused": set(),
+    "_optim.meeting": set(),
+    "_optim.transformation": set(),
+    "_optim.torch_optimizer": {"_optim.fused", "_optim.meeting"},
+    "_optim": {"_optim.torch_optimizer", "_optim.transformation"},
+}
+# within the torch backend: who may import whom, from the bottom (the Work, torch's arguments read, the
+# rendezvous) to the top (the package: register())
+WITHIN_TORCH_BACKEND = {
+    "torch_backend.work": set(),
+    "torch_backend.checks": set(),
+    "torch_backend.rendezvous": set(),
+    "torch_backend.excepthook": set(),
+    "torch_backend.uneven": {"torch_backend.checks", "torch_backend.work"},
+    "torch_backend.group": {"torch_backend.checks", "torch_backend.uneven", "torch_backend.work"},
+    "torch_backend.creator": {"torch_backend.group", "torch_backend.rendezvous", "torch_backend.work"},
+    "torch_backend": {"torch_backend.creator", "torch_backend.excepthook", "torch_backend.group",
+                      "torch_backend.rendezvous", "torch_backend.work"},
 }
 
 
@@ -134,6 +163,10 @@ def test_imports_go_downward_only():
                 wrong.append(f"{mod} imports {dep}")
             elif LAYERS[dep] == LAYERS[mod] == 4 and dep not in WITHIN_COMM[mod]:
                 wrong.append(f"call engine module {mod} imports {dep}")
+            elif mod in WITHIN_OPTIM and dep.split(".")[0] == "_optim" and dep not in WITHIN_OPTIM[mod]:
+                wrong.append(f"DistributedOptimizer module {mod} imports {dep}")
+            elif mod in WITHIN_TORCH_BACKEND and LAYERS[dep] == 6 and dep not in WITHIN_TORCH_BACKEND[mod]:
+                wrong.append(f"torch backend module {mod} imports {dep}")
             elif LAYERS[dep] == LAYERS[mod] == 0 and mod != "_failure" and dep not in ("_errors", "_ops", "_dtypes", "_threads", "_poll",
                                                                                     "_trace", "_trace_torch", "_records", "_config"):
                 wrong.append(f"bottom-layer {mod} imports {dep}")
@@ -350,7 +383,7 @@ def test_no_module_reaches_into_the_mpi_transport():
     found = []
     for path in sorted(SRC.rglob("*.py")):
         name = module_name(path)
-        if (name.startswith("_backends") and name != "_backends.mpi") or name == "torch_backend":
+        if (name.startswith("_backends") and name != "_backends.mpi") or name.split(".")[0] == "torch_backend":
             found += reaches(name, path.read_text(), privates)
     assert not found, "reaches into MPITransport privates (give it a public method):\n" + "\n".join(found)
 

@@ -20,10 +20,6 @@ EXEMPT = {"_backends/_libnccl.py"}  # the ctypes binding's table
 KNOWN = {
     "_backends/mpi.py": 1619,  # (1725 until the fingerprint's fields and messages moved to _fingerprint)
     "_backends/mpi.py:MPITransport": 938,
-    "torch_backend.py": 1140,
-    "torch_backend.py:ProcessGroupCollectives": 453,
-    "_optim.py": 861,
-    "_optim.py:TorchDistributedOptimizer": 467,
 }
 
 
