@@ -28,6 +28,19 @@ from collectives._launcher import job_command  # one way to start a job, whateve
 
 ROOT = Path(__file__).resolve().parents[1]
 LOGS = ROOT / ".test-logs"
+SECONDS = [0.0]  # how long the last run() took (the summary prints it beside each run)
+WHY = LOGS / "why-failed.txt"  # a few lines per failed run, which .ci/run prints last (CI shows a tail)
+_CLUES = re.compile(r"FAILED|TIMEOUT|Timeout \(|Error\b|Exception\b|^E  |^\s+File \".*tests/|rank \d+ wrote no summary")
+
+
+def why(name: str, text: str, limit: int = 10) -> None:
+    """Append to :data:`WHY` the lines of ``text`` that say why run ``name`` failed (failed tests, errors,
+    timeouts, the test frames of a watchdog's stack dump), the last ``limit`` of them, each cut to 160
+    characters, under the run's name and this Python's environment (MPICH's or Open MPI's venv)."""
+    clues = [line.rstrip()[:160] for line in text.splitlines() if _CLUES.search(line)]
+    kept = list(dict.fromkeys(clues))[-limit:] or [line.rstrip()[:160] for line in text.splitlines()[-limit:]]
+    with WHY.open("a") as f:
+        f.write(f"[{Path(sys.prefix).name}] {name}:\n" + "".join(f"    {line}\n" for line in kept))
 
 
 def run(cmd, timeout, env=None):
@@ -55,7 +68,8 @@ def run(cmd, timeout, env=None):
         print(lines[-1], flush=True)
         rc = 124
     reader.join(timeout=10)
-    print(f"  -> exit {rc} in {time.monotonic() - start:.1f}s", flush=True)
+    SECONDS[0] = time.monotonic() - start
+    print(f"  -> exit {rc} in {SECONDS[0]:.1f}s", flush=True)
     return rc, "".join(lines)
 
 
@@ -84,8 +98,11 @@ def mpi_run(target: str, n: int, timeout: int, extra=()) -> tuple[int, int, bool
             print(f"  rank {r}: {c}: a run must pass at least one test and fail none")
             ok = False
     if not ok:
+        tails = []
         for log in sorted(LOGS.glob(f"{Path(target).name}-n{n}-rank*.log")):
-            print(f"---- {log.name} (tail) ----\n{log.read_text()[-4000:]}")
+            tails.append(log.read_text()[-4000:])
+            print(f"---- {log.name} (tail) ----\n{tails[-1]}")
+        why(f"{target} -n {n}", _out + "".join(tails))
     passed = counts[0]["passed"] if counts and counts[0] else 0
     failed = 0 if ok else max(1, counts[0]["failed"] if counts and counts[0] else 1)
     return passed, failed, ok
@@ -144,13 +161,20 @@ def main() -> int:
         os.environ.setdefault("MPIR_CVAR_CH4_PROGRESS_THROTTLE", "1")
         os.environ.setdefault("MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT", "16")
     total_passed = total_failed = 0
-    results = []
+    results: list[tuple[str, bool, float]] = []
+
+    def done(name: str, ok: bool, out: str | None) -> None:
+        results.append((name, ok, SECONDS[0]))
+        if not ok and out is not None:
+            why(name, out)
 
     def docs_snippets():
         # every code block of README.md and docs/*.md, run as a reader pastes it (tests/doc_snippets.py)
         rc, out = run([sys.executable, str(ROOT / "tests" / "doc_snippets.py")], 1800)
         m = re.search(r"(\d+) passed, (\d+) failed", out[-3000:])
         ok = rc == 0 and m is not None and int(m.group(1)) > 0
+        if not ok:
+            why("docs snippets", out)
         p = int(m.group(1)) if m else 0
         f = int(m.group(2)) if m else 0
         return p, (f if f or ok else 1), ok
@@ -166,17 +190,17 @@ def main() -> int:
         ok = rc == 0 and p > 0
         total_passed += p
         total_failed += f if f or ok else 1
-        results.append(("unit", ok))
+        done("unit", ok, out)
         rc, out = run([sys.executable, "-m", "pytest", "-q", "--doctest-modules", "src/collectives"], 600)
         p, f = pytest_counts(out)
         ok = rc == 0 and p > 0
         total_passed += p
         total_failed += f if f or ok else 1
-        results.append(("doctests", ok))
+        done("doctests", ok, out)
         p, f, ok = docs_snippets()
         total_passed += p
         total_failed += f
-        results.append(("docs snippets", ok))
+        done("docs snippets", ok, None)
 
     # The crash suite: one process of pytest that launches each failure scenario under mpiexec itself
     # (exception, SIGKILL, mismatch, deadline, clean exit at 2 and 3 ranks) and times how the job ends; with
@@ -186,7 +210,7 @@ def main() -> int:
     ok = rc == 0 and p > 0
     total_passed += p
     total_failed += f if f or ok else 1
-    results.append(("crash", ok))
+    done("crash", ok, out)
 
     suites = [("tests/mpi", ())]
     if (ROOT / "conformance" / "conftest.py").exists():
@@ -196,7 +220,7 @@ def main() -> int:
             p, f, ok = mpi_run(target, n, args.timeout, extra)
             total_passed += p
             total_failed += f
-            results.append((f"{target} -n {n}", ok))
+            done(f"{target} -n {n}", ok, None)  # (mpi_run said why)
 
     # torch's own distributed test suite against the backend "collectives" (tests/torch_suite/run.py; about
     # half a minute per size, a minute and a half at 4 ranks): expected failures are listed, with their
@@ -210,7 +234,7 @@ def main() -> int:
         ok = rc == 0 and m is not None and int(m.group(1)) > 0
         total_passed += int(m.group(1)) if m else 0
         total_failed += (int(m.group(2)) if m else 0) or (0 if ok else 1)
-        results.append((f"torch suite -n {n}", ok))
+        done(f"torch suite -n {n}", ok, out)
 
     # the software that calls torch.distributed, on the backend (tests/clients/README.md): 2 ranks each
     if 2 in sizes:
@@ -223,13 +247,13 @@ def main() -> int:
             ok = rc == 0 and f"PASS {name}" in out
             total_passed += ok
             total_failed += not ok
-            results.append((f"client {name}", ok))
+            done(f"client {name}", ok, out)
 
     print("\nsummary:")
-    for name, ok in results:
-        print(f"  {'ok  ' if ok else 'FAIL'} {name}")
+    for name, ok, seconds in results:
+        print(f"  {'ok  ' if ok else 'FAIL'} {name} ({seconds:.0f} s)")
     print(f"{total_passed} passed, {total_failed} failed")
-    return 0 if all(ok for _, ok in results) else 1
+    return 0 if all(ok for _, ok, _ in results) else 1
 
 
 if __name__ == "__main__":
