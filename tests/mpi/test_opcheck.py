@@ -23,6 +23,7 @@ MPI = pytest.importorskip("mpi4py.MPI")
 # Private on purpose: the op table and the probe are what an MPI's fault is injected into; no public
 # name can make MPICH's MPI_SUM saturate.
 from collectives._backends import mpi as mpi_backend  # noqa: E402 - after the importorskip above
+from collectives._backends.mpi import library as mpi_library  # noqa: E402 - where the transport reads its tables
 
 SMALL = ["int8", "uint8", "int16", "uint16"]
 
@@ -44,7 +45,7 @@ SATURATING = MPI.Op.Create(_saturating_sum, commute=True)
 @contextlib.contextmanager
 def faulty_communicator(**env):
     """A communicator of every rank whose MPI ``sum`` saturates, made with ``env`` set (collective)."""
-    real = mpi_backend._tables
+    real = mpi_library._tables
 
     def tables(MPI):
         ops, types = real(MPI)
@@ -53,14 +54,14 @@ def faulty_communicator(**env):
     user = MPI.COMM_WORLD.Dup()
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update({k: str(v) for k, v in env.items()})
-    mpi_backend._tables = tables
-    warned, mpi_backend._warned = mpi_backend._warned, set()  # so this communicator warns afresh
+    mpi_library._tables = tables
+    warned, mpi_library._warned = mpi_library._warned, set()  # so this communicator warns afresh
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             c = coll.init(comm=user)
     finally:
-        mpi_backend._tables, mpi_backend._warned = real, warned
+        mpi_library._tables, mpi_library._warned = real, warned
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)

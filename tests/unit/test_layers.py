@@ -20,7 +20,9 @@ LAYERS = {
     "_finite": 0, "_trace_torch": 0, "_records": 0,
     # 1: transports
     "_backends._libnccl": 1, "_backends.base": 1, "_backends.self": 1, "_backends.shm": 1,
-    "_backends.mpi": 1, "_backends._fingerprint": 1, "_backends.device": 1, "_backends.cuda": 1, "_backends.nccl": 1,
+    "_backends.mpi": 1, "_backends.mpi.ops": 1, "_backends.mpi.library": 1, "_backends.mpi.lanes": 1,
+    "_backends.mpi.requests": 1, "_backends.mpi.p2p": 1, "_backends.mpi.pipeline": 1, "_backends.mpi.fast": 1,
+    "_backends.mpi.shared": 1,    "_backends.mpi.transport": 1, "_backends.mpi.deadline": 1, "_backends._fingerprint": 1, "_backends.device": 1, "_backends.cuda": 1, "_backends.nccl": 1,
     "_backends.factory": 1, "_backends.closed": 1, "_backends": 1,
     # 2: reduction rules
     "_reduction": 2, "_reproducible": 2,
@@ -43,8 +45,21 @@ LAYERS = {
 }
 # within the transport layer: who may import whom (the factory knows every transport; the others know only
 # their bases and the shared memory allreduce)
+MPI_PARTS = {"_backends.base", "_backends.shm", "_backends._fingerprint"}  # what the MPI package's modules know
 TRANSPORT_IMPORTS = {
-    "_backends.mpi": {"_backends.base", "_backends.shm", "_backends._fingerprint"},
+    # the MPI package: from the table and the library up to the two transports, then the package's re-exports
+    "_backends.mpi.ops": set(),
+    "_backends.mpi.library": {"_backends.shm"},
+    "_backends.mpi.requests": {"_backends.base", "_backends._fingerprint"},
+    "_backends.mpi.lanes": {"_backends.base", "_backends._fingerprint", "_backends.mpi.requests"},
+    "_backends.mpi.p2p": {"_backends.base"},
+    "_backends.mpi.pipeline": {"_backends.base"},
+    "_backends.mpi.shared": {"_backends.base", "_backends.shm"},
+    "_backends.mpi.fast": {"_backends.base", "_backends.mpi.library", "_backends.mpi.ops"},
+    "_backends.mpi.transport": MPI_PARTS | {"_backends.mpi." + m for m in (
+        "fast", "lanes", "library", "ops", "p2p", "pipeline", "requests", "shared")},
+    "_backends.mpi.deadline": {"_backends.mpi.ops", "_backends.mpi.p2p", "_backends.mpi.transport"},
+    "_backends.mpi": {"_backends.mpi." + m for m in ("deadline", "library", "ops", "pipeline", "transport")},
     "_backends._fingerprint": set(),
     "_backends.self": {"_backends.base"},
     "_backends.device": set(),
@@ -359,10 +374,19 @@ def test_the_architecture_page_names_every_module_in_its_layer():
 
 
 def mpi_transport_privates() -> set[str]:
-    """The private attributes and methods of the MPI transports (``self._x = ...`` and ``def _x``)."""
-    tree = ast.parse((SRC / "_backends" / "mpi.py").read_text())
+    """The private attributes and methods of the MPI transports (``self._x = ...`` and ``def _x``): their
+    classes and every base class of theirs written in the package ``_backends/mpi`` (its parts)."""
+    classes = {n.name: n for p in (SRC / "_backends" / "mpi").glob("*.py") for n in ast.parse(p.read_text()).body
+               if isinstance(n, ast.ClassDef)}
+    todo, seen = ["MPITransport", "DeadlineMPITransport"], set()
+    while todo:
+        name = todo.pop()
+        if name in classes and name not in seen:
+            seen.add(name)
+            todo += [b.id for b in classes[name].bases if isinstance(b, ast.Name)]
+    assert {"MPITransport", "DeadlineMPITransport", "LaneMaking", "HotPath"} <= seen, seen
     names = set()
-    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name.endswith("MPITransport")):
+    for cls in (classes[name] for name in seen):
         for node in ast.walk(cls):
             if isinstance(node, ast.FunctionDef) and node.name.startswith("_") and not node.name.startswith("__"):
                 names.add(node.name)
@@ -374,8 +398,8 @@ def mpi_transport_privates() -> set[str]:
 
 def test_no_module_reaches_into_the_mpi_transport():
     """No other transport, and not the torch backend (the modules that hold an MPI transport), reads a
-    private of the MPI transport: CUDA-aware MPI takes its lanes, datatypes and ops through ``lane``,
-    ``mpi_type`` and ``mpi_op``; the torch backend makes its groups through ``create_group``. (By name, as
+    private of the MPI transport: CUDA-aware MPI makes its MPI calls through ``call`` (a row of
+    ``ops.OPERATIONS`` on its buffers) and takes lanes and datatypes through ``lane`` and ``mpi_type``; the torch backend makes its groups through ``create_group``. (By name, as
     above: the engine's own ``_progress`` or ``_p2p_seq`` would read as a reach, so ``_comm`` is not
     scanned; test_no_layer_reaches_into_the_communicator keeps the Communicator's side.)"""
     privates = mpi_transport_privates()
@@ -383,7 +407,7 @@ def test_no_module_reaches_into_the_mpi_transport():
     found = []
     for path in sorted(SRC.rglob("*.py")):
         name = module_name(path)
-        if (name.startswith("_backends") and name != "_backends.mpi") or name.split(".")[0] == "torch_backend":
+        if (name.startswith("_backends") and not name.startswith("_backends.mpi")) or name.split(".")[0] == "torch_backend":
             found += reaches(name, path.read_text(), privates)
     assert not found, "reaches into MPITransport privates (give it a public method):\n" + "\n".join(found)
 

@@ -16,11 +16,10 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "collectives"
 MODULE_LINES = 700
 CLASS_LINES = 400
 EXEMPT = {"_backends/_libnccl.py"}  # the ctypes binding's table
-# known exceptions, not yet split: path or "path:Class" -> the ceiling (its line count on 2026-12-05)
-KNOWN = {
-    "_backends/mpi.py": 1619,  # (1725 until the fingerprint's fields and messages moved to _fingerprint)
-    "_backends/mpi.py:MPITransport": 938,
-}
+# known exceptions, not yet split: path or "path:Class" -> the ceiling (its line count when listed). Empty
+# since the last four (_backends/mpi.py, torch_backend.py, _optim.py, _overlap.py and their big classes)
+# were split by job on 2026-12-05; the ratchet stays for whatever must one day cross the limit knowingly.
+KNOWN: dict[str, int] = {}
 
 
 def sizes(root: Path = SRC) -> dict[str, int]:

@@ -340,9 +340,10 @@ class CudaAwareMPITransport(DeviceTransport):
     MPI does not know CUDA streams: the producer stream is synchronised before each call, and MPI returns
     only when the device memory holds the result. The host rules (``_dtypes.wire``, with this MPI's
     verified ops) are encoded on the device: bfloat16 (and float16 where MPI cannot reduce it) widened to
-    float32, float min/max as ordered integers, ``mean`` a sum divided once, then rounded back. Each kind
-    of collective runs on the MPI transport's communicator for that kind (its lane), so it can never be
-    matched with another kind of collective.
+    float32, float min/max as ordered integers, ``mean`` a sum divided once, then rounded back. Each MPI
+    call is the MPI transport's own, made from its operation's row (``MPITransport.call``: on the
+    transport's communicator for that kind, its lane, so it can never be matched with another kind of
+    collective); this transport hands it device memory in MPI's terms.
     """
 
     name = CUDA_AWARE_MPI
@@ -350,8 +351,8 @@ class CudaAwareMPITransport(DeviceTransport):
     def __init__(self, engine, index):
         super().__init__(engine, index)
         host = self._host
-        self._lane, self._MPI = host.lane, host.MPI
-        self._mpi_type, self._mpi_op = host.mpi_type, host.mpi_op
+        self._call, self._MPI, self._mpi_type = host.call, host.MPI, host.mpi_type
+        self._lane = host.lane  # a kind's lane made at its first call, also where no MPI call follows (empty)
         self._max = _config.max_count()
         buffers = getattr(self._MPI, "buffer", None) or self._MPI.memory  # mpi4py 4 / 3
         self._address = buffers.fromaddress
@@ -367,18 +368,19 @@ class CudaAwareMPITransport(DeviceTransport):
         return self._address(ptr, nbytes)
 
     def _datatype(self, plan: _dtypes.Wire):
-        """The MPI datatype and op the encoded values are reduced with, and their item size."""
+        """The MPI datatype the encoded values are reduced in, and their item size."""
         dt = plan.ordered if plan.ordered is not None else plan.dtype
-        return self._mpi_type(dt), self._mpi_op(plan.op), dt.itemsize
+        return self._mpi_type(dt), dt.itemsize
 
     def broadcast(self, x, a, root):
         xp, _ = self._prepare(x)
         is_root = self.rank == root
         buf, in_place = xp.contiguous(x, copy=is_root)
         xp.synchronize(x)
-        base, lane = xp.ptr(buf), self._lane("broadcast")
+        base = xp.ptr(buf)
+        self._lane("broadcast")
         for off, n in _pieces(xp.numel(x) * xp.itemsize(x), self._max):
-            lane.Bcast([self._mem(base + off, n), self._MPI.BYTE], root)
+            self._call("broadcast", [self._mem(base + off, n), self._MPI.BYTE], root)
         if not in_place and not is_root:
             xp.copy_back(x, buf)
         return x
@@ -393,17 +395,15 @@ class CudaAwareMPITransport(DeviceTransport):
         buf, in_place = xp.contiguous(x)
         wire, fresh = self._encode(xp, buf, info, plan, keep=not receives)
         xp.synchronize(x)
-        datatype, mop, size = self._datatype(plan)
+        datatype, size = self._datatype(plan)
         base = xp.ptr(wire)
-        lane = self._lane("allreduce" if root is None else "reduce")
+        self._lane("allreduce" if root is None else "reduce")
         for off, n in _pieces(xp.numel(x), self._max):
-            mem = [self._mem(base + off * size, n * size), n, datatype]
+            mem = [self._mem(base + off * size, n * size), n, datatype]  # in place (on root, for a reduce)
             if root is None:
-                lane.Allreduce(self._MPI.IN_PLACE, mem, mop)
-            elif receives:
-                lane.Reduce(self._MPI.IN_PLACE, mem, mop, root)
+                self._call("allreduce", mem, plan.op)
             else:
-                lane.Reduce(mem, None, mop, root)
+                self._call("reduce", mem, plan.op, root)
         if not receives:
             return x
         self._decode(xp, wire, plan, buf, fresh)
@@ -419,18 +419,19 @@ class CudaAwareMPITransport(DeviceTransport):
 
     def allgather(self, x, a):
         xp, send, out, nbytes = self._allgather_buffers(x)
-        lane = self._lane("allgather")
+        self._lane("allgather")
         if nbytes and nbytes <= self._max:
             xp.synchronize(x)
-            lane.Allgather([self._mem(xp.ptr(send), nbytes), self._MPI.BYTE],
-                           [self._mem(xp.ptr(out), nbytes * self.size), self._MPI.BYTE])
+            self._call("allgather", [self._mem(xp.ptr(send), nbytes), self._MPI.BYTE],
+                       [self._mem(xp.ptr(out), nbytes * self.size), self._MPI.BYTE])
         elif nbytes:  # past the count limit: every rank broadcasts its row, piece by piece (on the allgather lane)
             xp.copy_back(out[self.rank], send)
             xp.synchronize(x)
             base = xp.ptr(out)
             for r in range(self.size):
                 for off, n in _pieces(nbytes, self._max):
-                    lane.Bcast([self._mem(base + r * nbytes + off, n), self._MPI.BYTE], r)
+                    self._call("broadcast", [self._mem(base + r * nbytes + off, n), self._MPI.BYTE], r,
+                               lane="allgather")
         return out
 
     def reduce_scatter(self, x, a, op):
@@ -446,11 +447,10 @@ class CudaAwareMPITransport(DeviceTransport):
         wire, fresh = self._encode(xp, send, info, plan, keep=True)  # x stays as it was
         recv = xp.empty((n,), like=wire) if fresh else xp.flat(out)  # encoded: a temporary of the wire's dtype
         xp.synchronize(x)
-        datatype, mop, size = self._datatype(plan)
+        datatype, size = self._datatype(plan)
         if n:
-            self._lane("reduce_scatter").Reduce_scatter_block(
-                [self._mem(xp.ptr(wire), n * self.size * size), n, datatype],  # n per block
-                [self._mem(xp.ptr(recv), n * size), n, datatype], mop)
+            self._call("reduce_scatter", [self._mem(xp.ptr(wire), n * self.size * size), n, datatype],  # n per block
+                       [self._mem(xp.ptr(recv), n * size), n, datatype], plan.op)
         self._decode(xp, recv, plan, out, fresh)
         return out
 
@@ -463,6 +463,6 @@ class CudaAwareMPITransport(DeviceTransport):
         out = xp.empty(xp.shape(x), like=x)
         if nbytes:
             xp.synchronize(x)
-            self._lane("alltoall").Alltoall([self._mem(xp.ptr(send), nbytes), self._MPI.BYTE],
-                                            [self._mem(xp.ptr(out), nbytes), self._MPI.BYTE])
+            self._call("alltoall", [self._mem(xp.ptr(send), nbytes), self._MPI.BYTE],
+                       [self._mem(xp.ptr(out), nbytes), self._MPI.BYTE])
         return out

@@ -1,0 +1,137 @@
+"""The MPI operations as a table: one row per collective, from which every MPI call of it is made.
+
+A row says which mpi4py methods run the collective (blocking and non-blocking), on which lane, how the
+call's arguments become theirs (buffers first, then the op of a reduction, then the root of a rooted
+call; a reduction's buffers typed by their element datatype, data movement's as raw bytes of
+``MPI.BYTE``; ``MPI_IN_PLACE`` where the call is in place), and what count one call carries (which
+``COLLECTIVES_MAX_COUNT`` bounds). The transport makes its blocking pieces, its non-blocking starts (and
+so the deadline transport's polled calls), its hot-path closures and CUDA-aware MPI's calls from the
+rows: an MPI operation's call is written here once, and adding one is adding a row (docs/architecture.md,
+"How to add a collective or a transport").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+ELEMENTS, BYTES, BYTES_PER_RANK = "elements", "bytes", "bytes per rank"  # what a row's count counts
+NEVER, ALWAYS, AT_ROOT = "never", "always", "at root"  # where a row's send buffer is MPI_IN_PLACE
+
+
+def _never(args: tuple) -> bool:
+    return False
+
+
+def _complex_product(args: tuple) -> bool:
+    """A product of complex numbers: MPICH's ``Ireduce`` multiplies in another order than ``Reduce``, and
+    the sign of a zero part depends on that order (tests/mpi/test_paths.py)."""
+    return args[1] == "prod" and args[0].dtype.kind == "c"
+
+
+@dataclass(frozen=True)
+class Operation:
+    """One MPI operation. Its arguments, as the transport's methods take them: ``buffers`` arrays (the
+    send buffer, then the receive buffer: None on a rank that receives nothing), then the op (a name of
+    ``_dtypes``, where ``reduces``), then the root (where ``rooted``)."""
+
+    name: str  # the collective
+    lane: str  # the MPI communicator it runs on (_fingerprint.LANES)
+    blocking: str  # mpi4py's method of the blocking call ...
+    nonblocking: str  # ... and of the non-blocking one
+    buffers: int  # how many buffers it takes (0, 1: in and out, 2: send and receive)
+    reduces: bool = False  # an op after the buffers, and the buffers typed by their elements' datatype
+    rooted: bool = False  # a root last
+    in_place: str = NEVER  # ALWAYS: MPI_IN_PLACE as the send buffer; AT_ROOT: so on root, no receive elsewhere
+    counted: int = 0  # the buffer whose count one MPI call must hold ...
+    unit: str = BYTES  # ... counted in its elements, bytes, or bytes per rank
+    reorders: Callable[[tuple], bool] = _never  # whether the non-blocking call may give other bits than the
+    # blocking one for these arguments (then the call runs blocking: MPITransport.start)
+
+    def count(self, args: tuple, size: int) -> int:
+        """The count one MPI call of these arguments carries (``size``: the ranks), 0 without buffers."""
+        if not self.buffers:
+            return 0
+        buf = args[self.counted]
+        if self.unit == ELEMENTS:
+            return buf.size
+        return buf.nbytes // size if self.unit == BYTES_PER_RANK else buf.nbytes
+
+    def fits(self, args: tuple, size: int, max_count: int) -> bool:
+        """Whether these arguments are one MPI call (within ``max_count``, ``COLLECTIVES_MAX_COUNT``) whose
+        non-blocking form gives the blocking form's bits."""
+        return self.count(args, size) <= max_count and not self.reorders(args)
+
+    def parts(self, args: tuple) -> tuple[tuple, object, object]:
+        """``(buffers, op, root)`` of the transport's arguments (op, root: None where the row has none)."""
+        rest = args[self.buffers:]
+        return args[:self.buffers], rest[0] if self.reduces else None, rest[-1] if self.rooted else None
+
+    def arguments(self, specs, mop, root, rank: int, in_place) -> list:
+        """mpi4py's arguments of this call on rank ``rank``: the buffer ``specs`` (``[buffer, datatype]``,
+        ``[buffer, count, datatype]``, None for a receive buffer the rank lacks), ``in_place``
+        (``MPI.IN_PLACE``) where the row is in place, then the MPI op ``mop`` and the ``root``."""
+        if self.in_place == ALWAYS or (self.in_place == AT_ROOT and rank == root):
+            mpi_args = [in_place, specs[0]]
+        elif self.in_place == AT_ROOT:
+            mpi_args = [specs[0], None]
+        else:
+            mpi_args = list(specs)
+        if self.reduces:
+            mpi_args.append(mop)
+        if self.rooted:
+            mpi_args.append(root)
+        return mpi_args
+
+    def bind(self, method, datatype, mop, in_place, at: float | None, slow) -> Callable:
+        """The hot path's call of this row (``fast_call``, ``fast_blocks``), made once per key: a closure
+        that calls ``method`` (the lane's bound mpi4py method) on the whole buffers, typed ``datatype``,
+        or ``slow`` with the same arguments where the counted buffer holds ``at`` bytes or more (None: no
+        test). For the rows the hot path takes: one buffer in place, one rooted buffer, two buffers counted
+        by the receive buffer with an op, or by the send buffer without."""
+        if self.buffers == 1 and self.in_place == ALWAYS and not self.rooted:
+            def run(x):
+                if x.nbytes >= at:
+                    return slow(x)
+                method(in_place, [x, datatype], mop)
+
+            return run
+        if self.buffers == 1 and self.in_place == NEVER and self.rooted and not self.reduces:
+            if at is None:
+                return lambda x, root: method([x, datatype], root)
+
+            def run_rooted(x, root):
+                if x.nbytes >= at:
+                    return slow(x, root)
+                method([x, datatype], root)
+
+            return run_rooted
+        if self.buffers == 2 and self.in_place == NEVER and not self.rooted and self.reduces and self.counted == 1:
+            def run_reducing(send, recv):
+                if recv.nbytes >= at:
+                    return slow(send, recv)
+                method([send, datatype], [recv, datatype], mop)
+
+            return run_reducing
+        if self.buffers == 2 and self.in_place == NEVER and not self.rooted and not self.reduces and not self.counted:
+            def run_moving(send, recv):
+                if send.nbytes >= at:
+                    return slow(send, recv)
+                method([send, datatype], [recv, datatype])
+
+            return run_moving
+        raise ValueError(f"the hot path has no form for the MPI operation {self.name}")
+
+
+OPERATIONS = {row.name: row for row in (
+    Operation("allreduce", "allreduce", "Allreduce", "Iallreduce", 1, reduces=True, in_place=ALWAYS, unit=ELEMENTS),
+    Operation("reduce", "reduce", "Reduce", "Ireduce", 1, reduces=True, rooted=True, in_place=AT_ROOT,
+              unit=ELEMENTS, reorders=_complex_product),
+    Operation("broadcast", "broadcast", "Bcast", "Ibcast", 1, rooted=True),
+    Operation("allgather", "allgather", "Allgather", "Iallgather", 2),
+    Operation("gather", "gather", "Gather", "Igather", 2, rooted=True),
+    Operation("reduce_scatter", "reduce_scatter", "Reduce_scatter_block", "Ireduce_scatter_block", 2,
+              reduces=True, counted=1, unit=ELEMENTS),
+    Operation("alltoall", "alltoall", "Alltoall", "Ialltoall", 2, unit=BYTES_PER_RANK),
+    Operation("barrier", "barrier", "Barrier", "Ibarrier", 0),
+)}
