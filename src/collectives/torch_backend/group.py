@@ -213,15 +213,7 @@ class ProcessGroupCollectives(dist.ProcessGroup):
                              f"{output.numel()} elements, got {input.numel()}")
         _same_dtype("reduce_scatter_tensor", output, input)
         blocks = self._scaled(input, factor).reshape((self.size(),) + tuple(output.shape))
-        trunc, n = _integer_mean(op, input), self.size()
-        h = self._start(opts, self._comm.reduce_scatter, blocks, "sum" if trunc else op)
-
-        def finish(r):
-            output.copy_(r[0].reshape(output.shape))
-            if trunc:
-                _truncated(output, n)
-
-        return self._work("reduce_scatter_tensor", [h], finish, [output])
+        return self._reduce_scatter("reduce_scatter_tensor", opts, blocks, op, output)
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -235,15 +227,20 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         _same_shapes("reduce_scatter", output, blocks, "input tensor")
         op, factor = _op(_opts_op(opts))
         stacked = self._scaled(torch.stack(list(blocks)), factor)
+        return self._reduce_scatter("reduce_scatter", opts, stacked, op, output)
+
+    def _reduce_scatter(self, what: str, opts, blocks, op: str, output) -> Work:
+        """Reduce ``blocks`` (one per rank, stacked; the dtype of ``output``) into ``output``: an integer AVG
+        as a sum truncated toward zero (:func:`_integer_mean`)."""
         trunc, n = _integer_mean(op, output), self.size()
-        h = self._start(opts, self._comm.reduce_scatter, stacked, "sum" if trunc else op)
+        h = self._start(opts, self._comm.reduce_scatter, blocks, "sum" if trunc else op)
 
         def finish(r):
             output.copy_(r[0].reshape(output.shape))
             if trunc:
                 _truncated(output, n)
 
-        return self._work("reduce_scatter", [h], finish, [output])
+        return self._work(what, [h], finish, [output])
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]

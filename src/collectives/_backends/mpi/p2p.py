@@ -103,6 +103,15 @@ class PointToPoint(HostTransport):
         for r in tuple(self._receives):
             r.head_arrived()
 
+    def before_test(self, req: Request) -> None:
+        """What every test of one of this transport's requests does first: keep ``req`` if the transport
+        has failed (a mismatch or timeout of another call: it never completes, and its buffers stay alive;
+        ``usable`` raises), and move the pending receives on (:meth:`_progress`)."""
+        if self.failed is not None:
+            self.usable(req)
+        if self._receives:
+            self._progress()
+
     def _progressing(self, req):
         """``req.Test``, moving the pending receives on before each test."""
         def test() -> bool:
@@ -148,10 +157,7 @@ class _Sending(Request):
 
     def test(self) -> bool:
         if not self._done:
-            if self._transport.failed is not None:  # a mismatch or timeout of another call: never completes
-                self._transport.usable(self)  # (keeping this request: it never completes)
-            if self._transport._receives:
-                self._transport._progress()
+            self._transport.before_test(self)
             self._done = self._transport.MPI.Request.Testall(self._reqs)
         return self._done
 

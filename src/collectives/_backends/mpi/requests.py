@@ -35,10 +35,7 @@ class _MPIRequest(Request):
 
     def test(self) -> bool:
         if not self._done:
-            if self._transport.failed is not None:  # a mismatch or timeout of another call: never completes
-                self._transport.usable(self)  # (keeping this request: it never completes)
-            if self._transport._receives:
-                self._transport._progress()
+            self._transport.before_test(self)
             if self._check is not None:
                 if not self._check[0].Test():
                     return False
