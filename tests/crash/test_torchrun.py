@@ -64,7 +64,9 @@ def torchrun(nproc: int, *worker_args: str):
 def assert_refused(nproc, worker_args, rc, out, err, reason):
     assert rc != 0, (out, err)
     assert "DONE" not in out, (out, err)
-    refusals = re.findall(r"ValueError: init_process_group\('collectives'\) under torchrun: torch has rank (\d+) "
+    # (no "ValueError: " before it: the workers share one stderr, and a traceback's last line is written in
+    # pieces that interleave, "ValueErrorValueError: : init_process_group(...)", the messages each whole)
+    refusals = re.findall(r"init_process_group\('collectives'\) under torchrun: torch has rank (\d+) "
                           rf"of {nproc}, but this process is not in an MPI job of {nproc} \(MPI sees 1 process\): "
                           rf"{reason}", err)
     # torchrun stops the other workers once one fails: at least one worker reports it, each one once
