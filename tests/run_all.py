@@ -84,7 +84,7 @@ def mpi_run(target: str, n: int, timeout: int, extra=()) -> tuple[int, int, bool
         f.unlink()
     cmd = job_command(n, [sys.executable, "tests/mpi_pytest.py", target, "-q", "-x", "--color=no", "--timeout", "240",
                        *extra])  # --color=no: PRRTE gives ranks a terminal
-    rc, _out = run(cmd, timeout)
+    rc, out = run(cmd, timeout)
     counts = []
     for r in range(n):
         f = LOGS / f"summary-n{n}-rank{r}.json"
@@ -102,7 +102,7 @@ def mpi_run(target: str, n: int, timeout: int, extra=()) -> tuple[int, int, bool
         for log in sorted(LOGS.glob(f"{Path(target).name}-n{n}-rank*.log")):
             tails.append(log.read_text()[-4000:])
             print(f"---- {log.name} (tail) ----\n{tails[-1]}")
-        why(f"{target} -n {n}", _out + "".join(tails))
+        why(f"{target} -n {n}", out + "".join(tails))
     passed = counts[0]["passed"] if counts and counts[0] else 0
     failed = 0 if ok else max(1, counts[0]["failed"] if counts and counts[0] else 1)
     return passed, failed, ok
