@@ -346,18 +346,13 @@ def problems() -> list[str]:
     return found
 
 
-def refuse_malformed(allgather=None) -> None:
-    """Raise one ValueError on every rank if any rank has a malformed variable (see :func:`problems`).
-
-    ``allgather(obj) -> [obj of rank 0, obj of rank 1, ...]`` is the group's object allgather (collective:
-    every rank of the group calls this at the same point, at init, before anything else talks); without
-    it, this process alone. Every rank then raises the same message, naming each rank's variables.
-    """
-    mine = problems()
-    everyone = [mine] if allgather is None else allgather(mine)
-    bad = [f"rank {r}: {line}" for r, lines in enumerate(everyone) for line in lines]
-    if bad:
-        raise ValueError(
-            "malformed environment variable" + ("s" if len(bad) > 1 else "") + " (" + "; ".join(bad) + "); "
-            "fix or unset it on the rank named and start again (every rank refuses, so that none waits "
-            "for the others; docs/configuration.md lists what each variable takes)")
+def malformed(bad: dict[int, list[str]]) -> ValueError:
+    """The one ValueError every rank raises at init when some rank has a malformed variable: ``bad`` holds
+    each such rank's :func:`problems`. The transports refuse with it after gathering every rank's problems
+    (``_agree.refuse_together(via, problems(), malformed)``: at init, before anything else talks), so
+    every rank raises the same message, naming each rank's variables."""
+    lines = [f"rank {r}: {line}" for r, found in bad.items() for line in found]
+    return ValueError(
+        "malformed environment variable" + ("s" if len(lines) > 1 else "") + " (" + "; ".join(lines) + "); "
+        "fix or unset it on the rank named and start again (every rank refuses, so that none waits "
+        "for the others; docs/configuration.md lists what each variable takes)")

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _trace
+from . import _agree
 from ._errors import NonFiniteError
 
 KINDS = ("", "nan", "inf", "-inf")  # the kind codes the ranks exchange (0: nothing found)
@@ -106,16 +106,8 @@ def check(transport, what: str, found: tuple[int, int, int] | None, leaf_name=No
     :func:`scan`) or None; ``leaf_name(n)``: the name of leaf number n (a tree's path, the same on every
     rank: the ranks agreed on the tree; None: a single array).
     Collective: every rank calls it at the same point (one allgather of 24 bytes each; none at size 1)."""
-    mine = np.array(found if found is not None else (0, -1, 0), dtype=np.int64)
-    if transport.size == 1:
-        table = mine.reshape(1, 3)
-    else:
-        table = np.empty((transport.size, 3), dtype=np.int64)
-        transport.agree_allgather(mine.view(np.uint8), table.view(np.uint8))
+    table = _agree.gather_rows(transport, np.array(found if found is not None else (0, -1, 0), dtype=np.int64))
     bad = {r: (leaf_name(int(leaf)) if leaf_name is not None else "", int(index), KINDS[int(kind)])
            for r, (leaf, index, kind) in enumerate(table.tolist()) if kind}
-    if not bad:
-        return
-    err = NonFiniteError(what, bad)
-    _trace.dump(f"NonFiniteError: {err}")  # every rank raises (and dumps) alike
-    raise err
+    if bad:
+        _agree.refuse(NonFiniteError(what, bad), dump=True)  # every rank raises (and dumps) alike

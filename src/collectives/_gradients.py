@@ -18,7 +18,7 @@ import contextlib
 import sys
 from collections.abc import Callable
 
-from . import _call
+from . import _agree, _call
 from ._comm import engine_of
 from ._errors import CollectiveError, MismatchError
 
@@ -87,12 +87,6 @@ def describe(p) -> str:
     return f"{str(p.dtype).replace('torch.', '')} {tuple(p.shape)}"
 
 
-def _ranks(ranks: list[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(map(str, ranks))
-
-
-
-
 def amp_step(opt, amp, grads_of: Callable, step: Callable | None = None):
     """``opt.step()`` as torch.amp.GradScaler would run it on a plain optimizer whose gradients are what
     ``grads_of()`` gives (the averaged ones: the same on every rank, so every rank decides alike).
@@ -133,7 +127,7 @@ def missing_report(comm, slots, mode: str) -> tuple[dict, set]:
     to be given zeros where ``mode`` is "zero", and the indices of those without gradient anywhere (left as
     they are). With ``mode`` "error" a partial one is a :class:`MismatchError` naming it, on every rank."""
     mine = [s.index for s in slots if s.missing]
-    lists = comm.allgather_object(mine)
+    lists = _agree.gather(comm, mine)
     size = comm.size
     lacking: dict[int, list[int]] = {}
     for r, indices in enumerate(lists):
@@ -145,14 +139,11 @@ def missing_report(comm, slots, mode: str) -> tuple[dict, set]:
         lines = []
         for i in sorted(partial):
             s = by_index[i]
-            have = [r for r in range(size) if r not in partial[i]]
-            verb_have = "has" if len(have) == 1 else "have"
-            verb_none = "has" if len(partial[i]) == 1 else "have"
-            lines.append(f"{s.name}: {_ranks(have)} {verb_have} {describe(s.param)}, "
-                         f"{_ranks(partial[i])} {verb_none} None")
-        raise MismatchError(
+            lines.append(f"{s.name}: " + _agree.holding(
+                ["None" if r in partial[i] else describe(s.param) for r in range(size)]))
+        _agree.refuse(MismatchError(
             "DistributedOptimizer: gradients missing on some ranks only (a parameter this backward pass "
             "did not reach there): " + "; ".join(lines) + ". Nothing was updated. A model whose graph "
             "differs between ranks needs DistributedOptimizer(opt, missing_grads=\"zero\") (the ranks "
-            "without a gradient contribute zeros)")
+            "without a gradient contribute zeros)"))
     return partial, {i for i, rs in lacking.items() if len(rs) == size}

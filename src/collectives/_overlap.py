@@ -62,8 +62,6 @@ import threading
 import weakref
 from typing import Any
 
-import numpy as np
-
 from . import _agree, _call
 from ._comm import engine_of
 from ._buckets import assign, solo_bytes
@@ -236,7 +234,8 @@ class Buckets:
         self.bucket_bytes = bucket_bytes
         self.shard = shard
         self._layout()
-        self.flag = np.zeros(3, np.int64)
+        # whether the ranks agree on the missing gradients (_send_flag): one 24-byte exchange per round
+        self.flag = _agree.Ballot({"missing": "any", "frozen": "same"})
         self.flag_handle = None
         self.next = 0
         self.finished = False
@@ -486,15 +485,15 @@ class Buckets:
         return acc.to(b.narrow)
 
     def _send_flag(self) -> None:
-        """One small allreduce (max) that tells whether the ranks agree on the missing gradients: element 0 is 1
-        where a parameter that requires grad has none; elements 1 and 2 a digest of the frozen parameters without
-        gradient and its negation (equal on every rank iff max == -max(-x)): frozen layers cost nothing more."""
+        """Start one small non-blocking exchange (a :class:`~collectives._agree.Ballot`: one int64 allreduce
+        max) that tells whether the ranks agree on the missing gradients: ``missing``, whether some rank lacks
+        the gradient of a parameter that requires grad; ``frozen``, whether every rank's frozen parameters
+        without gradient are the same (by a digest of them): frozen layers cost nothing more."""
         frozen = tuple(s.index for s in self.slots if s.missing and not s.param.requires_grad)
-        digest = hash(frozen) & ((1 << 62) - 1)
-        self.flag[0] = any(s.missing and s.param.requires_grad for s in self.slots)
-        self.flag[1], self.flag[2] = digest, -digest
+        missing = any(s.missing and s.param.requires_grad for s in self.slots)
         with meeting_named():  # (as a bucket's call: a meeting found beside an earlier one failed the comm)
-            self.flag_handle = self.comm.allreduce(self.flag, "max", async_op=True)
+            self.flag_handle = self.flag.start(self.comm, {"missing": missing,
+                                                           "frozen": hash(frozen) & ((1 << 62) - 1)})
 
     # ---- in step() ----
     def finish(self) -> None:
@@ -546,7 +545,8 @@ class Buckets:
             self._reset()
             raise refused
         skipped: set = set()
-        if int(self.flag[0]) or int(self.flag[1]) != -int(self.flag[2]):
+        agreed = self.flag.result()
+        if agreed["missing"] or not agreed["frozen"]:
             skipped = self._settle_missing()
         else:  # the frozen parameters without gradient, the same on every rank: skipped
             skipped = {s.index for s in self.slots if s.missing}

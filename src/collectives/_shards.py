@@ -12,8 +12,7 @@ parameters come back by one allgather per bucket.
 
 from __future__ import annotations
 
-import numpy as np
-
+from . import _agree
 from ._gradients import amp_step, torch_module as _torch
 
 # The torch optimizers whose update of an element depends only on that element's own gradient and state
@@ -128,7 +127,7 @@ class Shards:
                 b.block = None
 
     def agree_finite(self) -> None:
-        """The inf/NaN decision alike on every rank (one 8-byte allreduce): GradScaler looks for inf/NaN
+        """The inf/NaN decision alike on every rank (one 8-byte allreduce: an ``_agree.Ballot``): GradScaler looks for inf/NaN
         in ``.grad``, which holds this rank's own gradients, while the step uses the averaged share. When
         the averaged gradient is not finite on some rank's share, every rank's ``.grad`` gets an inf (in its first
         element: the sharded step reads its averaged share, never ``.grad``), as the averaged ``.grad`` of DDP
@@ -144,9 +143,7 @@ class Shards:
             if not bool(torch.isfinite(g.sum())) and not bool(torch.isfinite(g).all()):
                 bad = 1
                 break
-        flag = np.array([bad], np.int64)
-        self.engine.comm.allreduce(flag, "max")
-        if not flag[0]:
+        if not _agree.Ballot({"not finite": "any"}).combine(self.engine.comm, {"not finite": bad})["not finite"]:
             return
         with torch.no_grad():
             for s in self.engine.slots:  # (the sharded step reads its share, never .grad)
@@ -254,7 +251,7 @@ class Shards:
                 mine[s.index] = [(name, ("elementwise", str(x.dtype)) if _elementwise(name, x, v) else ("value", x))
                                  for name, x in state.items()]  # (values are cloned into the result below)
         entries: dict = {}
-        for theirs in comm.allgather_object(mine):
+        for theirs in _agree.gather(comm, mine):  # every rank merges the same list: the same entries
             for index, items in theirs.items():
                 entries.setdefault(index, items)
         out: dict = {}

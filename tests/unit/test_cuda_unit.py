@@ -1159,10 +1159,10 @@ def test_eager_refuses_ranks_that_disagree_or_have_no_cuda_library(fake_gpu, mon
     monkeypatch.setenv("COLLECTIVES_NCCL_EAGER", "1")
     comm = coll.Communicator(SelfTransport())
     comm._host = VotingHost([(True, True), (False, True)])
-    with pytest.raises(coll.MismatchError, match=r"on rank\(s\) 0,1 but not on rank\(s\) 2"):
+    with pytest.raises(coll.MismatchError, match=r"ranks 0,1 have COLLECTIVES_NCCL_EAGER=1, rank 2 has it off"):
         cuda.initialize_eagerly(engine_of(comm))
     comm._host = VotingHost([(True, False), (True, True)])
-    with pytest.raises(coll.BackendUnavailableError, match=r"rank\(s\) 1 imported neither torch nor CuPy"):
+    with pytest.raises(coll.BackendUnavailableError, match=r"rank 1 imported neither torch nor CuPy"):
         cuda.initialize_eagerly(engine_of(comm))
     assert comm._devices == {}
 

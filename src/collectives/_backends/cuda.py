@@ -7,7 +7,7 @@ It is itself collective:
 1. every rank gathers local facts without communicating (which array library can reach the GPU, the
    device's PCI bus id and host, whether NCCL loads and its version, the opt-in variables), catching
    every failure;
-2. one ``allgather_object`` of those facts; any rank's failure is raised on *every* rank, so no rank is
+2. one gather of those facts (``_agree.gather``); any rank's failure is raised on *every* rank, so no rank is
    left waiting in a collective the others will never enter;
 3. :func:`decide` picks the transport from everybody's facts (:func:`choose_transport`, a pure function)
    and, for NCCL, refuses two ranks on one GPU with a table (:func:`check_gpu_sharing`);
@@ -30,7 +30,7 @@ import warnings
 from collections.abc import Sequence
 from types import FrameType
 
-from .. import _config, _dtypes
+from .. import _agree, _config, _dtypes
 from .._errors import BackendUnavailableError, MismatchError
 from .device import CUDA_AWARE_MPI, HOST_STAGING, NCCL, DeviceTransport, device_api
 
@@ -259,30 +259,26 @@ def initialize_eagerly(engine) -> None:
     staging, and its failures (no visible device, say) are reported on every rank by that choice.
     """
     mine = (bool(_config.nccl_eager()), "torch" in sys.modules or "cupy" in sys.modules)
-    votes = [mine] if engine.size == 1 else engine.host.allgather_object(mine)
-    asked = [r for r, (eager, _) in enumerate(votes) if eager]
-    if not asked:
+    votes = _agree.gather(None if engine.size == 1 else engine.host, mine)
+    asked = [eager for eager, _ in votes]
+    if not any(asked):
         return
-    if len(asked) < len(votes):
-        others = [r for r in range(len(votes)) if r not in asked]
-        raise MismatchError(
-            f"COLLECTIVES_NCCL_EAGER=1 on rank(s) {_ranks(asked)} but not on rank(s) {_ranks(others)}: set up at "
-            f"init() on some ranks only, the CUDA transport would hang; set it the same on every rank")
+    if not all(asked):
+        _agree.refuse(MismatchError(
+            "COLLECTIVES_NCCL_EAGER=1 on some ranks only: " + _agree.holding(
+                ["COLLECTIVES_NCCL_EAGER=1" if a else "it off" for a in asked]) + "; set up at init() on some "
+            "ranks only, the CUDA transport would hang; set it the same on every rank"))
     missing = [r for r, (_, loaded) in enumerate(votes) if not loaded]
     if missing:
-        raise BackendUnavailableError(
-            f"COLLECTIVES_NCCL_EAGER=1, but rank(s) {_ranks(missing)} imported neither torch nor CuPy before "
+        _agree.refuse(BackendUnavailableError(
+            f"COLLECTIVES_NCCL_EAGER=1, but {_agree.ranks(missing)} imported neither torch nor CuPy before "
             f"init(), so there is no CUDA library to set up a device with: import one first, or unset "
-            f"COLLECTIVES_NCCL_EAGER")
+            f"COLLECTIVES_NCCL_EAGER"))
     try:
         index = local_device(engine)
     except BackendUnavailableError:
         index = 0  # device_transport reports the problem on every rank
     engine.transport_for((2, index))  # 2: DLPack's kDLCUDA
-
-
-def _ranks(ranks: list[int]) -> str:
-    return ",".join(map(str, ranks))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ bottom layer (errors, config, dtypes, the agreement protocol), never each other.
 
 from __future__ import annotations
 
-from .. import _config
+from .. import _agree, _config
 from .._errors import BackendUnavailableError
 from .base import HostTransport
 from . import cuda
@@ -73,7 +73,7 @@ def device_transport(engine, device) -> DeviceTransport:
     :class:`~collectives._comm.Engine`; collective: every rank calls it, once)."""
     index = int(device[1])
     facts, failure = local_facts(engine, index)
-    everyone = engine.host.allgather_object(facts)
+    everyone = _agree.gather(engine.host, facts)  # then every rank decides alike, from the same list
     try:
         name = decide(everyone, mpi=engine.host.name == "mpi", device=f"cuda:{index}")
     except BackendUnavailableError as exc:

@@ -6,7 +6,7 @@ from collections import deque
 
 import numpy as np
 
-from .. import _config
+from .. import _agree, _config
 from .._errors import CollectiveError
 from .._p2p import p2p_header, p2p_mismatch
 from .base import HostTransport, Request
@@ -16,7 +16,8 @@ class SelfTransport(HostTransport):
     name = "self"
 
     def __init__(self):
-        _config.refuse_malformed()  # a malformed variable is refused at init, as with MPI (alone here)
+        # a malformed variable is refused at init, as with MPI (alone here)
+        _agree.refuse_together(None, _config.problems(), _config.malformed)
         self.check_nan = _config.check_nan()
         self._mail: dict = {}  # tag -> the messages this process sent itself, oldest first: (header, bytes)
 

@@ -48,6 +48,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from .. import _agree
 from .._dtypes import divide, wire_op
 from .._errors import MismatchError
 
@@ -144,10 +145,11 @@ class Reducer:
         self.node = node_communicator(comm, node_color)
         self.local_rank, self.local_size = self.node.Get_rank(), self.node.Get_size()
         n = self.local_size
-        slot = comm.allreduce(max(int(slot_bytes), MIN_SLOT_BYTES), op=MPI.MIN)
+        smallest = _agree.Ballot({"bytes": "min"})  # (two exchanges: the chunk follows from the slot)
+        slot = smallest.combine(comm, {"bytes": max(int(slot_bytes), MIN_SLOT_BYTES)})["bytes"]
         self.stride = slot // n // _ALIGN * _ALIGN  # bytes of one region
         # The chunk must be the same on every node (the leaders' allreduces must match): the smallest.
-        self.chunk_bytes = comm.allreduce(self.stride * n, op=MPI.MIN)
+        self.chunk_bytes = smallest.combine(comm, {"bytes": self.stride * n})["bytes"]
         self.multi_node = self.size > n  # same answer on every rank: nodes partition comm
         self.leaders = None
         if self.multi_node:

@@ -4,6 +4,7 @@ compression): every ``p.grad`` in one fused :func:`allreduce_tree` at ``step()``
 
 from __future__ import annotations
 
+from .. import _agree
 from .._comm import allreduce_tree
 
 
@@ -30,7 +31,7 @@ def zero_missing(inner, comm) -> None:
         return
     params = [p for group in inner.param_groups for p in group["params"]]
     mine = [i for i, p in enumerate(params) if p.grad is None]
-    lists = comm.allgather_object(mine)
+    lists = _agree.gather(comm, mine)
     counts: dict[int, int] = {}
     for indices in lists:
         for i in indices:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import collectives as _coll
 
-from .. import _config, _launcher
+from .. import _agree, _config, _launcher
 
 SCHEME = "collectives"  # init_method="collectives://": MPI's ranks, the store below
 
@@ -64,7 +64,7 @@ def _store_file(comm) -> str:
         _OPEN.append(fd)
         names = (name, f"/proc/{os.getpid()}/fd/{fd}")
     name, proc = comm.broadcast_object(names, root=0)
-    if all(comm.allgather_object(os.access(proc, os.R_OK | os.W_OK))):
+    if all(_agree.gather(comm, os.access(proc, os.R_OK | os.W_OK))):  # every rank takes the same branch
         if comm.rank == 0:
             _unlink(name)  # every rank reaches the file through rank 0's descriptor: no name left
         return proc

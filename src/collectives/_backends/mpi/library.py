@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ... import _config
+from ... import _agree, _config
 from .. import shm
 
 
@@ -121,7 +121,8 @@ def _warn_faulty(MPI, bad: list) -> None:
 
 
 def _agreed_settings(comm, local_size: int, faulty: Sequence = ()) -> tuple[int, bool, frozenset, bool]:
-    """What every rank must share, agreed in one allreduce when the MPI transport is made (collective):
+    """What every rank must share, agreed in one allreduce when the MPI transport is made (collective; one
+    :class:`~collectives._agree.Ballot` over the start-up mpi4py communicator ``comm``):
     ``(shared-memory threshold in bytes, or shm.NEVER when the path is off; whether synchronize may use the
     point-to-point pipeline; the (dtype, op) pairs of PROBED_OPS that some rank's MPI reduces wrongly;
     whether floating reductions are checked for NaN/inf, COLLECTIVES_CHECK_NAN)``.
@@ -135,15 +136,15 @@ def _agreed_settings(comm, local_size: int, faulty: Sequence = ()) -> tuple[int,
     ``COLLECTIVES_SYNC_PIPELINE=0``; the NaN check is on if any rank has ``COLLECTIVES_CHECK_NAN=1`` (it is
     one more collective before each checked call: every rank must make it).
     """
-    from mpi4py import MPI
-
-    flags = [1 if pair in faulty else 0 for pair in PROBED_OPS]
-    mine = np.array([0 if _config.shm() else 1, _config.shm_threshold(), local_size,
-                     0 if _config.sync_pipeline() else 1, 1 if _config.check_nan() else 0, *flags], dtype=np.int64)
-    comm.Allreduce(MPI.IN_PLACE, mine, MPI.MAX)
-    disabled, threshold, max_local, no_pipeline, check_nan = (int(v) for v in mine[:5])
-    agreed = frozenset(pair for pair, flag in zip(PROBED_OPS, mine[5:]) if flag)
-    return (shm.NEVER if disabled or max_local < 2 else threshold), not no_pipeline, agreed, bool(check_nan)
+    pairs = {f"faulty {dtype.name} {op}": (dtype, op) for dtype, op in PROBED_OPS}
+    ballot = _agree.Ballot({"shm off": "any", "threshold": "max", "local size": "max", "pipeline off": "any",
+                            "check nan": "any", **dict.fromkeys(pairs, "any")})
+    got = ballot.combine(comm, {"shm off": not _config.shm(), "threshold": _config.shm_threshold(),
+                                "local size": local_size, "pipeline off": not _config.sync_pipeline(),
+                                "check nan": _config.check_nan(), **{k: p in faulty for k, p in pairs.items()}})
+    agreed = frozenset(pair for key, pair in pairs.items() if got[key])
+    shared = shm.NEVER if got["shm off"] or got["local size"] < 2 else got["threshold"]
+    return shared, not got["pipeline off"], agreed, got["check nan"]
 
 
 def _reduces_locally(MPI, datatype) -> bool:

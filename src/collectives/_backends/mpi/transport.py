@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from ... import _config, _trace
+from ... import _agree, _config, _trace
 from ..._errors import BackendUnavailableError, CollectiveTimeoutError
 from ..._poll import poll
 from .. import shm  # large allreduces through a node-shared window (made at first use), issue 7
@@ -50,7 +50,7 @@ class MPITransport(HotPath, SharedWindow, LaneMaking, PointToPoint, BroadcastPip
             raise TypeError(f"comm must be an mpi4py intra-communicator, got {type(base).__name__}")
         self.comm = base.Dup()  # never talk on the user's communicator
         try:  # a malformed variable on any rank: every rank refuses here, before anything else talks
-            _config.refuse_malformed(self.comm.allgather)
+            _agree.refuse_together(self.comm, _config.problems(), _config.malformed)
         except ValueError:
             self.comm.Free()
             self.comm = None
