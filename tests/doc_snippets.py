@@ -57,6 +57,7 @@ The report names each failing snippet by page and line and shows the tail of its
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import importlib.util
 import os
 import re
@@ -420,55 +421,82 @@ def run_snippet(snip: Snippet, page: Page, env: dict) -> tuple[str, str]:
     return ("pass" if ok else "fail"), out
 
 
+def run_page(page_name: str, env: dict, listing: bool = False, verbose: bool = False) -> tuple[int, int, int, str]:
+    """Run (or, ``listing``, list) every snippet of one page in a scratch directory of its own:
+    ``(passed, failed, skipped, report)``, the report's lines in the page's order."""
+    lines: list[str] = []
+    passed = failed = skipped = 0
+    try:
+        snippets = parse_page(page_name)
+    except DocError as e:
+        return 0, 1, 0, f"FAIL {e}\n"
+    with tempfile.TemporaryDirectory(prefix="doc-snippets-") as scratch:
+        page = Page(page_name, Path(scratch))
+        for snip in snippets:
+            if listing:
+                o = snip.options
+                what = (f"skip: {o['skip']}" if "skip" in o else
+                        f"cheap form: {o['cheap']} ({o.get('reason', '')})" if "cheap" in o else
+                        f"run ({', '.join(f'{k}={v}' for k, v in o.items()) or 'defaults'})")
+                lines.append(f"{snip.where:<36} {snip.lang or '-':<8} {what}")
+                continue
+            t0 = time.monotonic()
+            status, detail = run_snippet(snip, page, env)
+            dt = time.monotonic() - t0
+            if status == "pass":
+                passed += 1
+                lines.append(f"ok   {snip.where} ({snip.lang}, {dt:.1f} s)")
+                if verbose:
+                    lines.append(detail)
+            elif status == "skip":
+                skipped += 1
+                lines.append(f"skip {snip.where} ({snip.lang}): {detail}")
+            else:
+                failed += 1
+                tail = detail if len(detail) < 6000 else "...\n" + detail[-6000:]
+                lines.append(f"FAIL {snip.where} ({snip.lang or 'no info string'}, {dt:.1f} s): {tail.rstrip()}\n")
+    return passed, failed, skipped, "".join(line + "\n" for line in lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("pages", nargs="*", help="pages to run (default: README.md and docs/*.md)")
     ap.add_argument("--list", action="store_true", help="list the snippets and what is done with each")
     ap.add_argument("-v", "--verbose", action="store_true", help="print every snippet's output")
+    ap.add_argument("-j", "--jobs", type=int, default=min(2, os.cpu_count() or 1),
+                    help="pages run at once (default: 2 where there are 2 cores); a page's own snippets "
+                         "always run one after another, in its order, and its report is printed whole")
     args = ap.parse_args(argv)
-    pages = args.pages or PAGES
+    pages = [str(Path(p).resolve().relative_to(ROOT)) if Path(p).exists() else p for p in (args.pages or PAGES)]
     env = environment()
-    passed = failed = skipped = 0
     start = time.monotonic()
-    for page_name in pages:
-        page_name = str(Path(page_name).resolve().relative_to(ROOT)) if Path(page_name).exists() else page_name
-        try:
-            snippets = parse_page(page_name)
-        except DocError as e:
-            print(f"FAIL {e}", flush=True)
-            failed += 1
-            continue
-        with tempfile.TemporaryDirectory(prefix="doc-snippets-") as scratch:
-            page = Page(page_name, Path(scratch))
-            for snip in snippets:
-                if args.list:
-                    o = snip.options
-                    what = (f"skip: {o['skip']}" if "skip" in o else
-                            f"cheap form: {o['cheap']} ({o.get('reason', '')})" if "cheap" in o else
-                            f"run ({', '.join(f'{k}={v}' for k, v in o.items()) or 'defaults'})")
-                    print(f"{snip.where:<36} {snip.lang or '-':<8} {what}")
-                    continue
-                t0 = time.monotonic()
-                status, detail = run_snippet(snip, page, env)
-                dt = time.monotonic() - t0
-                if status == "pass":
-                    passed += 1
-                    print(f"ok   {snip.where} ({snip.lang}, {dt:.1f} s)", flush=True)
-                    if args.verbose:
-                        print(detail)
-                elif status == "skip":
-                    skipped += 1
-                    print(f"skip {snip.where} ({snip.lang}): {detail}", flush=True)
-                else:
-                    failed += 1
-                    tail = detail if len(detail) < 6000 else "...\n" + detail[-6000:]
-                    print(f"FAIL {snip.where} ({snip.lang or 'no info string'}, {dt:.1f} s): "
-                          f"{tail.rstrip()}\n", flush=True)
+    if args.list or args.jobs <= 1:
+        results = [run_page(p, env, args.list, args.verbose) for p in pages]
+        for *_, report in results:
+            print(report, end="", flush=True)
+    else:
+        # the pages with the most runnable snippets first, so that the long ones do not end the run alone;
+        # pages share nothing but the repository (each has its own scratch directory)
+        order = sorted(pages, key=lambda p: -sum("skip" not in s.options for s in _parsed(p)))
+        with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+            futures = [pool.submit(run_page, p, env, False, args.verbose) for p in order]
+            results = []
+            for future in concurrent.futures.as_completed(futures):
+                results.append(future.result())
+                print(results[-1][3], end="", flush=True)
     if args.list:
         return 0
+    passed, failed, skipped = (sum(r[k] for r in results) for k in range(3))
     print(f"\ndocs snippets: {time.monotonic() - start:.0f} s")
     print(f"{passed} passed, {failed} failed, {skipped} not runnable (marked)")
     return 0 if failed == 0 and passed > 0 else 1
+
+
+def _parsed(page_name: str) -> list:
+    try:
+        return parse_page(page_name)
+    except DocError:
+        return []
 
 
 if __name__ == "__main__":

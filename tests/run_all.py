@@ -14,6 +14,7 @@ software that calls torch.distributed, each at 2 ranks, compared with gloo).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -205,7 +206,12 @@ def main() -> int:
     # The crash suite: one process of pytest that launches each failure scenario under mpiexec itself
     # (exception, SIGKILL, mismatch, deadline, clean exit at 2 and 3 ranks) and times how the job ends; with
     # it the jobs that need a world size of their own (the reproducible training step at 1, 2, 3 and 4 ranks).
-    rc, out = run([sys.executable, "-m", "pytest", "tests/crash", "-q", "-s", "--timeout", "300"], 1200)
+    # Two jobs at a time where pytest-xdist is installed (the test extra has it): a job keeps about one core
+    # busy (its ranks start Python, torch, MPI), so two halve the suite's time on CI's 2 cores; the longest
+    # file (the reproducible step, four jobs in one test) is named first so that it starts first.
+    crash = ["tests/crash/test_reproducible_jobs.py", "tests/crash"]
+    two = ["-n", "2"] if importlib.util.find_spec("xdist") and (os.cpu_count() or 1) >= 2 else ["-s"]
+    rc, out = run([sys.executable, "-m", "pytest", *crash, "-q", *two, "--timeout", "300"], 1200)
     p, f = pytest_counts(out)
     ok = rc == 0 and p > 0
     total_passed += p
