@@ -206,26 +206,21 @@ class Communicator:
             _refuse_thread("broadcast")
         try:
             cls = x.__class__
-            if cls is _ndarray:  # the hot path (see _fast_path): a cached call, no validation
+            # the hot path (see _fast_path): a cached call, no validation; a NumPy array or a plain CPU tensor
+            numpy = cls is _ndarray
+            if numpy or cls is _torch_tensor:
                 run = self._fast_broadcast.get(x.dtype)
-                if run is not None and x.flags.carray and root.__class__ is int and 0 <= root < self._size:
+                if run is not None and root.__class__ is int and 0 <= root < self._size and (
+                        x.flags.carray if numpy else _torch_plain(x)):
                     ring = self._ring
                     if ring is not None:  # the flight recorder (_trace): the cached call; the root beside it
                         n = self._seq = self._seq + 1
                         i = n & self._mask
                         ring[i] = run
                         self._roots[i] = root
-                    run(x, root)
-                    return x
-            elif cls is _torch_tensor:
-                run = self._fast_broadcast.get(x.dtype)
-                if run is not None and root.__class__ is int and 0 <= root < self._size and _torch_plain(x):
-                    ring = self._ring
-                    if ring is not None:
-                        n = self._seq = self._seq + 1
-                        i = n & self._mask
-                        ring[i] = run
-                        self._roots[i] = root
+                    if numpy:
+                        run(x, root)
+                        return x
                     run(x.detach().numpy() if x.requires_grad else x.numpy(), root)
                     _arrays.bump_versions((x,))  # written behind autograd's back: as under no_grad
                     return x
@@ -319,13 +314,7 @@ class Communicator:
                 except TypeError:  # an unhashable op: the general path says what is wrong with it
                     run = None
                 if run is not None and x.flags.c_contiguous and x.ndim and not x.shape[0] % self._size:
-                    out = _empty((x.shape[0] // self._size,) + x.shape[1:], x.dtype)
-                    ring = self._ring
-                    if ring is not None:  # the cached call and the shape (read above anyway)
-                        n = self._seq = self._seq + 1
-                        ring[n & self._mask] = run, x.shape
-                    run(x, out)
-                    return out
+                    return self._hot_blocks(run, x, _empty((x.shape[0] // self._size,) + x.shape[1:], x.dtype))
             return self._blocking(reductions.reduce_scatter(self, x, op, reproducible, False))
         except Exception as exc:  # noqa: BLE001 - re-raised (MPI errors as CollectiveError)
             record.note_failure(self, exc, x)
@@ -345,19 +334,23 @@ class Communicator:
             if x.__class__ is _ndarray:  # the hot path (see _fast_path)
                 run = self._fast_blocks.get(("alltoall", x.dtype))
                 if run is not None and x.flags.c_contiguous and x.ndim and not x.shape[0] % self._size:
-                    out = _empty(x.shape, x.dtype)
-                    ring = self._ring
-                    if ring is not None:  # the cached call and the shape (read above anyway)
-                        n = self._seq = self._seq + 1
-                        ring[n & self._mask] = run, x.shape
-                    run(x, out)
-                    return out
+                    return self._hot_blocks(run, x, _empty(x.shape, x.dtype))
             return self._blocking(movement.alltoall(self, x, False))
         except Exception as exc:  # noqa: BLE001 - re-raised (MPI errors as CollectiveError)
             record.note_failure(self, exc, x)
             reraise(exc, "alltoall")
         finally:
             _leave()
+
+    def _hot_blocks(self, run, x, out):
+        """The hot path's call of reduce_scatter and alltoall (a cached call from ``x`` into ``out``), kept by the
+        flight recorder as the cached call and ``x``'s shape (read above anyway)."""
+        ring = self._ring
+        if ring is not None:
+            n = self._seq = self._seq + 1
+            ring[n & self._mask] = run, x.shape
+        run(x, out)
+        return out
 
     # ---- point-to-point: send and recv (only the two ranks concerned call them) ----
     @collective("send")
