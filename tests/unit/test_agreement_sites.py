@@ -16,6 +16,7 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "collectives"
 
 OBJECT_EXCHANGES = {"allgather_object", "agree_allgather"}
 REDUCTIONS = {"allreduce", "Allreduce", "Iallreduce"}
+ROW_CALLS = {"call", "bind_in_place", "bind"}  # an MPI call made from a row of _backends.mpi.ops (its allreduce row)
 ORDERS = {"max", "min", "MAX", "MIN", "_max_op", "_min_op"}  # "max" / MPI.MAX / a transport's cached MPI.MAX
 
 # (module, function) -> why that exchange is not an agreement (or is the transport's own protocol)
@@ -24,9 +25,9 @@ ALLOWED = {
     ("_backends.base", "objects_allgather"): "a transport's default for the public allgather_object (the data)",
     ("_tree", "_exact"): "allreduce_tree's Python-int leaves: the user's data, reduced exactly",
     ("torch_backend.group", "barrier"): "torch's dist.barrier, asked for by the user: a one-byte allreduce",
-    ("_backends.mpi.lanes", "_fingerprint"): "the MPI transport's own fingerprint beside each non-blocking call, "
-                                             "on its own lane, in the call's hot path (the protocol, not a user)",
-    ("_backends.mpi.lanes", "_begin_making"): "the same fingerprint for the making of a lane (the transport's own)",
+    ("_backends.mpi.transport", "__init__"): "the MPI transport's own fingerprint beside each non-blocking call and "
+                                             "each lane's making, bound once from the allreduce row on its own "
+                                             "lane (lanes.py calls it: the protocol, not a user)",
 }
 
 
@@ -51,7 +52,9 @@ def orders(call: ast.Call) -> bool:
 def exchanges(name: str, source: str) -> list[tuple[str, str, int, str]]:
     """``(module, function, line, call)`` of every agreement-shaped exchange in ``source``: a call of
     ``.allgather_object``/``.agree_allgather``, or of ``.allreduce``/``.Allreduce``/``.Iallreduce`` with max
-    or min, also one handed to a starter with its op (``start(opts, comm.allreduce, flag, "max")``); the
+    or min, also one made from the allreduce row of ``_backends.mpi.ops`` (``OPERATIONS["allreduce"].call``,
+    ``.bind_in_place``: where every MPI call is made) and one handed to a starter with its op
+    (``start(opts, comm.allreduce, flag, "max")``); the
     innermost enclosing function names the place (``""`` at module level)."""
     found = []
 
@@ -61,6 +64,8 @@ def exchanges(name: str, source: str) -> list[tuple[str, str, int, str]]:
             if isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute):
                 attr = child.func.attr
                 passed = any(isinstance(a, ast.Attribute) and a.attr in REDUCTIONS for a in child.args)
+                if attr in ROW_CALLS and "allreduce" in ast.unparse(child.func.value):
+                    attr = "Allreduce"  # OPERATIONS["allreduce"].call(comm, specs, MPI.MAX), a row bound so
                 if attr in OBJECT_EXCHANGES or ((attr in REDUCTIONS or passed) and orders(child)):
                     found.append((name, function, child.lineno, ast.unparse(child.func)))
             visit(child, inner)
@@ -103,7 +108,9 @@ def test_the_scanner_sees_every_form():
              "def d(comm, MPI, f):\n    comm.Allreduce(MPI.IN_PLACE, f, MPI.MAX)\n"
              "class E:\n    def e(self, comm, MPI):\n        return comm.allreduce(3, op=MPI.MIN)\n"
              "def f(comm, x):\n    comm.allreduce(x, 'sum')\n"
-             "def g(self, flag):\n    return self._start(None, self._comm.allreduce, flag, 'max')\n")
+             "def g(self, flag):\n    return self._start(None, self._comm.allreduce, flag, 'max')\n"
+             "def h(comm, MPI, f):\n    OPERATIONS['allreduce'].call(comm, [f], MPI.MAX, in_place=MPI.IN_PLACE)\n")
     got = [(f, line, call) for _, f, line, call in exchanges("probe", probe)]
     assert got == [("a", 2, "comm.allgather_object"), ("b", 4, "t.agree_allgather"), ("c", 6, "comm.allreduce"),
-                   ("d", 8, "comm.Allreduce"), ("e", 11, "comm.allreduce"), ("g", 15, "self._start")], got
+                   ("d", 8, "comm.Allreduce"), ("e", 11, "comm.allreduce"), ("g", 15, "self._start"),
+                   ("h", 17, "OPERATIONS['allreduce'].call")], got

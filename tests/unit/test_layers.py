@@ -52,9 +52,9 @@ TRANSPORT_IMPORTS = {
     "_backends.mpi.library": {"_backends.shm"},
     "_backends.mpi.requests": {"_backends.base", "_backends._fingerprint"},
     "_backends.mpi.lanes": {"_backends.base", "_backends._fingerprint", "_backends.mpi.requests"},
-    "_backends.mpi.p2p": {"_backends.base"},
-    "_backends.mpi.pipeline": {"_backends.base"},
-    "_backends.mpi.shared": {"_backends.base", "_backends.shm"},
+    "_backends.mpi.p2p": {"_backends.base", "_backends.mpi.ops"},
+    "_backends.mpi.pipeline": {"_backends.base", "_backends.mpi.ops"},
+    "_backends.mpi.shared": {"_backends.base", "_backends.shm", "_backends.mpi.ops"},
     "_backends.mpi.fast": {"_backends.base", "_backends.mpi.library", "_backends.mpi.ops"},
     "_backends.mpi.transport": MPI_PARTS | {"_backends.mpi." + m for m in (
         "fast", "lanes", "library", "ops", "p2p", "pipeline", "requests", "shared")},
@@ -67,7 +67,7 @@ TRANSPORT_IMPORTS = {
     "_backends.nccl": {"_backends.device", "_backends._libnccl"},
     "_backends.factory": {"_backends.base", "_backends.cuda", "_backends.device", "_backends.self",
                           "_backends.mpi", "_backends.nccl", "_backends._libnccl"},
-    "_backends.shm": set(),
+    "_backends.shm": {"_backends.mpi.ops"},  # the node barriers and the leaders' allreduce, from their rows
     "_backends.closed": set(),
     "_backends.base": set(),
     "_backends._libnccl": set(),

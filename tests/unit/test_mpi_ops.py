@@ -9,7 +9,7 @@ import pytest
 
 from collectives._backends import base
 from collectives._backends._fingerprint import EAGER_LANES, LANES
-from collectives._backends.mpi.ops import OPERATIONS
+from collectives._backends.mpi.ops import ALLGATHERV, MESSAGES, OPERATIONS
 
 IN_PLACE, MOP = "IN_PLACE", "MOP"  # stand-ins for MPI.IN_PLACE and an MPI op
 
@@ -85,3 +85,46 @@ def test_the_hot_path_closure_calls_the_method_or_the_slow_path():
                      ("mpi", (16, "BYTE"), (16, "BYTE")), ("slow", 32, 32)]
     with pytest.raises(ValueError, match="no form for the MPI operation gather"):
         OPERATIONS["gather"].bind(method, "BYTE", None, IN_PLACE, 32, slow)
+
+
+class FakeComm:
+    """An mpi4py communicator's methods, recorded: ``comm.Allreduce(*a)`` appends ``("Allreduce", *a)``."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, method):
+        return lambda *a: self.calls.append((method, *a)) or f"{method} request"
+
+
+def test_each_row_makes_its_call_on_a_given_communicator():
+    """``method``/``call``: the row's blocking or non-blocking method on any communicator (a lane, the
+    agreement communicator, a node's), with the row's arguments; the object bytes' allgatherv and the
+    point-to-point rows (a message: header lane, data lane; spec, peer, tag, a receive's status)."""
+    comm = FakeComm()
+    allreduce, bcast, barrier = OPERATIONS["allreduce"], OPERATIONS["broadcast"], OPERATIONS["barrier"]
+    assert allreduce.call(comm, (["x", "T"],), MOP, in_place=IN_PLACE) == "Allreduce request"
+    assert bcast.call(comm, (["n", "I"],), root=1, blocking=False) == "Ibcast request"
+    OPERATIONS["reduce"].call(comm, ("s",), MOP, 0, rank=1)  # not the root: no receive buffer
+    assert barrier.method(comm, False)() == "Ibarrier request"
+    assert ALLGATHERV.call(comm, ("s", ["t", ("sizes", "offsets"), "B"]), blocking=False) == "Iallgatherv request"
+    send, recv = MESSAGES["send"], MESSAGES["recv"]
+    assert (send.lane, send.data_lane) == (recv.lane, recv.data_lane) == ("p2p", "p2p_data")
+    send.call(comm, ["h", "I"], 1, 5)
+    assert recv.call(comm, ["h", "I"], 0, 5, blocking=False) == "Irecv request"
+    recv.call(comm, ["h", "I"], 0, 5, "status")
+    assert comm.calls == [("Allreduce", IN_PLACE, ["x", "T"], MOP), ("Ibcast", ["n", "I"], 1),
+                          ("Reduce", "s", None, MOP, 0), ("Ibarrier",),
+                          ("Iallgatherv", "s", ["t", ("sizes", "offsets"), "B"]),
+                          ("Send", ["h", "I"], 1, 5), ("Irecv", ["h", "I"], 0, 5), ("Recv", ["h", "I"], 0, 5, "status")]
+    assert set(MESSAGES) == set(base.P2P_OPERATIONS)
+
+
+def test_the_fingerprint_binding_is_the_in_place_call():
+    """``bind_in_place``: the fingerprint's ``Iallreduce(IN_PLACE, v, MAX)``, bound once: only for a row of
+    one buffer reduced in place."""
+    comm = FakeComm()
+    run = OPERATIONS["allreduce"].bind_in_place(OPERATIONS["allreduce"].method(comm, False), "MAX", IN_PLACE)
+    assert run("v") == "Iallreduce request" and comm.calls == [("Iallreduce", IN_PLACE, "v", "MAX")]
+    with pytest.raises(ValueError, match="broadcast is not one buffer reduced in place"):
+        OPERATIONS["broadcast"].bind_in_place(None, None, IN_PLACE)

@@ -45,6 +45,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -139,7 +140,10 @@ class Reducer:
                  reduces=None):
         from mpi4py import MPI
 
+        from .mpi.ops import OPERATIONS  # (here, as mpi4py: the MPI package is loaded once a Reducer is made)
+
         self.MPI = MPI
+        self._leaders_row = OPERATIONS["allreduce"]  # the node leaders' allreduce, from its row
         rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.node = node_communicator(comm, node_color)
@@ -178,7 +182,9 @@ class Reducer:
         self._rank = rank
         self._regions: dict = {}  # dtype -> regions[q][p]: rank q's region p, as that dtype
         self._win_sync: Callable[[], None] | None = self.win.Sync  # None once closed
-        self._node_barrier = self.node.Barrier
+        barrier = OPERATIONS["barrier"]  # the node barriers, from the row: blocking, or non-blocking (a wait's)
+        self._node_barrier: Any = barrier.method(self.node)  # (None once closed, as _win_sync)
+        self._node_ibarrier: Any = barrier.method(self.node, False)
         self._wait = None  # how this call waits for a node barrier (see allreduce)
 
     def supports(self, dtype: np.dtype, op: str, bounded: bool = False) -> bool:
@@ -207,7 +213,7 @@ class Reducer:
         if self._wait is None:
             self._node_barrier()
         else:
-            self._wait(self.node.Ibarrier())
+            self._wait(self._node_ibarrier())
         self._win_sync()  # type: ignore[misc]  # as above
 
     def allreduce(self, buf: np.ndarray, op: str, wait=None) -> None:
@@ -397,7 +403,8 @@ class Reducer:
         if self.leaders is not None:  # a node leader: gather the node's result, reduce across leaders
             for q in range(1, n):
                 chunk[bounds[q]:bounds[q + 1]] = regions[q][q][:bounds[q + 1] - bounds[q]]
-            self.leaders.Allreduce(self.MPI.IN_PLACE, [chunk, self._types[chunk.dtype]], self._mpi_ops[op])
+            self._leaders_row.call(self.leaders, ([chunk, self._types[chunk.dtype]],), self._mpi_ops[op],
+                                 in_place=self.MPI.IN_PLACE)
             if divisor is not None:
                 divide(chunk, divisor)
             if n > 1:
@@ -413,7 +420,7 @@ class Reducer:
         """Free the window and the communicators. Collective over ``comm``; idempotent."""
         win, self.win = getattr(self, "win", None), None
         self._regions, self._slots = {}, []
-        self._win_sync = self._node_barrier = None
+        self._win_sync = self._node_barrier = self._node_ibarrier = None
         comms = [c for c in (getattr(self, "leaders", None), getattr(self, "node", None)) if c is not None]
         self.leaders = self.node = None
         if self.MPI.Is_finalized():

@@ -8,7 +8,7 @@ import pickle
 import numpy as np
 
 from ..._dtypes import divide, wire_op
-from .ops import OPERATIONS
+from .ops import ALLGATHERV, OPERATIONS
 from .p2p import _Receive
 from .transport import MPITransport
 
@@ -139,13 +139,14 @@ class DeadlineMPITransport(MPITransport):
     def _allgather_bytes(self, comm, data: np.ndarray, what) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Every rank's uint8 ``data`` over ``comm``: ``(table, sizes, offsets)``, each wait bounded."""
         self.usable()
-        sizes = np.empty(self.size, dtype=np.int64)
-        self._wait(what, comm.Iallgather([np.array([data.size], dtype=np.int64), self.MPI.INT64_T],
-                                         [sizes, self.MPI.INT64_T]))
+        sizes, int64, byte = np.empty(self.size, dtype=np.int64), self.MPI.INT64_T, self.MPI.BYTE
+        allgather = OPERATIONS["allgather"]
+        self._wait(what, allgather.call(comm, ([np.array([data.size], dtype=np.int64), int64], [sizes, int64]),
+                                        blocking=False))
         table = np.empty(int(sizes.sum()), dtype=np.uint8)
         offsets = np.zeros(self.size, dtype=np.int64)
         np.cumsum(sizes[:-1], out=offsets[1:])
-        self._wait(what, comm.Iallgatherv([data, self.MPI.BYTE], [table, (sizes, offsets), self.MPI.BYTE]))
+        self._wait(what, ALLGATHERV.call(comm, ([data, byte], [table, (sizes, offsets), byte]), blocking=False))
         return table, sizes, offsets
 
     def _allgather_object_on(self, comm, obj, what) -> list:
@@ -159,10 +160,11 @@ class DeadlineMPITransport(MPITransport):
         if self.rank == root:
             data = np.frombuffer(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
             n[0] = data.size
-        self._wait(what, comm.Ibcast([n, self.MPI.INT64_T], root))
+        bcast = OPERATIONS["broadcast"]
+        self._wait(what, bcast.call(comm, ([n, self.MPI.INT64_T],), root=root, blocking=False))
         if self.rank != root:
             data = np.empty(int(n[0]), dtype=np.uint8)
-        self._wait(what, comm.Ibcast([data, self.MPI.BYTE], root))
+        self._wait(what, bcast.call(comm, ([data, self.MPI.BYTE],), root=root, blocking=False))
         return obj if self.rank == root else pickle.loads(data.tobytes())
 
     def allgather_object(self, obj):
@@ -175,8 +177,9 @@ class DeadlineMPITransport(MPITransport):
 
     def agree_allgather(self, send, recv) -> None:
         self.usable()
+        byte = self.MPI.BYTE  # on the agreement communicator (self.comm), not the allgather lane
         self._wait(("the agreement step (allgather of fingerprints)", None, None),
-                   self.comm.Iallgather([send, self.MPI.BYTE], [recv, self.MPI.BYTE]))
+                   OPERATIONS["allgather"].call(self.comm, ([send, byte], [recv, byte]), blocking=False))
 
     def objects_allgather(self, obj) -> list:
         return self._allgather_object_on(self._lanes["objects"], obj, ("allgather_object", None, None))

@@ -32,7 +32,7 @@ class HotPath(HostTransport):
         """The row ``name``'s hot-path closure on its lane (made now if it is not: collective, as the
         general path's first call of the kind), for ``dtype`` and ``op`` (:meth:`Operation.bind`)."""
         row = OPERATIONS[name]
-        method = getattr(self._lanes[row.lane], row.blocking)
+        method = row.method(self._lanes[row.lane])
         datatype = self._types[dtype] if row.reduces else self.MPI.BYTE
         return row.bind(method, datatype, None if op is None else self._ops[op], self._in_place, at, slow)
 
@@ -46,7 +46,7 @@ class HotPath(HostTransport):
                 return self._bind("broadcast", dtype, None, max_count + 1, self.broadcast)
             if self._typed_from_buffer(dtype) and self._large_counts:
                 row = OPERATIONS["broadcast"]  # the MPI call itself: no Python in between (mpi4py types it
-                return getattr(self._lanes[row.lane], row.blocking)  # from the buffer)
+                return row.method(self._lanes[row.lane])  # from the buffer)
             if not self._large_counts:  # counts past 2**31-1 in pieces (Open MPI 5.0 refuses them: MPI_ERR_ARG)
                 return self._bind("broadcast", dtype, None, DEFAULT_MAX_COUNT + 1, self.broadcast)
             bcast = self._bind("broadcast", dtype, None, None, None)

@@ -68,8 +68,7 @@ class LaneMaking(HostTransport):
     _lanes: dict
     _making: dict
     _fingerprints: dict
-    _in_place: Any
-    _max_op: Any
+    _reduce_fingerprint: Any  # Iallreduce(IN_PLACE, v, MAX) on the fingerprint lane, from its row (bound once)
     _wait: Any
 
     def _fingerprint(self, operation, *args):
@@ -97,7 +96,7 @@ class LaneMaking(HostTransport):
             if len(self._fingerprints) < 4096:  # a few per (collective, count, dtype, op, root) in use
                 self._fingerprints[key] = hit
         v = hit[0].copy()
-        return self._lanes["fingerprint"].Iallreduce(self._in_place, v, self._max_op), (v, hit[1])
+        return self._reduce_fingerprint(v), (v, hit[1])
 
     def _make_lane(self, name: str, wait=None):
         """The lane ``name`` at its first use (``_Lanes``), made now: its making (:meth:`_begin_making`, or
@@ -122,7 +121,7 @@ class LaneMaking(HostTransport):
             v[:len(FIELDS)] = caller + (_LANE_CODE + LANES.index(name), 0, 0, -1, -1)
             v[len(FIELDS):] = -v[:len(FIELDS)]
             mine = v.tobytes()
-            check = (self._lanes["fingerprint"].Iallreduce(self._in_place, v, self._max_op), (v, mine))
+            check = (self._reduce_fingerprint(v), (v, mine))
         making = self._making[name] = _Making(name, check, _making_what(name, self.caller))
         return making
 

@@ -7,7 +7,11 @@ call; a reduction's buffers typed by their element datatype, data movement's as 
 ``COLLECTIVES_MAX_COUNT`` bounds). The transport makes its blocking pieces, its non-blocking starts (and
 so the deadline transport's polled calls), its hot-path closures and CUDA-aware MPI's calls from the
 rows: an MPI operation's call is written here once, and adding one is adding a row (docs/architecture.md,
-"How to add a collective or a transport").
+"How to add a collective or a transport"). So are the library's own calls: the agreement step's allgather,
+the fingerprint beside each non-blocking call, the deadline transport's object collectives (with the one
+row of their own, :data:`ALLGATHERV`), the shared-memory allreduce's node barriers and node leaders'
+allreduce; and point-to-point messages, from the sibling table :data:`MESSAGES`. No MPI communication
+method is named outside this module (tests/unit/test_mpi_calls.py).
 """
 
 from __future__ import annotations
@@ -29,8 +33,21 @@ def _complex_product(args: tuple) -> bool:
     return args[1] == "prod" and args[0].dtype.kind == "c"
 
 
+class _Methods:
+    """What every row has: the names of mpi4py's blocking and non-blocking method of its call."""
+
+    blocking: str
+    nonblocking: str
+
+    def method(self, comm, blocking: bool = True) -> Callable:
+        """mpi4py's bound method of this row's call on ``comm`` (its lane, or another communicator: the
+        agreement communicator, the node's or the node leaders' of the shared-memory allreduce), blocking or
+        non-blocking: the one place that names it."""
+        return getattr(comm, self.blocking if blocking else self.nonblocking)
+
+
 @dataclass(frozen=True)
-class Operation:
+class Operation(_Methods):
     """One MPI operation. Its arguments, as the transport's methods take them: ``buffers`` arrays (the
     send buffer, then the receive buffer: None on a rank that receives nothing), then the op (a name of
     ``_dtypes``, where ``reduces``), then the root (where ``rooted``)."""
@@ -83,6 +100,19 @@ class Operation:
             mpi_args.append(root)
         return mpi_args
 
+    def call(self, comm, specs=(), mop=None, root=None, *, rank: int = 0, in_place=None, blocking: bool = True):
+        """This row's call on ``comm`` of buffer ``specs`` already in MPI's terms (as :meth:`arguments`; ``rank``:
+        this rank, where the row is in place at the root), blocking, or non-blocking (its request)."""
+        return self.method(comm, blocking)(*self.arguments(specs, mop, root, rank, in_place))
+
+    def bind_in_place(self, method, mop, in_place) -> Callable:
+        """``run(buffer)``: ``method`` (this row's call, bound once: the fingerprint lane's ``Iallreduce``)
+        in place on a buffer mpi4py types from its format, with the MPI op ``mop``: nothing made per call.
+        For a row of one buffer, in place, with an op and no root."""
+        if self.buffers != 1 or self.in_place != ALWAYS or not self.reduces or self.rooted:
+            raise ValueError(f"the MPI operation {self.name} is not one buffer reduced in place")
+        return lambda buf: method(in_place, buf, mop)
+
     def bind(self, method, datatype, mop, in_place, at: float | None, slow) -> Callable:
         """The hot path's call of this row (``fast_call``, ``fast_blocks``), made once per key: a closure
         that calls ``method`` (the lane's bound mpi4py method) on the whole buffers, typed ``datatype``,
@@ -134,4 +164,33 @@ OPERATIONS = {row.name: row for row in (
               reduces=True, counted=1, unit=ELEMENTS),
     Operation("alltoall", "alltoall", "Alltoall", "Ialltoall", 2, unit=BYTES_PER_RANK),
     Operation("barrier", "barrier", "Barrier", "Ibarrier", 0),
+)}
+
+# The deadline transport's object collectives (no user collective: pickled bytes of every rank, each rank's
+# count its own), on the communicator they are given (the agreement communicator or the objects lane).
+ALLGATHERV = Operation("allgatherv", "objects", "Allgatherv", "Iallgatherv", 2)
+
+
+@dataclass(frozen=True)
+class Message(_Methods):
+    """One point-to-point MPI call, a send or a receive. A message is two (mpi/p2p.py): its header on
+    ``lane`` under the user's tag, then its data on ``data_lane`` under a tag of its own. mpi4py's
+    arguments: the buffer spec, the peer's rank (or ``MPI.ANY_SOURCE``), the tag, and a receive's status
+    where one is asked for."""
+
+    name: str  # the transport's operation (base.P2P_OPERATIONS)
+    lane: str  # the header's lane ...
+    data_lane: str  # ... and the data's
+    blocking: str  # mpi4py's method of the blocking call ...
+    nonblocking: str  # ... and of the non-blocking one
+
+    def call(self, comm, spec, peer: int, tag: int, status=None, *, blocking: bool = True):
+        """This message's call on ``comm`` (its lane or data lane): blocking, or non-blocking (its request)."""
+        method = self.method(comm, blocking)
+        return method(spec, peer, tag) if status is None else method(spec, peer, tag, status)
+
+
+MESSAGES = {row.name: row for row in (
+    Message("send", "p2p", "p2p_data", "Send", "Isend"),
+    Message("recv", "p2p", "p2p_data", "Recv", "Irecv"),
 )}

@@ -10,6 +10,9 @@ import numpy as np
 from ..._errors import CollectiveError
 from ..._p2p import HEADER_WORDS, p2p_fields, p2p_header, p2p_mismatch
 from ..base import HostTransport, Request
+from .ops import MESSAGES
+
+SEND, RECV = MESSAGES["send"], MESSAGES["recv"]
 
 
 class PointToPoint(HostTransport):
@@ -54,10 +57,10 @@ class PointToPoint(HostTransport):
         if self._receives:
             return self._start_send(buf, name, dst, tag).wait()
         header = self._header(buf, name, dst, tag)
-        self._lanes["p2p"].Send([header, self.MPI.INT64_T], dst, tag)
-        data, byte, seq = self._lanes["p2p_data"], self.MPI.BYTE, int(header[2])
+        SEND.call(self._lanes[SEND.lane], [header, self.MPI.INT64_T], dst, tag)
+        data, byte, seq = self._lanes[SEND.data_lane], self.MPI.BYTE, int(header[2])
         for piece in self._pieces(buf.reshape(-1).view(np.uint8), self._max_count):
-            data.Send([piece, byte], dst, seq)
+            SEND.call(data, [piece, byte], dst, seq)
 
     def recv(self, buf, name, src, tag, box):
         """MPI_Recv of a header (from ``src`` or any rank), checked, then of its data; while other receives
@@ -67,12 +70,12 @@ class PointToPoint(HostTransport):
         self._from_itself(src, tag)
         if self._receives:
             return _Receive(self, buf, name, src, tag, box).wait()
-        self._lanes["p2p"].Recv([header, MPI.INT64_T], MPI.ANY_SOURCE if src is None else src, tag, status)
+        RECV.call(self._lanes[RECV.lane], [header, MPI.INT64_T], MPI.ANY_SOURCE if src is None else src, tag, status)
         source = status.Get_source()
         target, error = _receiving(self, buf, name, header, source, tag)
-        data, byte, seq, piece = self._lanes["p2p_data"], MPI.BYTE, int(header[2]), int(header[3])
+        data, byte, seq, piece = self._lanes[RECV.data_lane], MPI.BYTE, int(header[2]), int(header[3])
         for part in self._pieces(target, piece):
-            data.Recv([part, byte], source, seq)
+            RECV.call(data, [part, byte], source, seq)
         if error is not None:
             raise error
         box[0] = source
@@ -87,10 +90,10 @@ class PointToPoint(HostTransport):
 
     def _start_send(self, buf, name, dst, tag) -> _Sending:
         header = self._header(buf, name, dst, tag)
-        data, byte, seq = self._lanes["p2p_data"], self.MPI.BYTE, int(header[2])
-        reqs = [self._lanes["p2p"].Isend([header, self.MPI.INT64_T], dst, tag)]
-        reqs += [data.Isend([piece, byte], dst, seq) for piece in self._pieces(buf.reshape(-1).view(np.uint8),
-                                                                              self._max_count)]
+        data, byte, seq = self._lanes[SEND.data_lane], self.MPI.BYTE, int(header[2])
+        reqs = [SEND.call(self._lanes[SEND.lane], [header, self.MPI.INT64_T], dst, tag, blocking=False)]
+        reqs += [SEND.call(data, [piece, byte], dst, seq, blocking=False)
+                 for piece in self._pieces(buf.reshape(-1).view(np.uint8), self._max_count)]
         return _Sending(self, reqs, ("send", buf, f"dst={dst}, tag={tag}"), (header, buf))
 
 
@@ -178,9 +181,8 @@ class _Receive(Request):
         self._header = np.empty(HEADER_WORDS, dtype=np.int64)
         self._status = MPI.Status()
         self._what = ("recv", buf, f"src={'any' if src is None else src}, tag={tag}")
-        self._head = _Status(transport._lanes["p2p"].Irecv([self._header, MPI.INT64_T],
-                                                           MPI.ANY_SOURCE if src is None else src, tag),
-                             self._status)
+        self._head = _Status(RECV.call(transport._lanes[RECV.lane], [self._header, MPI.INT64_T],
+                                       MPI.ANY_SOURCE if src is None else src, tag, blocking=False), self._status)
         self._data: list | None = None
         self._error: Exception | None = None
         self._done = False
@@ -200,9 +202,9 @@ class _Receive(Request):
         source = self._status.Get_source()
         target, self._error = _receiving(t, self._buf, self._name, self._header, source, self._tag)
         seq, piece = int(self._header[2]), int(self._header[3])
-        lane, byte = t._lanes["p2p_data"], t.MPI.BYTE
+        lane, byte = t._lanes[RECV.data_lane], t.MPI.BYTE
         self._scratch = target
-        self._data = [lane.Irecv([part, byte], source, seq) for part in t._pieces(target, piece)]
+        self._data = [RECV.call(lane, [part, byte], source, seq, blocking=False) for part in t._pieces(target, piece)]
         self._box[0] = source
 
     def _finish(self) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from ..base import HostTransport
+from .ops import MESSAGES
 
 
 class BroadcastPipeline(HostTransport):
@@ -74,7 +75,8 @@ class BroadcastPipeline(HostTransport):
                 ring = self._pipe_ring = np.empty(need, dtype=np.uint8)
             others = [r for r in range(self.size) if r != root]
             pending: list = [None] * depth
-            isend, byte, testall, waitall = comm.Isend, MPI.BYTE, MPI.Request.Testall, MPI.Request.Waitall
+            isend, byte = MESSAGES["send"].method(comm, False), MPI.BYTE  # point-to-point rows, on self.comm
+            testall, waitall = MPI.Request.Testall, MPI.Request.Waitall
             for k, (pieces, total) in enumerate(chunks):
                 slot = k % depth
                 if pending[slot] is not None:
@@ -88,7 +90,7 @@ class BroadcastPipeline(HostTransport):
                 if reqs is not None:
                     waitall(reqs)
             return
-        recv, bottom = comm.Recv, MPI.BOTTOM
+        recv, bottom = MESSAGES["recv"].method(comm), MPI.BOTTOM
         types, spares = self._pipe_types(bufs, (lengths, step), chunks)
         for datatype in types:
             recv([bottom, 1, datatype], root, tag)

@@ -10,6 +10,7 @@ from ... import _config
 from ..._dtypes import wire_op
 from .. import shm
 from ..base import HostTransport
+from .ops import OPERATIONS
 
 
 class SharedWindow(HostTransport):
@@ -50,7 +51,7 @@ class SharedWindow(HostTransport):
                 self._make_lane("allreduce", lambda what, req: wait(req))
             lane = self._lanes["allreduce"]  # made on the allreduce lane: only an allreduce can meet it
             if wait is not None:  # every rank has arrived (within the deadline) before the blocking setup
-                wait(lane.Ibarrier())
+                wait(OPERATIONS["barrier"].call(lane, blocking=False))
             self._shm = shm.Reducer(lane, slot_bytes=_config.shm_slot_bytes(), types=self._types,
                                     node_color=self._node_color, ops=self._ops, reduces=self.reduces)
         return self._shm

@@ -92,7 +92,9 @@ class MPITransport(HotPath, SharedWindow, LaneMaking, PointToPoint, BroadcastPip
         for name in EAGER_LANES:
             self._lanes[name] = self.comm.Dup()
         self._fingerprints: dict = {}  # call key -> (fields and negations, their bytes), see _fingerprint
-        self._max_op = MPI.MAX
+        allreduce = OPERATIONS["allreduce"]  # the fingerprint's Iallreduce(IN_PLACE, v, MAX), bound once
+        self._reduce_fingerprint = allreduce.bind_in_place(allreduce.method(self._lanes["fingerprint"], False),
+                                                           MPI.MAX, MPI.IN_PLACE)
         self._pipe_ring = None  # broadcast_many's pack buffers (root only, made at first use)
         self._pipe_plans: dict = {}  # (lengths, message size) -> messages
         self._pipe_typesets: dict = {}  # (addresses, plan key) -> (datatypes, spares), least recently used first
@@ -156,12 +158,12 @@ class MPITransport(HotPath, SharedWindow, LaneMaking, PointToPoint, BroadcastPip
         """One MPI call of ``operation``, blocking (the deadline transport: the non-blocking one, with its
         fingerprint, waited under the deadline)."""
         row = OPERATIONS[operation]
-        getattr(self._lanes[row.lane], row.blocking)(*self._arguments(row, args))
+        row.method(self._lanes[row.lane])(*self._arguments(row, args))
 
     def _start_call(self, operation, *args):
         """One MPI call of ``operation``, non-blocking: its request (:meth:`_begin` reduces the fingerprint)."""
         row = OPERATIONS[operation]
-        return getattr(self._lanes[row.lane], row.nonblocking)(*self._arguments(row, args))
+        return row.method(self._lanes[row.lane], False)(*self._arguments(row, args))
 
     def call(self, operation: str, *args, lane: str | None = None) -> None:
         """One blocking MPI call of ``operation`` on buffers already in MPI's terms: ``[memory, count,
@@ -170,8 +172,8 @@ class MPITransport(HotPath, SharedWindow, LaneMaking, PointToPoint, BroadcastPip
         broadcast on the allgather lane). Collective at a kind's first use (its lane is made then)."""
         row = OPERATIONS[operation]
         specs, op, root = row.parts(args)
-        method = getattr(self._lanes[lane or row.lane], row.blocking)
-        method(*row.arguments(specs, None if op is None else self._ops[op], root, self.rank, self._in_place))
+        row.call(self._lanes[lane or row.lane], specs, None if op is None else self._ops[op], root, rank=self.rank,
+                 in_place=self._in_place)
 
     # ---- non-blocking starts (async_op=True; every operation of the deadline transport) ----
     def start(self, operation, *args):
@@ -319,7 +321,8 @@ class MPITransport(HotPath, SharedWindow, LaneMaking, PointToPoint, BroadcastPip
         return self.comm.bcast(obj, root)
 
     def agree_allgather(self, send, recv) -> None:
-        self.comm.Allgather([send, self.MPI.BYTE], [recv, self.MPI.BYTE])
+        byte = self.MPI.BYTE  # on the agreement communicator (self.comm), not the allgather lane
+        OPERATIONS["allgather"].call(self.comm, ([send, byte], [recv, byte]))
 
     def objects_allgather(self, obj) -> list:
         return self._lanes["objects"].allgather(obj)
@@ -383,6 +386,7 @@ class MPITransport(HotPath, SharedWindow, LaneMaking, PointToPoint, BroadcastPip
         for making in getattr(self, "_making", {}).values():
             self.abandon(making)  # a lane whose making was never waited for: left to the end of the process
         self._making = {}
+        self._reduce_fingerprint = _closed
         if self.failed is not None:  # a request may still be pending on it: freeing could block; leave it
             self.comm, self._lanes, self._shm = None, {}, None  # (to the end of the process)
             return
@@ -404,3 +408,6 @@ class MPITransport(HotPath, SharedWindow, LaneMaking, PointToPoint, BroadcastPip
                 comm.Free()
 
 
+def _closed(buf):
+    """A closed transport's fingerprint reduction: its lanes are gone (as ``_lanes["fingerprint"]`` was)."""
+    raise KeyError("fingerprint")
