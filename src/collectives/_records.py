@@ -50,24 +50,26 @@ FIELDS = ("seq", "collective", "op", "root", "dtype", "shape", "nbytes", "path",
 
 def new(seq: int, collective: str, op, root, dtype, shape, path: str) -> list:
     """The record of a call made now, from here (its call site: the first frame outside the library above
-    the caller of ``new``), in the state "started"."""
-    # the call site: _raw_site's first remembered path inline (the common case: a loop's call, the way the
-    # last one came), else _raw_site itself (depth 0 is the caller of new, as it is there)
-    try:
-        depth, code, lasti, via = _PATHS[0]
-        user = _getframe(depth + 1)
-        seen = user.f_code is code and user.f_lasti == lasti
-    except (IndexError, ValueError):  # nothing remembered yet, a shallower stack
-        seen = False
-    if not seen:
-        raw, via = _raw_site()
-        code, lasti = (None, None) if raw is None else raw
+    the caller of ``new``), in the state "started". (``_comm.record.begin`` writes this out inline.)"""
+    code, lasti, via = site_here(1)
     if _hinting[0]:
-        hint = _site_hint.value
-        if hint is not None:  # a call made for a compiled program: where its source put it (collectives.jax)
-            (code, via), lasti = hint, None
+        code, lasti, via = hinted(code, lasti, via)
     return [seq, collective, op, root, dtype, shape, None, path, via, code, lasti, _get_ident(), _clock(), None, None,
             None]
+
+
+def site_here(skip: int) -> tuple:
+    """``(code, instruction offset, front end)`` of the call site, as a record keeps it: :func:`_raw_site`
+    with depth 0 at ``skip`` frames above the caller (0: the caller itself)."""
+    raw, via = _raw_site(skip + 1)
+    return (None, None, via) if raw is None else (*raw, via)
+
+
+def hinted(code, lasti, via) -> tuple:
+    """The call site as a record keeps it, or the thread's hint (:func:`site_hint`) where one is set: a call
+    made for a compiled program, placed where its source put it (collectives.jax)."""
+    hint = _site_hint.value
+    return (code, lasti, via) if hint is None else (hint[0], None, hint[1])
 
 
 def finish(rec: list, error: BaseException | None = None) -> None:
@@ -120,8 +122,8 @@ def nbytes(rec: list) -> int | None:
 
 def fields(rec: list) -> tuple:
     """The record as the dumps show it, in :data:`FIELDS`' order, its thread as its ident."""
-    dtype, shape = rec[DTYPE], rec[SHAPE]
-    return (rec[SEQ], rec[COLLECTIVE], rec[OP], rec[ROOT], None if dtype is None else str(dtype).replace("torch.", ""),
+    dtype, shape, op = rec[DTYPE], rec[SHAPE], rec[OP]
+    return (rec[SEQ], rec[COLLECTIVE], op if op is None or op.__class__ is str else repr(op), rec[ROOT], None if dtype is None else str(dtype).replace("torch.", ""),
             None if shape is None else [int(n) for n in shape], nbytes(rec), path(rec), site(rec), rec[THREAD],
             rec[START], rec[END], state(rec), rec[ERROR])
 

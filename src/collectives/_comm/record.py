@@ -17,7 +17,7 @@ import numpy as np
 
 from .. import _records
 from .._backends.closed import CLOSED
-from .._records import START, is_record
+from .._records import _PATHS, START, _clock, _get_ident, _getframe, _hinting, is_record
 
 # the methods whose hot path is written in the method itself and keeps no shape in the record (see
 # shape_in_progress)
@@ -46,9 +46,12 @@ def traced(collective: str, path: str = "blocking", root_at: int | None = None):
 
 
 def begin(comm, collective: str, x=None, op=None, root=None, path: str = "blocking"):
-    """Start the flight recorder's record of a call (``_records.new``: a list) at the next sequence
-    number, or None when the record is off (``COLLECTIVES_TRACE_BUFFER=0``). Its byte count is made from
-    the shape and the dtype's item size when read."""
+    """Start the flight recorder's record of a call (``_records.new``'s list) at the next sequence number,
+    or None when the record is off (``COLLECTIVES_TRACE_BUFFER=0``).
+
+    This is the whole cost of the record of an asynchronous call, so :func:`_records.new` is written out
+    here (a call less): the array's dtype and shape objects, the call site (the first path remembered,
+    checked inline, else ``_raw_site``), the thread's ident, one clock reading; the rest is made when read."""
     ring = comm._ring
     if ring is None:
         return None
@@ -57,8 +60,18 @@ def begin(comm, collective: str, x=None, op=None, root=None, path: str = "blocki
         dtype, shape = x.dtype, x.shape
     except AttributeError:
         dtype, shape = getattr(x, "dtype", None), getattr(x, "shape", None)
-    rec = ring[n & comm._mask] = _records.new(n, collective, op if op is None or op.__class__ is str else repr(op),
-                                              root, dtype, shape, path)
+    try:  # the call site (depth 0: this frame, as for _raw_site(0))
+        depth, code, lasti, via = _PATHS[0]
+        user = _getframe(depth)
+        seen = user.f_code is code and user.f_lasti == lasti
+    except (IndexError, ValueError):  # nothing remembered yet, a shallower stack
+        seen = False
+    if not seen:
+        code, lasti, via = _records.site_here(0)
+    if _hinting[0]:
+        code, lasti, via = _records.hinted(code, lasti, via)
+    rec = ring[n & comm._mask] = [n, collective, op, root, dtype, shape, None, path, via, code, lasti, _get_ident(),
+                                  _clock(), None, None, None]  # (_records: SEQ ... ON)
     comm._last_activity = rec[START]
     return rec
 
