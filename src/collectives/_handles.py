@@ -21,7 +21,7 @@ from typing import Any
 from ._errors import CollectiveError, CollectiveTimeoutError, reraise
 from . import _threads, _trace
 from ._poll import poll
-from ._records import finish as _finish_record
+from ._records import END as _END, _clock, finish as _finish_record
 from ._threads import enter, leave, refuse
 
 
@@ -95,10 +95,12 @@ class Handle:
         rec = self._record
         if rec is not None:
             self._record = None
-            if rec.__class__ is list:
-                _finish_record(rec, error)
-            else:  # the timeline's stand-in (it finishes the record too)
+            if rec.__class__ is not list:  # the timeline's stand-in (it finishes the record too)
                 rec.finish(error)
+            elif error is None:  # _records.finish written out (a call less on every asynchronous call)
+                rec[_END] = _clock()
+            else:
+                _finish_record(rec, error)
         if self._owner is not None:
             self._owner.pop(id(self), None)
             self._owner = None
