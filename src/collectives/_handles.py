@@ -21,6 +21,7 @@ from typing import Any
 from ._errors import CollectiveError, CollectiveTimeoutError, reraise
 from . import _threads, _trace
 from ._poll import poll
+from ._records import END as _END, _clock, finish as _finish_record
 from ._threads import enter, leave, refuse
 
 
@@ -53,7 +54,8 @@ class Handle:
 
     def __init__(self, what: str, steps, owner: dict | None = None, fail=None, record=None):
         self.what = what  # the collective, for messages
-        self._record = record  # the flight recorder's record of the call (_trace.Record), finished with it
+        self._record = record  # the flight recorder's record of the call (_records: a list), finished with it
+        # (or the timeline's stand-in for it, _timeline._Finish)
         self._steps = steps
         self._pending: Any = None  # the step's request in flight (a transport's Request), or None
         self._finished = False
@@ -90,9 +92,15 @@ class Handle:
             ABANDONED.append((self._pending, self._steps))  # still write into its buffers; keep them
         self._finished, self._result, self._error = True, result, error
         self._pending = self._steps = None
-        if self._record is not None:
-            self._record.finish(error)
+        rec = self._record
+        if rec is not None:
             self._record = None
+            if rec.__class__ is not list:  # the timeline's stand-in (it finishes the record too)
+                rec.finish(error)
+            elif error is None:  # _records.finish written out (a call less on every asynchronous call)
+                rec[_END] = _clock()
+            else:
+                _finish_record(rec, error)
         if self._owner is not None:
             self._owner.pop(id(self), None)
             self._owner = None

@@ -1,14 +1,17 @@
-"""The record of one call, as the flight recorder keeps it (:class:`Record`), and its call site: the first
-frame outside the library (:func:`call_site`), found through the paths remembered (:func:`_raw_site`) and
-turned into a line only when read (:func:`site_of`). ``_trace`` keeps the records in the dumps.
+"""The record of one call, as the flight recorder keeps it (a list: :func:`new`, :func:`finish`, read by
+:func:`as_dict`), and its call site: the first frame outside the library (:func:`call_site`), found through
+the paths remembered (:func:`_raw_site`) and turned into a line only when read (:func:`site_of`).
+``_trace`` keeps the records in the dumps.
 
 Example:
+    >>> import numpy as np
     >>> from collectives import _records
-    >>> r = _records.Record(1, "allreduce", "sum", None, "float32", (4,), 16, "asynchronous")
-    >>> r.on = "mpi"
-    >>> r.finish()
-    >>> r.state, r.path
-    ('completed', 'asynchronous, mpi')
+    >>> x = np.zeros(4, dtype=np.float32)
+    >>> r = _records.new(1, "allreduce", "sum", None, x.dtype, x.shape, "asynchronous")
+    >>> r[_records.ON] = "mpi"
+    >>> _records.finish(r)
+    >>> _records.state(r), _records.path(r), _records.nbytes(r)
+    ('completed', 'asynchronous, mpi', 16)
 """
 
 from __future__ import annotations
@@ -29,84 +32,107 @@ _get_ident = threading.get_ident
 _getframe = sys._getframe
 
 
-class Record:
-    """One call on one communicator, as the flight recorder keeps it (general path).
+# A record is a plain list, the cheapest object Python makes with its fields in it (a list of 15 items is
+# made in about a quarter of the time of an object that sets 15 slots, and an asynchronous call's record is
+# all that the flight recorder costs it): :func:`new` keeps only the facts that the call gives and that
+# are gone once it returns (the array's dtype and shape objects, the call site as its code and instruction
+# offset, the thread's ident, one clock reading); everything a reader sees is made when read
+# (:func:`as_dict`, :func:`path`, :func:`state`, :func:`site`): the op's repr aside (an object op's repr
+# is taken at the call), text, the byte count (shape times item size), the line of the site and the state.
+SEQ, COLLECTIVE, OP, ROOT, DTYPE, SHAPE, NBYTES, PATH, VIA, CODE, LASTI, THREAD, START, END, ERROR, ON = range(16)
+# NBYTES: None where the byte count is the shape's (made when read), else the count; CODE, LASTI: the call
+# site's code object and instruction offset, or a ``[file, line, function]`` list (or None) and None;
+# ON: the transport (and ", reproducible"), once validation has chosen it; END, ERROR: set by finish.
 
-    Made on every general-path call (an asynchronous call's is its only cost when it is recorded), so it
-    keeps what the call gives as it is and makes text only when read: the call site as ``(code,
-    instruction offset)`` (its line looked up by :attr:`site`), the thread as its ident, and the path as
-    its parts (:attr:`path`: the path, the front end, the transport)."""
+FIELDS = ("seq", "collective", "op", "root", "dtype", "shape", "nbytes", "path", "site", "thread", "start", "end",
+          "state", "error")  # in the dumps' order
 
-    FIELDS = ("seq", "collective", "op", "root", "dtype", "shape", "nbytes", "path", "site", "thread", "start",
-              "end", "state", "error")  # in the dumps' order
-    __slots__ = ("_path", "_site", "_via", "collective", "dtype", "end", "error", "nbytes", "on", "op", "root", "seq",
-                 "shape", "start", "state", "thread")
 
-    def __init__(self, seq: int, collective: str, op, root, dtype, shape, nbytes, path: str):
-        self.seq, self.collective, self.op, self.root = seq, collective, op, root
-        self.dtype, self.shape, self.nbytes = dtype, shape, nbytes
-        # the call site: _raw_site's first remembered path inline (the common case: a loop's call, the way
-        # the last one came), else _raw_site itself (depth 0 is the caller of __init__, as it is there)
-        try:
-            depth, outer, lasti, via = _PATHS[0]
-            user = _getframe(depth + 1)
-            seen = user.f_code is outer and user.f_lasti == lasti
-        except (IndexError, ValueError):  # nothing remembered yet, a shallower stack
-            seen = False
-        if seen:
-            self._site: tuple | list | None = (outer, lasti)
-        else:
-            self._site, via = _raw_site()
-        if _hinting[0]:
-            hint = _site_hint.value
-            if hint is not None:  # a call made for a compiled program: where its source put it (collectives.jax)
-                self._site, via = hint
-        self._path, self._via = path, via
-        self.on: str | None = None  # the transport (and ", reproducible"), once validation has chosen it
-        self.thread = _get_ident()  # its name is looked up when a dump is written
-        self.start = _clock()
-        self.end: float | None = None
-        self.state = "started"
-        self.error: str | None = None
+def new(seq: int, collective: str, op, root, dtype, shape, path: str) -> list:
+    """The record of a call made now, from here (its call site: the first frame outside the library above
+    the caller of ``new``), in the state "started". (``_comm.record.begin`` writes this out inline.)"""
+    code, lasti, via = site_here(1)
+    if _hinting[0]:
+        code, lasti, via = hinted(code, lasti, via)
+    return [seq, collective, op, root, dtype, shape, None, path, via, code, lasti, _get_ident(), _clock(), None, None,
+            None]
 
-    @property
-    def path(self) -> str:
-        """How the call was made: ``blocking`` or ``asynchronous`` (or another path's name), the front end
-        it came through, the transport it took."""
-        path = self._path if self._via is None else f"{self._path}, {self._via}"
-        return path if self.on is None else f"{path}, {self.on}"
 
-    @path.setter
-    def path(self, value: str) -> None:
-        self._path, self._via, self.on = value, None, None
+def site_here(skip: int) -> tuple:
+    """``(code, instruction offset, front end)`` of the call site, as a record keeps it: :func:`_raw_site`
+    with depth 0 at ``skip`` frames above the caller (0: the caller itself)."""
+    raw, via = _raw_site(skip + 1)
+    return (None, None, via) if raw is None else (*raw, via)
 
-    @property
-    def site(self) -> list | None:
-        """``[file, line, function]`` of the user's call, or None."""
-        return site_of(self._site)
 
-    @site.setter
-    def site(self, value: list | None) -> None:
-        self._site = value  # type: ignore[assignment]
+def hinted(code, lasti, via) -> tuple:
+    """The call site as a record keeps it, or the thread's hint (:func:`site_hint`) where one is set: a call
+    made for a compiled program, placed where its source put it (collectives.jax)."""
+    hint = _site_hint.value
+    return (code, lasti, via) if hint is None else (hint[0], None, hint[1])
 
-    def finish(self, error: BaseException | None = None) -> None:
-        """Mark the call completed, or failed with ``error``."""
-        self.end = _clock()
-        if error is None:
-            self.state = "completed"
-        else:
-            self.state, self.error = "failed", f"{type(error).__name__}: {error}"
 
-    def as_dict(self) -> dict:
-        out = {name: getattr(self, name) for name in self.FIELDS}
-        out["thread"] = _thread_name(out["thread"])
-        if out["dtype"] is not None:  # kept as the array's own objects until a dump needs their text
-            out["dtype"] = str(out["dtype"]).replace("torch.", "")
-        if out["shape"] is not None:
-            out["shape"] = [int(n) for n in out["shape"]]
-        if out["nbytes"] is not None:
-            out["nbytes"] = int(out["nbytes"])
-        return out
+def finish(rec: list, error: BaseException | None = None) -> None:
+    """Mark the call completed, or failed with ``error``."""
+    rec[END] = _clock()
+    if error is not None:
+        rec[ERROR] = f"{type(error).__name__}: {error}"
+
+
+def is_record(entry) -> bool:
+    """Whether a ring entry is a record (a hot-path entry is its cached call or a tuple)."""
+    return entry.__class__ is list
+
+
+def path(rec: list) -> str:
+    """How the call was made: ``blocking`` or ``asynchronous`` (or another path's name), the front end it
+    came through, the transport it took."""
+    text = rec[PATH] if rec[VIA] is None else f"{rec[PATH]}, {rec[VIA]}"
+    return text if rec[ON] is None else f"{text}, {rec[ON]}"
+
+
+def set_path(rec: list, value: str) -> None:
+    """Replace the record's path, front end and transport with ``value``."""
+    rec[PATH], rec[VIA], rec[ON] = value, None, None
+
+
+def state(rec: list) -> str:
+    """``started``, ``completed`` or ``failed``."""
+    return "started" if rec[END] is None else "completed" if rec[ERROR] is None else "failed"
+
+
+def site(rec: list) -> list | None:
+    """``[file, line, function]`` of the user's call, or None."""
+    code = rec[CODE]
+    return site_of(code if rec[LASTI] is None else (code, rec[LASTI]))
+
+
+def nbytes(rec: list) -> int | None:
+    """The bytes of the call's array: its shape times its dtype's item size (or as kept), or None."""
+    if rec[NBYTES] is not None:
+        return int(rec[NBYTES])
+    shape, itemsize = rec[SHAPE], getattr(rec[DTYPE], "itemsize", None)
+    if shape is None or itemsize is None:
+        return None
+    count = 1
+    for n in shape:
+        count *= int(n)
+    return count * int(itemsize)
+
+
+def fields(rec: list) -> tuple:
+    """The record as the dumps show it, in :data:`FIELDS`' order, its thread as its ident."""
+    dtype, shape, op = rec[DTYPE], rec[SHAPE], rec[OP]
+    return (rec[SEQ], rec[COLLECTIVE], op if op is None or op.__class__ is str else repr(op), rec[ROOT], None if dtype is None else str(dtype).replace("torch.", ""),
+            None if shape is None else [int(n) for n in shape], nbytes(rec), path(rec), site(rec), rec[THREAD],
+            rec[START], rec[END], state(rec), rec[ERROR])
+
+
+def as_dict(rec: list) -> dict:
+    """The record as the dumps show it (:data:`FIELDS`), its thread by name."""
+    out = dict(zip(FIELDS, fields(rec)))
+    out["thread"] = _thread_name(out["thread"])
+    return out
 
 
 def _thread_name(ident) -> str:

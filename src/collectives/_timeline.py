@@ -49,6 +49,8 @@ import weakref
 
 import numpy as np
 
+from . import _records
+
 FORMAT = "collectives-timeline/1"
 FLUSH_S = 0.25  # how often the daemon thread writes what has accumulated (40 bytes a hot-path call)
 _ns = time.time_ns  # the hosts' clock (as the flight recorder's records): comparable across ranks of a host
@@ -319,7 +321,7 @@ class _Finish:
 
     def finish(self, error: BaseException | None = None) -> None:
         if self.record is not None:
-            self.record.finish(error)
+            _records.finish(self.record, error)
         self.job.slow.append((self.tag, self.seq, self.start, _ns(), self.entry, self.marks,
                               None if error is None else f"{type(error).__name__}: {error}"))
 
@@ -362,7 +364,7 @@ class _Timeline:
     def failed(self, engine, tag: int, p2p: bool, t0: int, exc: BaseException) -> None:
         """A call that raised: its record's entry where the call made one (its seq moved), else none."""
         seq, entry = engine.trace_entry(p2p)
-        state = getattr(entry, "state", None)
+        state = _records.state(entry) if _records.is_record(entry) else None
         if entry is not None and not (state == "failed" or (entry.__class__ is tuple and len(entry) == 3)):
             seq, entry = -1, None  # refused before it was recorded (another thread inside a collective)
         self.slow.append((tag, seq, t0, _ns(), entry, _take_marks(t0), f"{type(exc).__name__}: {exc}"))
@@ -448,11 +450,9 @@ def _describe(engine, entry) -> tuple:
     error)`` (a hot-path entry: the cached call, with its shape and error where it keeps them)."""
     if entry is None:
         return (None,) * 10
-    if entry.__class__ is not tuple and hasattr(entry, "collective"):  # a _trace.Record
-        shape = None if entry.shape is None else [int(n) for n in entry.shape]
-        return (entry.collective, entry.op, entry.root, None if entry.dtype is None else
-                str(entry.dtype).replace("torch.", ""), shape, None if entry.nbytes is None else int(entry.nbytes),
-                entry.path, entry.site, entry.state, entry.error)
+    if _records.is_record(entry):  # (seq, collective, ..., thread, start, end, state, error): _records.FIELDS
+        made = _records.fields(entry)
+        return made[1:9] + made[12:]
     run, shape, error = (*entry, None)[:3] if entry.__class__ is tuple else (entry, None, None)
     collective, op, dtype = (None, None, None) if engine is None else engine.hot_name(run)
     return (collective, op, None, dtype, None if shape is None else [int(n) for n in shape], None, "hot path", None,

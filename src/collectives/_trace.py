@@ -3,8 +3,8 @@
 Each :class:`~collectives.Communicator` keeps a ring of its last ``COLLECTIVES_TRACE_BUFFER`` calls
 (default 2000; ``0``: none). A call that takes the general path (validation, the engine's steps: every
 asynchronous call, every call of the torch backend and of the gradient buckets, every first call of a
-kind) is a :class:`Record`: its sequence number on the communicator, the collective, op, root, dtype,
-shape and bytes, the path taken, the user's call site (the first frame outside ``collectives`` and
+kind) is a record (``_records``: a list of the raw facts, its text made when read): its sequence number on
+the communicator, the collective, op, root, dtype, shape and bytes, the path taken, the user's call site (the first frame outside ``collectives`` and
 torch), the thread, start and end times and its state. A call on the hot path (the cached call of a
 NumPy or CPU torch array's second and later calls of the same kind) is recorded as the cached call only
 (and a broadcast's root): one store into a preallocated list, so that the record costs the 8-byte
@@ -50,7 +50,7 @@ import traceback
 import weakref
 
 from . import _config, _trace_torch
-from ._records import Record, call_site, site_hint  # noqa: F401 - re-exported: the engine's and front ends' names
+from ._records import call_site, site_hint  # noqa: F401 - re-exported: the engine's and front ends' names
 from ._threads import GUARD as _GUARD
 
 FORMAT = "collectives-trace/1"

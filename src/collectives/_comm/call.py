@@ -11,7 +11,7 @@ communicator owns.
 
 from __future__ import annotations
 
-from .. import _arrays, _buckets, _finite, _threads
+from .. import _arrays, _buckets, _finite, _records, _threads
 from .._backends import closed as _closed
 from .._backends import factory
 from .._backends.closed import CLOSED
@@ -61,11 +61,11 @@ def blocking(comm, steps):
     except BaseException as exc:
         rec = comm._current
         if rec is not None:
-            rec.finish(exc)
+            _records.finish(rec, exc)
         raise
     rec = comm._current
     if rec is not None:
-        rec.finish()
+        _records.finish(rec)
     return result
 
 
@@ -91,11 +91,11 @@ def asynchronous(comm, what: str, define, *args) -> Handle:
         calling = comm._calling  # (validate.prepare described it)
     except StopIteration as stop:
         if rec is not None:
-            rec.finish()
+            _records.finish(rec)
         return Handle.completed(what, stop.value)
     except BaseException as exc:
         if rec is not None:
-            rec.finish(exc)
+            _records.finish(rec, exc)
         if isinstance(exc, BackendUnavailableError) or not isinstance(exc, Exception):
             raise  # no transport for the array, a closed communicator: nothing started
         err = exc if isinstance(exc, CollectiveError) else transport_failure(exc, what)

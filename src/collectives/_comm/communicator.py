@@ -87,7 +87,7 @@ class Communicator:
         self._engine = Engine(self)  # what the layers built on this communicator may use of it
         # The flight recorder (_trace): the last calls, a ring indexed by the sequence number. A hot-path
         # call stores its cached call (and a broadcast its root in _roots, at the same index), or (cached
-        # call, shape) (reduce_scatter, alltoall): see record.entries; the others a _trace.Record.
+        # call, shape) (reduce_scatter, alltoall): see record.entries; the others a record (_records: a list).
         capacity = _config.trace_buffer()
         self._ring: list | None = [None] * (1 << max(capacity - 1, 0).bit_length()) if capacity else None
         self._mask = len(self._ring) - 1 if self._ring is not None else 0

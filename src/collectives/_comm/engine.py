@@ -167,7 +167,7 @@ class Engine:
 
     def trace_entry(self, p2p: bool = False) -> tuple:
         """``(sequence number, the flight recorder's entry)`` of the last call (the last point-to-point call
-        with ``p2p``): a :class:`collectives._trace.Record`, a hot-path entry, or None (record off)."""
+        with ``p2p``): a record (``_records``: a list), a hot-path entry, or None (record off)."""
         c = self.communicator
         if p2p:
             return c._p2p_seq, (c._p2p_ring[-1] if c._p2p_ring else None)

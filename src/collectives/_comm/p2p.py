@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import _arrays
+from .. import _arrays, _records
 from . import record, validate
 from .steps import Step, contiguous, placing
 
@@ -45,7 +45,8 @@ def prepare(comm, what: str, x, peer, tag, asynchronous: bool):
                              f"{type(x).__module__}.{type(x).__qualname__}; pass a writable NumPy array or "
                              f"torch tensor")
     if rec is not None:
-        rec.path = (f"{rec.path}, {transport.name}, {side}={'any' if peer is None else peer}, tag={tag}")
+        _records.set_path(rec, f"{_records.path(rec)}, {transport.name}, {side}={'any' if peer is None else peer}, "
+                               f"tag={tag}")
     return a, transport, view, info, peer, tag
 
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import functools
 import sys
-from time import time as _time
 from typing import Any
 
 import numpy as np
 
-from .. import _trace
+from .. import _records
 from .._backends.closed import CLOSED
+from .._records import _PATHS, START, _clock, _get_ident, _getframe, _hinting, is_record
 
 # the methods whose hot path is written in the method itself and keeps no shape in the record (see
 # shape_in_progress)
@@ -36,30 +36,43 @@ def traced(collective: str, path: str = "blocking", root_at: int | None = None):
                 result = fn(self, *args, **kwargs)
             except BaseException as exc:
                 if rec is not None:
-                    rec.finish(exc)
+                    _records.finish(rec, exc)
                 raise
             if rec is not None:
-                rec.finish()
+                _records.finish(rec)
             return result
         return call
     return wrap
 
 
 def begin(comm, collective: str, x=None, op=None, root=None, path: str = "blocking"):
-    """Start the flight recorder's record of a call (:class:`collectives._trace.Record`) at the next
-    sequence number, or None when the record is off (``COLLECTIVES_TRACE_BUFFER=0``)."""
+    """Start the flight recorder's record of a call (``_records.new``'s list) at the next sequence number,
+    or None when the record is off (``COLLECTIVES_TRACE_BUFFER=0``).
+
+    This is the whole cost of the record of an asynchronous call, so :func:`_records.new` is written out
+    here (a call less): the array's dtype and shape objects, the call site (the first path remembered,
+    checked inline, else ``_raw_site``), the thread's ident, one clock reading; the rest is made when read."""
     ring = comm._ring
     if ring is None:
         return None
     n = comm._seq = comm._seq + 1
-    try:  # (an array's three attributes: cheaper read than getattr with a default)
-        dtype, shape, nbytes = x.dtype, x.shape, x.nbytes
+    try:  # (an array's attributes: cheaper read than getattr with a default)
+        dtype, shape = x.dtype, x.shape
     except AttributeError:
-        dtype, shape, nbytes = getattr(x, "dtype", None), getattr(x, "shape", None), getattr(x, "nbytes", None)
-    rec = _trace.Record(n, collective, op if op is None or op.__class__ is str else repr(op), root, dtype, shape,
-                        nbytes, path)
-    comm._last_activity = rec.start
-    ring[n & comm._mask] = rec
+        dtype, shape = getattr(x, "dtype", None), getattr(x, "shape", None)
+    try:  # the call site (depth 0: this frame, as for _raw_site(0))
+        depth, code, lasti, via = _PATHS[0]
+        user = _getframe(depth)
+        seen = user.f_code is code and user.f_lasti == lasti
+    except (IndexError, ValueError):  # nothing remembered yet, a shallower stack
+        seen = False
+    if not seen:
+        code, lasti, via = _records.site_here(0)
+    if _hinting[0]:
+        code, lasti, via = _records.hinted(code, lasti, via)
+    rec = ring[n & comm._mask] = [n, collective, op, root, dtype, shape, None, path, via, code, lasti, _get_ident(),
+                                  _clock(), None, None, None]  # (_records: SEQ ... ON)
+    comm._last_activity = rec[START]
     return rec
 
 
@@ -71,10 +84,9 @@ def begin_p2p(comm, what: str, x, asynchronous: bool):
         return None
     n = comm._p2p_seq = comm._p2p_seq + 1
     comm._p2p_at = comm._seq
-    comm._last_activity = _time()
-    rec = _trace.Record(n, what, None, None, getattr(x, "dtype", None), getattr(x, "shape", None),
-                        getattr(x, "nbytes", None), "point-to-point, " + ("asynchronous" if asynchronous
-                                                                          else "blocking"))
+    rec = _records.new(n, what, None, None, getattr(x, "dtype", None), getattr(x, "shape", None),
+                       "point-to-point, " + ("asynchronous" if asynchronous else "blocking"))
+    comm._last_activity = rec[START]
     ring.append(rec)
     return rec
 
@@ -87,7 +99,7 @@ def note_failure(comm, exc: BaseException, x) -> None:
     if ring is not None:
         i = comm._seq & comm._mask
         entry = ring[i]
-        if entry is not None and entry.__class__ is not _trace.Record:  # a hot-path entry (trace_entries)
+        if entry is not None and not is_record(entry):  # a hot-path entry (trace_entries)
             run, shape = entry[:2] if entry.__class__ is tuple else (entry, getattr(x, "shape", None))
             ring[i] = run, shape, f"{type(exc).__name__}: {exc}"
 
@@ -109,8 +121,8 @@ def entries(c, inside: bool = False) -> list[dict]:
         entry = ring[n & c._mask]
         if entry is None:
             continue
-        if isinstance(entry, _trace.Record):
-            out.append(entry.as_dict())
+        if is_record(entry):
+            out.append(_records.as_dict(entry))
             continue
         # a hot-path entry: its cached call, or (cached call, shape[, error]); a broadcast's root is in
         # _roots at the same index (written with the entry)
@@ -140,7 +152,7 @@ def snapshot(c, inside: bool = False) -> dict:
     return {"name": c._name, "rank": c.rank, "size": c.size, "seq": c._seq,
             "world_ranks": getattr(c._host, "world_ranks", None),
             "records": entries(c, inside),
-            "p2p": [r.as_dict() for r in (c._p2p_ring or ())]}
+            "p2p": [_records.as_dict(r) for r in (c._p2p_ring or ())]}
 
 
 def last(c) -> tuple:
@@ -148,8 +160,8 @@ def last(c) -> tuple:
     last collective, or the last point-to-point call where it is still in progress and no collective
     was made since it began (then with ``"p2p": True``)."""
     p2p = c._p2p_ring[-1] if c._p2p_ring else None
-    if p2p is not None and p2p.state == "started" and c._p2p_at == c._seq:
-        return name(c), dict(p2p.as_dict(), p2p=True), c._last_activity
+    if p2p is not None and _records.state(p2p) == "started" and c._p2p_at == c._seq:
+        return name(c), dict(_records.as_dict(p2p), p2p=True), c._last_activity
     made = entries(c, True)
     return name(c), (made[-1] if made else None), c._last_activity
 

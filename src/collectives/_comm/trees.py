@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from .. import _threads, _tree
+from .. import _records, _threads, _tree
 from .._errors import BackendUnavailableError, CollectiveError, transport_failure
 from .._handles import Handle
 from .._threads import enter as _enter, leave as _leave, refuse as _refuse_thread
@@ -40,7 +40,7 @@ def allreduce_tree_async(comm, tree, op, bucket_bytes, reproducible) -> Handle:
         steps = _tree.allreduce_tree(comm._engine, tree, op, bucket_bytes, True, reproducible)
     except BaseException as exc:
         if rec is not None:
-            rec.finish(exc)
+            _records.finish(rec, exc)
         if isinstance(exc, BackendUnavailableError) or not isinstance(exc, Exception):
             raise
         err = exc if isinstance(exc, CollectiveError) else transport_failure(exc, "allreduce_tree")
@@ -51,6 +51,6 @@ def allreduce_tree_async(comm, tree, op, bucket_bytes, reproducible) -> Handle:
         _leave()
     if isinstance(steps, Handle):
         if rec is not None:
-            rec.finish(steps._error)
+            _records.finish(rec, steps._error)
         return steps
     return Handle("allreduce_tree", steps, comm._outstanding, comm._host.fail, rec)

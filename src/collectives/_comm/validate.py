@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _agree, _arrays, _call, _dtypes, _finite, _ops, _reproducible
+from .._records import NBYTES, ON, SHAPE
 from . import record
 
 UNSET = object()  # "argument not part of this collective" (None is a value users may pass by mistake)
@@ -110,9 +111,9 @@ def prepare(comm, collective: str, x, op=UNSET, root=UNSET, blocks: bool = False
             _finite.check(transport, collective, _finite.scan([(view, info)]))
     rec = None if staging else comm._current
     if rec is not None:
-        rec.on = transport.name if not comm._repro else f"{transport.name}, reproducible"
+        rec[ON] = transport.name if not comm._repro else f"{transport.name}, reproducible"
         if units:  # the ranks' unit counts may differ: what must agree is a unit's shape (as described)
-            rec.shape = tuple(view.shape[1:])  # type: ignore[union-attr]
+            rec[SHAPE], rec[NBYTES] = tuple(view.shape[1:]), getattr(x, "nbytes", None)  # type: ignore[union-attr]
     return a, transport, view, info, op, root
 
 
