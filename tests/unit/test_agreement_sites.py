@@ -12,6 +12,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from test_layers import module_name  # (one module name per file, as the layer rules name them)
+
 SRC = Path(__file__).resolve().parents[2] / "src" / "collectives"
 
 OBJECT_EXCHANGES = {"allgather_object", "agree_allgather"}
@@ -29,14 +31,6 @@ ALLOWED = {
                                              "each lane's making, bound once from the allreduce row on its own "
                                              "lane (lanes.py calls it: the protocol, not a user)",
 }
-
-
-def module_name(path: Path) -> str:
-    rel = path.relative_to(SRC).with_suffix("")
-    parts = list(rel.parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts) or "__init__"
 
 
 def orders(call: ast.Call) -> bool:

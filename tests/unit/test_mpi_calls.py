@@ -15,6 +15,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from test_layers import module_name  # (one module name per file, as the layer rules name them)
+
 SRC = Path(__file__).resolve().parents[2] / "src" / "collectives"
 TABLE = "_backends.mpi.ops"
 
@@ -48,14 +50,6 @@ OBJECT_CALLS = {
     ("_backends.mpi.transport", "objects_allgather", "allgather"): "the public allgather_object, on its lane",
     ("_backends.mpi.transport", "objects_broadcast", "bcast"): "the public broadcast_object, on its lane",
 }
-
-
-def module_name(path: Path) -> str:
-    rel = path.relative_to(SRC).with_suffix("")
-    parts = list(rel.parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts) or "__init__"
 
 
 def uses(name: str, source: str) -> tuple[list, list]:
