@@ -463,9 +463,10 @@ def main(argv=None) -> int:
     ap.add_argument("pages", nargs="*", help="pages to run (default: README.md and docs/*.md)")
     ap.add_argument("--list", action="store_true", help="list the snippets and what is done with each")
     ap.add_argument("-v", "--verbose", action="store_true", help="print every snippet's output")
-    ap.add_argument("-j", "--jobs", type=int, default=min(2, os.cpu_count() or 1),
-                    help="pages run at once (default: 2 where there are 2 cores); a page's own snippets "
-                         "always run one after another, in its order, and its report is printed whole")
+    ap.add_argument("-j", "--jobs", type=int, default=1,
+                    help="pages run at once (default 1: most blocks are 2-rank jobs that keep 2 cores busy, so "
+                         "on CI's 2 cores two pages at a time took as long, 174 s against 157-190 s); a page's "
+                         "own snippets always run one after another, in its order, and its report is printed whole")
     args = ap.parse_args(argv)
     pages = [str(Path(p).resolve().relative_to(ROOT)) if Path(p).exists() else p for p in (args.pages or PAGES)]
     env = environment()
