@@ -45,7 +45,7 @@ def gpu_present() -> bool:
 def gather_info(start_mpi: bool = True, gpu: bool = False) -> dict:
     """Everything ``info`` prints. ``gpu``: also say how to fix what CUDA arrays would need (NCCL, a CUDA
     build of torch), as when this machine has a GPU."""
-    from . import _config, _launcher, __version__
+    from . import _config, _launcher, _reproducible, __version__
     from ._version import DISTRIBUTION
 
     installed = _dist_version(DISTRIBUTION)
@@ -57,6 +57,9 @@ def gather_info(start_mpi: bool = True, gpu: bool = False) -> dict:
         "imported_from": os.path.dirname(os.path.abspath(__file__)),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
+        # reproducible sums of float32: the compiled passes (built with the package where a C compiler
+        # was found) or NumPy's (the same bits, slower: docs/performance.md, "Reproducible sums")
+        "reproducible_float32": "compiled" if _reproducible.compiled() is not None else "numpy",
         "array_libraries": {},
     }
     for module, dist in (("numpy", "numpy"), ("array_api_compat", "array-api-compat"), ("torch", "torch"),

@@ -68,6 +68,62 @@ _TWO_S = float(2.0 ** S)
 _INV_TWO_S = float(2.0 ** -S)
 
 
+class _Compiled:
+    """The compiled passes for float32 terms (``_kernels.c``, built with the package where a C compiler
+    is found: setuptools' optional extension), loaded with ctypes at first use; :func:`compiled` is None
+    where the library is missing, and the NumPy passes below run instead. Both give the same integers, so
+    the same bits (``tests/unit/test_reproducible_unit.py`` compares them on every case it draws)."""
+
+    def __init__(self, lib):
+        import ctypes
+
+        p, i64, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+        self._pointers = ctypes.c_void_p
+        self.codes, self.encode, self.decode, self.sum = (
+            lib.coll_codes_f32, lib.coll_encode_f32, lib.coll_decode_f32, lib.coll_sum_f32)
+        self.codes.argtypes = [p, i64, i64, p]
+        self.encode.argtypes = [p, i64, i64, p, p]
+        self.decode.argtypes = [p, p, i64, ctypes.c_int, f64, p]
+        self.sum.argtypes = [p, i64, i64, ctypes.c_int, p]
+        for fn in (self.codes, self.encode, self.decode, self.sum):
+            fn.restype = None
+
+    def table(self, arrays) -> object:
+        """A C array of the arrays' data pointers (each contiguous)."""
+        return (self._pointers * len(arrays))(*[a.ctypes.data for a in arrays])
+
+
+_compiled: list = []  # [the _Compiled, or None]: loaded once
+
+
+def compiled() -> _Compiled | None:
+    """The compiled float32 passes, or None where the package was built without them."""
+    if not _compiled:
+        _compiled.append(_load())
+    return _compiled[0]
+
+
+def _load() -> _Compiled | None:
+    import ctypes
+    import importlib.machinery
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = here / f"_kernels{suffix}"
+        if path.is_file():
+            try:
+                return _Compiled(ctypes.CDLL(str(path)))
+            except (OSError, AttributeError):  # not loadable here, or an older build without a symbol
+                return None
+    return None
+
+
+def _fast(fmt: Format) -> _Compiled | None:
+    """The compiled passes where they take ``fmt`` (float32 and complex64 parts), else None."""
+    return compiled() if fmt.mbits == 23 and fmt.words == 1 else None
+
+
 class Format(NamedTuple):
     """How the terms of one real floating dtype are coded (:func:`format_of`)."""
 
@@ -148,23 +204,35 @@ def _reals(a: np.ndarray, fmt: Format) -> np.ndarray:
     return a.view(fmt.real) if fmt.real is not None else a
 
 
+def _units(units, fmt: Format):
+    """The units as a ``(k, n)`` array or a list of ``k`` arrays of ``n`` elements, each as its real parts
+    (complex: ``2n``): :func:`codes` and :func:`encode` index them as ``units[u][lo:hi]`` alike."""
+    if isinstance(units, np.ndarray):
+        return _reals(units, fmt)
+    return [_reals(u, fmt) for u in units]
+
+
 def code_dtype(info: _dtypes.DType) -> np.dtype:
     """The dtype of ``info``'s exponent codes (uint8; int16 for float64 and complex128)."""
     return format_of(info).code
 
 
-def codes(units: np.ndarray, info: _dtypes.DType, out: np.ndarray | None = None) -> np.ndarray:
+def codes(units, info: _dtypes.DType, out: np.ndarray | None = None) -> np.ndarray:
     """The exponent codes of a stack of units (``(k, n)``, contiguous, ``info``'s storage dtype; ``k`` may
-    be 0): per element the largest code over the units (an array of :func:`elements` entries of
-    :func:`code_dtype`: ``out``, else a new one), to be allreduced with ``max``."""
+    be 0; or a list of ``k`` contiguous arrays of ``n`` elements): per element the largest code over the
+    units (an array of :func:`elements` entries of :func:`code_dtype`: ``out``, else a new one), to be
+    allreduced with ``max``."""
     fmt = format_of(info)
-    k = units.shape[0]
-    units = _reals(units, fmt)  # (k, n): complex as (k, 2n) real parts
-    n = units.shape[1]
+    k = len(units)
+    units = _units(units, fmt)  # (k, n): complex as (k, 2n) real parts
+    n = units[0].shape[0] if k else units.shape[1]
     if out is None:
         out = np.empty(n, dtype=fmt.code)
     if k == 0:
         out[...] = 0  # no unit: the identity of max (-0.0's code)
+    elif (fast := _fast(fmt)) is not None:
+        fast.codes(fast.table([units[u] for u in range(k)]), k, n, out.ctypes.data)
+        return out
     negative_zero = fmt.bits.type(1 << (fmt.bits.itemsize * 8 - 1))  # -0.0's bits
     narrow = fmt.emask == np.iinfo(fmt.code).max  # the code dtype holds exactly the exponent field
     spare = np.empty(min(n, CHUNK), dtype=fmt.code)
@@ -174,7 +242,7 @@ def codes(units: np.ndarray, info: _dtypes.DType, out: np.ndarray | None = None)
         hi = min(n, lo + CHUNK)
         for u in range(k):
             c = out[lo:hi] if u == 0 else spare[:hi - lo]
-            b = units[u, lo:hi].view(fmt.bits)
+            b = units[u][lo:hi].view(fmt.bits)
             np.right_shift(b, fmt.mbits, out=c, casting="unsafe")  # the sign bit lands above the code's bits
             if not narrow:
                 c &= fmt.emask
@@ -203,9 +271,10 @@ def _float64(part: np.ndarray, fmt: Format, out: np.ndarray | None = None) -> np
     return out
 
 
-def encode(units: np.ndarray, info: _dtypes.DType, global_codes: np.ndarray, *, blocks: int = 1,
+def encode(units, info: _dtypes.DType, global_codes: np.ndarray, *, blocks: int = 1,
            out: np.ndarray | None = None, tail: bool = True) -> np.ndarray:
-    """The fixed-point words of a stack of units (``(k, n)``), summed over the units: a float64 array of
+    """The fixed-point words of a stack of units (``(k, n)``, or a list of ``k`` arrays of ``n``
+    elements, as :func:`codes` takes them), summed over the units: a float64 array of
     ``blocks`` blocks, block ``b`` holding ``WORDS`` rows of its elements (so that a reduce-scatter gives
     each rank its elements' words), then, with ``tail``, the number of units. ``global_codes``: the
     codes allreduced with ``max`` (:func:`codes`). ``out``: where to write (else a new array).
@@ -213,9 +282,9 @@ def encode(units: np.ndarray, info: _dtypes.DType, global_codes: np.ndarray, *, 
     Each word is an integer: ``x * 2**(S - E)`` (exact) truncated toward zero; a term loses less than one
     unit of its last word."""
     fmt = format_of(info)
-    k = units.shape[0]
-    units = _reals(units, fmt)  # (k, n): complex as (k, 2n) real parts
-    n = units.shape[1]
+    k = len(units)
+    units = _units(units, fmt)  # (k, n): complex as (k, 2n) real parts
+    n = units[0].shape[0] if k else units.shape[1]
     nwords = fmt.words
     m = n // blocks
     size = blocks * nwords * m + (1 if tail else 0)
@@ -223,9 +292,16 @@ def encode(units: np.ndarray, info: _dtypes.DType, global_codes: np.ndarray, *, 
     if tail:
         wire[-1] = k
     rows = wire[:blocks * nwords * m].reshape(blocks, nwords, m)
+    fast = _fast(fmt)
+    if fast is not None:
+        for b in range(blocks):
+            fast.encode(fast.table([units[u][b * m:(b + 1) * m] for u in range(k)]), k, m,
+                        global_codes[b * m:].ctypes.data, rows[b, 0].ctypes.data)
+        return wire
     special = bool(global_codes.size) and int(global_codes.max()) == fmt.emask
     chunk = min(m, CHUNK)
     exponent = np.empty(chunk, dtype=_I32)
+    narrow = np.empty(chunk, dtype=_F32) if fmt is _FLOAT32 else None  # a float32 term's word, before it is widened
     if k == 1 and nwords == 1 and blocks == 1 and fmt is not _BFLOAT16:  # the common case
         x, shift = units[0], fmt.shift
         with np.errstate(all="ignore"):
@@ -234,11 +310,14 @@ def encode(units: np.ndarray, info: _dtypes.DType, global_codes: np.ndarray, *, 
                 e = exponent[:hi - lo]
                 np.subtract(shift, global_codes[lo:hi], out=e, dtype=_I32)
                 y = rows[0, 0, lo:hi]
-                np.copyto(y, x[lo:hi])
-                np.ldexp(y, e, out=y)
-                np.trunc(y, out=y)
+                if narrow is not None:
+                    np.copyto(y, _word_f32(x[lo:hi], e, narrow[:hi - lo]))
+                else:
+                    np.copyto(y, x[lo:hi])
+                    np.ldexp(y, e, out=y)
+                    np.trunc(y, out=y)
                 if special:
-                    _specials_in(units[:, lo:hi], fmt, global_codes[lo:hi], [y])
+                    _specials_in([units[0][lo:hi]], fmt, global_codes[lo:hi], [y])
         return wire
     spare = np.empty((nwords, chunk), dtype=_F64)  # the second and later units' words, before they are added
     low = np.empty(chunk, dtype=_F64) if nwords == 2 else None
@@ -255,8 +334,15 @@ def encode(units: np.ndarray, info: _dtypes.DType, global_codes: np.ndarray, *, 
                     for t in targets:
                         t[...] = 0.0
                 for u in range(k):
+                    if narrow is not None:  # float32: its word made in float32, added in float64
+                        word = _word_f32(units[u][g0:g1], e, narrow[:hi - lo])
+                        if u:
+                            np.add(targets[0], word, out=targets[0])  # integers below 2**52: exact
+                        else:
+                            np.copyto(targets[0], word)
+                        continue
                     dest = targets if u == 0 else [row[:hi - lo] for row in spare]
-                    y = _float64(units[u, g0:g1], fmt, dest[0])
+                    y = _float64(units[u][g0:g1], fmt, dest[0])
                     np.ldexp(y, e, out=y)  # exact: a power of two (a term far below E may underflow to 0)
                     if nwords == 2:
                         r = low[:hi - lo]  # type: ignore[index]
@@ -270,19 +356,28 @@ def encode(units: np.ndarray, info: _dtypes.DType, global_codes: np.ndarray, *, 
                         for t, d in zip(targets, dest):
                             t += d  # integers below 2**52: exact
                 if special:
-                    _specials_in(units[:, g0:g1], fmt, c, targets)
+                    _specials_in([unit[g0:g1] for unit in units], fmt, c, targets)
     return wire
 
 
-def _specials_in(units: np.ndarray, fmt: Format, c: np.ndarray, targets: list) -> None:
+def _word_f32(x: np.ndarray, e: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """The words of float32 terms ``x`` (``trunc(x * 2**e)``), computed in float32 into ``out``: exact,
+    the same values as in float64 (where no term is inf or NaN, ``|x| < 2**E`` and ``e = S - E``: each
+    product is below ``2**S``, a float32 scaled by a power of two, exact where it is normal, and below 1
+    where it is not; the words of specials are replaced afterwards), with half the bytes per pass."""
+    np.ldexp(x, e, out=out)
+    return np.trunc(out, out=out)
+
+
+def _specials_in(units: list, fmt: Format, c: np.ndarray, targets: list) -> None:
     """Where some term (on any rank) is inf or NaN, the first word counts this rank's NaNs, +infs and
     -infs (in fields of 17 bits: MAX_TERMS fits), the others are 0."""
     special = c == fmt.emask
     if not special.any():
         return
     counts = np.zeros(c.size, dtype=_F64)
-    for u in range(units.shape[0]):
-        v = _dtypes.bf16_to_f32(units[u]) if fmt is _BFLOAT16 else units[u]
+    for unit in units:
+        v = _dtypes.bf16_to_f32(unit) if fmt is _BFLOAT16 else unit
         counts += np.isnan(v) * _NAN_AT
         counts += (v == np.inf) * _PINF_AT
         counts += v == -np.inf
@@ -306,6 +401,11 @@ def decode(summed: np.ndarray, info: _dtypes.DType, global_codes: np.ndarray, op
         flat[...] = 0.0 if op == "sum" else np.nan
         return
     rows = summed[:nwords * n].reshape(nwords, n)
+    fast = _fast(fmt)
+    if fast is not None:
+        fast.decode(np.ascontiguousarray(rows[0]).ctypes.data, global_codes.ctypes.data, n, op == "mean",
+                    float(terms), flat.ctypes.data)
+        return
     special = bool(n) and int(global_codes.max()) == fmt.emask
     negative_zero = bool(n) and int(global_codes.min()) == 0
     chunk = min(n, CHUNK)
@@ -332,6 +432,23 @@ def decode(summed: np.ndarray, info: _dtypes.DType, global_codes: np.ndarray, op
             if op == "mean":
                 _dtypes.divide(v, terms)
             _store(v, flat[lo:hi], fmt)
+
+
+def sum_terms(terms: list, info: _dtypes.DType, op: str, out: np.ndarray) -> None:
+    """Write the reproducible sum (or mean) of ``terms`` (a non-empty list of contiguous arrays of ``n``
+    elements, ``info``'s storage dtype, one unit each) into ``out`` (``n`` elements, contiguous): the same
+    bits as the collectives' path gives for the same units split any way among the ranks (the codes' max
+    and the words' sum are computed here, over every term at once, instead of over the ranks). The kernel of
+    the node-shared window (``_backends.shm``), where one rank sees every rank's terms of its slice."""
+    fmt = format_of(info)
+    fast = _fast(fmt)
+    if fast is not None and len(terms) <= 64:  # every term at once, element by element
+        reals = [_reals(t, fmt) for t in terms]
+        fast.sum(fast.table(reals), len(reals), reals[0].shape[0], op == "mean", _reals(out.reshape(-1), fmt).ctypes.data)
+        return
+    c = codes(terms, info)
+    words = encode(terms, info, c, tail=False)
+    decode(words, info, c, op, out, terms=len(terms))
 
 
 def _specials_out(first: np.ndarray, fmt: Format, c: np.ndarray, v: np.ndarray) -> None:

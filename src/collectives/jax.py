@@ -53,6 +53,43 @@ _VERSION = tuple(int(p) for p in re.findall(r"\d+", jax.__version__)[:3])
 _VMAP_RULES = _VERSION >= (0, 8, 2)
 
 
+def _dispatch_cpu_computations_inline() -> None:
+    """Turn JAX's asynchronous dispatch of CPU computations off (``jax_cpu_enable_async_dispatch``), at
+    import, before JAX makes its CPU client (the only time the setting is read).
+
+    With it on, a jitted CPU computation runs on a thread of JAX's CPU client after the call returns, and
+    our callbacks run inside it. ``io_callback`` hands the callback its operands as ``jax.Array`` values
+    (``device_put`` to the CPU device): reading them (``np.asarray``) waits for JAX, and JAX's own docs say
+    that a callback must not wait for JAX. It then deadlocks now and then: measured on JAX 0.10.2 under Open
+    MPI, one run in 14 of ``tests/mpi/test_jax_jit.py`` hung with rank 1's callback thread in
+    ``np.asarray`` of its operand and its main thread waiting for the previous step's result (the other
+    rank waiting for it in the collective); with this setting off, 60 runs of 60 passed. See
+    jax-ml/jax#25861 and #24255. GPU computations are not affected (the setting is the CPU client's).
+
+    Where the CPU client exists already (JAX ran a computation before ``import collectives.jax``), the
+    setting can no longer change: a RuntimeWarning says so once, and how to avoid it."""
+    try:
+        from jax._src import xla_bridge  # where the setting and the clients live (no public name for either)
+    except ImportError:  # pragma: no cover - a JAX without it: nothing to change
+        return
+    flag = getattr(xla_bridge, "_CPU_ENABLE_ASYNC_DISPATCH", None)
+    if flag is None or not flag.value:
+        return
+    if xla_bridge.backends_are_initialized():
+        import warnings
+
+        warnings.warn("collectives.jax: JAX's CPU client was made before collectives.jax was imported, with "
+                      "asynchronous dispatch on; a jitted CPU computation that runs our collectives may then "
+                      "deadlock in JAX (jax-ml/jax#25861). Import collectives.jax before the first JAX "
+                      "computation, or call jax.config.update('jax_cpu_enable_async_dispatch', False) first",
+                      RuntimeWarning, stacklevel=3)
+        return
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
+
+
+_dispatch_cpu_computations_inline()
+
+
 # ---- the host side: one call, as a hashable value (JAX caches eager callbacks by it) ----
 
 @dataclasses.dataclass(frozen=True)

@@ -322,12 +322,16 @@ def test_no_units_anywhere(comm):
 
 
 @pytest.mark.skipif(coll.world().size < 2 or coll.world().backend != "mpi", reason="needs two or more MPI ranks")
-@pytest.mark.parametrize("mode", ["checked", "async", "deadline"])
+@pytest.mark.parametrize("mode", ["checked", "async", "deadline", "shared memory"])
 def test_reproducible_against_ordinary_is_a_mismatch(comm, mode):
+    """``shared memory``: both calls through the node-shared window (the reproducible one in its one pass),
+    unchecked and blocking: the window's own comparison of the calls names the op, buffers untouched."""
     env = {"COLLECTIVES_TIMEOUT": 60} if mode == "deadline" else {}
+    if mode == "shared memory":
+        env = {"COLLECTIVES_SHM_THRESHOLD": 64}
     with communicator(**env) as c:
         c.check = mode == "checked"
-        x = np.full(8, 1.0 + c.rank, dtype=np.float32)
+        x = np.full(4096 if mode == "shared memory" else 8, 1.0 + c.rank, dtype=np.float32)
         before = x.copy()
         reproducible = c.rank == c.size - 1
         with pytest.raises(coll.MismatchError) as info:
@@ -335,7 +339,7 @@ def test_reproducible_against_ordinary_is_a_mismatch(comm, mode):
             if mode == "async":
                 h.wait()
         assert "reproducible sum" in str(info.value), str(info.value)
-        if mode == "checked":  # refused before anything moved
+        if mode in ("checked", "shared memory"):  # refused before anything moved (or was written)
             assert x.tobytes() == before.tobytes()
 
 
@@ -613,3 +617,42 @@ def test_the_split_path_gives_the_same_bits(comm, dtype):
             assert raw(coll.allreduce(x, op, comm=comm, reproducible=True)) == plain[op], op
     finally:
         del comm.SPLIT_BYTES
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_node_shared_window_sums_every_ranks_terms_at_once(comm, dtype, monkeypatch):
+    """allreduce(reproducible=True), every rank on one node, from the shared-memory threshold: the window's one pass
+    (each rank sums its slice over every rank's terms at once, ``_reproducible.sum_terms``), in pieces of
+    a small slot, plain and under the deadline, gives the bits of the same units summed on one rank, and
+    of the general path's two collectives (``COLLECTIVES_SHM=0``); ``allreduce_units`` takes it where every
+    rank holds one unit (they vote), not where rank 0 holds two. The pass gives the same bits by design,
+    so the test counts its uses through the private ``shm.Reducer.allreduce_exact`` (no public name says
+    which path a call took) to be sure that it ran where it should."""
+    if comm.backend != "mpi":
+        pytest.skip("the node-shared window is the MPI transport's")
+    from collectives._backends import shm
+
+    passes = []
+    one_pass = shm.Reducer.allreduce_exact
+    monkeypatch.setattr(shm.Reducer, "allreduce_exact", lambda self, *a, **k: passes.append(1) or one_pass(self, *a, **k))
+    data = global_units(dtype, seed=60 + DTYPES.index(dtype), units=comm.size, count=3001)
+    rows = [0, *range(comm.size)]  # rank 0 holds its unit twice
+    with alone(comm) as solo:
+        want = {op: raw(solo.allreduce_units(data, op)) for op in ("sum", "mean")}
+        uneven = {op: raw(solo.allreduce_units(take(data, rows), op)) for op in ("sum", "mean")}
+    small = {"COLLECTIVES_SHM_THRESHOLD": 64, "COLLECTIVES_SHM_SLOT_BYTES": 65536}
+    for env in (small, {**small, "COLLECTIVES_TIMEOUT": 300}, {"COLLECTIVES_SHM": 0}):
+        with communicator(**env) as c:
+            for op in ("sum", "mean"):
+                before = len(passes)
+                mine = take(data, [c.rank])
+                x = mine[0].copy() if isinstance(mine, np.ndarray) else mine[0].clone()
+                assert raw(c.allreduce(x, op, reproducible=True)) == want[op], (env, op)
+                assert raw(c.allreduce_units(mine, op)) == want[op], (env, op, "units")
+                through = c.size > 1 and env.get("COLLECTIVES_SHM") != 0
+                assert len(passes) - before == (2 if through else 0), (env, op, len(passes) - before)
+                if c.size > 1:  # units: one pass only where every rank holds one unit
+                    before = len(passes)
+                    mine = take(data, [c.rank] * (1 + (c.rank == 0)))
+                    assert raw(c.allreduce_units(mine, op)) == uneven[op], (env, op)
+                    assert len(passes) == before, (env, op)

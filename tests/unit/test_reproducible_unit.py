@@ -11,10 +11,12 @@ grouping and order can be tried in one process.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import math
 import operator
+import os
 from fractions import Fraction
 
 import numpy as np
@@ -105,6 +107,11 @@ def test_any_grouping_and_order_gives_the_same_bits_within_the_bound(name, op, d
     order = data.draw(st.permutations(range(len(groups))))
     assert summed(values, name, op, groups, list(order)).tobytes() == one.tobytes()
     check_against_exact(as_float64(one, name), values, name, op)
+    # the node-shared window's kernel: every rank's terms at once, in any order, the same bits
+    info, units = info_of(name), storage(values, name)
+    out = np.empty(values.shape[1], dtype=info.storage)
+    rp.sum_terms([units[i].copy() for i in perm], info, op, out)
+    assert out.tobytes() == one.tobytes()
 
 
 def check_against_exact(result: np.ndarray, values: np.ndarray, name: str, op: str) -> None:
@@ -226,3 +233,79 @@ def test_codes_of_mostly_zeros(name, k):
     sign_only = fmt.bits.type(1 << (fmt.bits.itemsize * 8 - 1))
     want = np.where(bits == 0, 1, np.where(bits == sign_only, 0, np.maximum(field, 2)))
     np.testing.assert_array_equal(got, want.max(axis=0).astype(got.dtype))
+
+
+# ---- the compiled float32 passes (_kernels.c) against the NumPy passes ----
+
+@contextlib.contextmanager
+def numpy_passes():
+    """The NumPy passes alone, the compiled ones set aside through the private ``_reproducible._compiled``:
+    no public name chooses between them (they give the same bits by design, which these tests check)."""
+    saved = list(rp._compiled)
+    rp._compiled[:] = [None]
+    try:
+        yield
+    finally:
+        rp._compiled[:] = saved
+
+
+def compiled_or_skip():
+    if rp.compiled() is None:
+        if os.environ.get("COLLECTIVES_TEST_REQUIRE_KERNELS") == "1":  # CI builds them: a missing build fails
+            pytest.fail("the compiled float32 passes (collectives/_kernels*.so) did not load")
+        pytest.skip("collectives was built without its compiled passes (no C compiler)")
+
+
+def both_passes(units: np.ndarray, name: str, op: str, groups: list[list[int]]) -> None:
+    """Codes, words (each group's, as a rank's), the decoded result and ``sum_terms``: the compiled passes
+    give NumPy's codes, NumPy's word values (a zero's sign aside: decoding makes every zero sum +0.0) and
+    NumPy's bytes."""
+    info = info_of(name)
+    results = []
+    for numpy_only in (False, True):
+        with numpy_passes() if numpy_only else contextlib.nullcontext():
+            codes = functools.reduce(np.maximum, [rp.codes(units[g], info) for g in groups])
+            words = [rp.encode(units[g], info, codes) for g in groups]
+            total = functools.reduce(operator.add, words)
+            out = np.empty(units.shape[1], dtype=info.storage)
+            rp.decode(total, info, codes, op, out)
+            terms = np.empty_like(out)
+            rp.sum_terms(list(units), info, op, terms)
+            results.append((codes, words, out, terms))
+    (c1, w1, o1, t1), (c2, w2, o2, t2) = results
+    np.testing.assert_array_equal(c1, c2)
+    for a, b in zip(w1, w2):
+        np.testing.assert_array_equal(a, b)  # (== on floats: -0.0 equals +0.0)
+    assert o1.tobytes() == o2.tobytes()
+    assert t1.tobytes() == t2.tobytes() == o2.tobytes()
+
+
+@pytest.mark.parametrize("op", ["sum", "mean"])
+@given(data=st.data())
+@SETTINGS
+def test_the_compiled_passes_give_the_numpy_bits(op, data):
+    compiled_or_skip()
+    values = data.draw(stacks("float32"))
+    k = values.shape[0]
+    cut = data.draw(st.integers(0, k))
+    both_passes(storage(values, "float32"), "float32", op, [list(range(cut)), list(range(cut, k))])
+
+
+@pytest.mark.parametrize("name", ["float32", "complex64"])
+def test_the_compiled_passes_across_pieces_and_specials(name):
+    """Long rows (several of the compiled sum's pieces of 2048 elements, vector loops and their tails) of
+    extreme exponents, subnormals, zeros of both signs, NaN and infinities: the NumPy passes' bits."""
+    compiled_or_skip()
+    rng = np.random.default_rng(11)
+    k, n = 5, 2 * 2048 + 37
+    with np.errstate(all="ignore"):
+        real = (rng.standard_normal((k, 2 * n if name == "complex64" else n))
+                * np.exp2(rng.integers(-160, 130, (k, 2 * n if name == "complex64" else n)))).astype(np.float32)
+    which = rng.random(real.shape)
+    real[which < 0.1] = 0.0
+    real[which > 0.95] = -0.0
+    real[:, :7] = [[np.nan, np.inf, -np.inf, np.inf, -0.0, 0.0, 1e-45]] * k
+    real[1:, 3] = -np.inf  # +inf and -inf: NaN
+    units = real.view(np.complex64) if name == "complex64" else real
+    for op in ("sum", "mean"):
+        both_passes(units, name, op, [[0, 3], [1], [2, 4]])

@@ -180,6 +180,20 @@ class HostTransport(abc.ABC):
         one). The answer depends only on what every rank passes alike (lengths, dtype, op)."""
         return False
 
+    def sums_in_one_pass(self, buf: np.ndarray) -> bool:
+        """Whether :meth:`allreduce_exact` takes ``buf``: a pass of this transport's own in which one rank
+        sees every rank's data of an element at once (the node-shared window). The answer depends only on
+        what every rank passes alike; where False the reproducible sums run their two collectives (the
+        codes' max, the words' sum), which give the same bits."""
+        return False
+
+    def allreduce_exact(self, buf: np.ndarray, name: str, kernel) -> None:
+        """Reduce the contiguous writable ``buf`` over the ranks in place, each element computed by
+        ``kernel(terms, out)`` from every rank's values of it at once (``terms``: a list in rank order);
+        ``name`` says what the kernel computes ("reproducible sum" or "reproducible mean"), for the ranks to
+        compare. Where :meth:`sums_in_one_pass`."""
+        raise NotImplementedError(f"the {self.name} transport has no one-pass reduction")
+
     @abc.abstractmethod
     def allreduce(self, buf: np.ndarray, op: str) -> None:
         """Reduce ``buf`` across ranks, result in ``buf`` on every rank."""

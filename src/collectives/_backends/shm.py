@@ -54,7 +54,8 @@ from .._dtypes import divide, wire_op
 from .._errors import MismatchError
 
 KERNELS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum, "mean": np.add}
-_OPS = tuple(KERNELS)
+EXACT = ("reproducible sum", "reproducible mean")  # the sums of allreduce_exact (a kernel of every rank's data)
+_OPS = (*KERNELS, *EXACT)
 _KINDS = "biufc"  # NumPy reduces these natively on the host
 _ALIGN = 64  # bytes: regions start on cache-line boundaries (every itemsize divides it)
 MIN_SLOT_BYTES = 64 * 2**10
@@ -118,6 +119,16 @@ def _without_osc_ucx_noise(MPI):
                 dropped = False
             if kept:
                 os.write(2, "".join(kept).encode())
+
+
+def _chain(ufunc):
+    """The kernel of an ordinary op: the slice over every rank's data, in rank order (``res`` may not be one
+    of the sources)."""
+    def kernel(src, res):
+        ufunc(src[0], src[1], out=res)
+        for x in src[2:]:
+            ufunc(res, x, out=res)
+    return kernel
 
 
 class Reducer:
@@ -261,7 +272,7 @@ class Reducer:
             starts.append(starts[-1] + f.shape[0])
         total = starts[-1]
         step = self.chunk_bytes // dtype.itemsize
-        ufunc = KERNELS[op]
+        kernel = _chain(KERNELS[op])
         divisor = float(self.size) if op == "mean" else None
         regions = self._views(dtype)
         n, p = self.local_size, self.local_rank
@@ -301,10 +312,7 @@ class Reducer:
             mine = list(pieces(bounds[p], bounds[p + 1]))
             for f, a, b, at in mine:
                 out = res[at:at + b - a]
-                src = [f[a:b] if q == p else regions[q][p][at:at + b - a] for q in range(n)]
-                ufunc(src[0], src[1], out=out)
-                for q in range(2, n):
-                    ufunc(out, src[q], out=out)
+                kernel([f[a:b] if q == p else regions[q][p][at:at + b - a] for q in range(n)], out)
             self._scatter(mine, res, divisor)  # (the region keeps the sum)
             self._sync()  # 4
             for q in range(n):  # 5: the other ranks' result slices (sums for mean: divided here)
@@ -319,11 +327,27 @@ class Reducer:
             else:
                 divide(part[at:at + b - a], divisor, out=f[a:b])
 
-    def _allreduce(self, buf: np.ndarray, op: str) -> None:
+    def allreduce_exact(self, buf: np.ndarray, name: str, kernel, wait=None) -> None:
+        """:meth:`allreduce` of ``buf`` whose slices are computed by ``kernel(terms, out)``: every rank's
+        data of a slice at once (a list in rank order), the result written into ``out`` (the reproducible
+        sums: ``_reproducible.sum_terms``, which needs every term of an element together); ``name`` (one of
+        :data:`EXACT`) is what the ranks compare, as they compare an op. One node only."""
+        if self.multi_node or name not in EXACT:
+            raise ValueError(f"Reducer.allreduce_exact runs {EXACT} on one node only, got {name!r}"
+                             f"{' across nodes' if self.multi_node else ''}")
+        self._wait = wait
+        try:
+            with np.errstate(all="ignore"):
+                self._allreduce(buf, name, kernel)
+        finally:
+            self._wait = None
+
+    def _allreduce(self, buf: np.ndarray, op: str, kernel=None) -> None:
         flat = buf.reshape(-1)
         total = flat.shape[0]
         step = self.chunk_bytes // flat.dtype.itemsize
-        ufunc = KERNELS[op]
+        if kernel is None:
+            kernel = _chain(KERNELS[op])
         divisor = float(self.size) if op == "mean" else None
         regions = self._views(flat.dtype)
         n, p = self.local_size, self.local_rank
@@ -334,7 +358,7 @@ class Reducer:
             c = chunk.shape[0]
             bounds = [c * q // n for q in range(n + 1)]
             if n > 1:
-                self._node_reduce(chunk, bounds, regions, ufunc, None if self.multi_node else divisor, lo == 0)
+                self._node_reduce(chunk, bounds, regions, kernel, None if self.multi_node else divisor, lo == 0)
             if self.multi_node:
                 self._across_nodes(chunk, bounds, regions, op, divisor)
             elif n > 1:
@@ -348,7 +372,7 @@ class Reducer:
             elif divisor is not None:
                 divide(chunk, divisor)
 
-    def _node_reduce(self, chunk, bounds, regions, ufunc, divisor, first: bool) -> None:
+    def _node_reduce(self, chunk, bounds, regions, kernel, divisor, first: bool) -> None:
         n, p = self.local_size, self.local_rank
         slot = regions[p]
         for q in range(n):  # 1: my inputs for the other ranks' slices
@@ -361,10 +385,7 @@ class Reducer:
         lo, hi = bounds[p], bounds[p + 1]  # 3: my slice, over every rank's data, in rank order
         mine = chunk[lo:hi]
         res = slot[p][:hi - lo]
-        src = [mine if q == p else regions[q][p][:hi - lo] for q in range(n)]
-        ufunc(src[0], src[1], out=res)
-        for q in range(2, n):
-            ufunc(res, src[q], out=res)
+        kernel([mine if q == p else regions[q][p][:hi - lo] for q in range(n)], res)
         if divisor is None:
             mine[...] = res
         else:  # the region keeps the sum; each rank divides while copying it out (one pass less)

@@ -24,7 +24,8 @@ def allreduce(comm, x, op, reproducible, asynchronous: bool):
         return a.written(x, (yield Step(transport, "allreduce", (x, a, op), device=True)))
     buf, place = placing(x, a, view, info)
     if comm._repro:
-        yield from summing.summing(comm, transport, "allreduce", buf.reshape(1, -1), info, op, asynchronous, out=buf)
+        yield from summing.summing(comm, transport, "allreduce", buf.reshape(1, -1), info, op, asynchronous, out=buf,
+                                   one_each=True)
         return place()
     used = yield rules.reduction(comm, transport, "allreduce", buf, info, op, asynchronous)
     if used is not None and rules.cacheable(comm, info, op):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import _call, _dtypes, _reproducible
+from .. import _agree, _call, _dtypes, _reproducible
 from . import rules, steps
 
 
@@ -24,14 +24,33 @@ SPLIT_BYTES = 32 * 2**20
 
 
 def summing(comm, transport, operation: str, stack, info, op: str, asynchronous: bool, extra: tuple = (), *,
-            receives: bool = True, out=None, calling=None):
+            receives: bool = True, out=None, calling=None, one_each: bool = False):
     """The steps of a reproducible sum or mean (``_reproducible``) of ``stack``, this rank's units
     (``(k, n)``, contiguous, ``info``'s storage dtype): the exponent codes allreduced with max at the
     call (:func:`exponents`), then the fixed-point words with ``operation`` (allreduce; reduce to
     ``extra[0]``; reduce_scatter: each rank its block), decoded into ``out`` where ``receives``.
-    ``calling``: the call's description (``_call``; default: the one the validation made)."""
+    ``calling``: the call's description (``_call``; default: the one the validation made). A blocking
+    allreduce may take the transport's one pass (``sums_in_one_pass``) where every rank holds one unit:
+    ``one_each`` says so (an allreduce with ``reproducible=True``, a tree's bucket: ``out`` itself);
+    else (``allreduce_units``, whose ranks may hold different numbers of units) the ranks vote first."""
     size = comm._size
     calling = comm._calling if calling is None else calling
+    if operation == "allreduce" and not asynchronous and size > 1 and transport.sums_in_one_pass(out.reshape(-1)):
+        # every rank on one node: the transport sums every rank's terms at once (the node-shared window),
+        # the same bits as the two collectives below, no codes or words on the wire; for allreduce_units,
+        # where every rank holds one unit (a vote of 8 bytes first: the ranks' counts may differ)
+        if not one_each:
+            vote = _agree.Ballot({"one each": "all"})
+            yield steps.Step(transport, "allreduce", (vote.fill({"one each": stack.shape[0] == 1}), "max"))
+            one_each = vote.result()["one each"]
+            if one_each:
+                np.copyto(out.reshape(-1), stack[0])
+        if one_each:
+            def kernel(terms, result):
+                _reproducible.sum_terms(terms, info, op, result)
+
+            yield steps.Step(transport, "allreduce_exact", (out.reshape(-1), f"reproducible {op}", kernel))
+            return
     n = _reproducible.elements(stack.shape[1], info)
     codes = _reproducible.codes(stack, info, out=reused(comm, "codes", _reproducible.code_dtype(info), n,
                                                         asynchronous))
@@ -121,7 +140,7 @@ def allreduce(comm, transport, buf, info, op: str) -> None:
     reproducible ``op`` (sum or mean, ``_reproducible``), blocking."""
     calling = _call.describe("allreduce", f"reproducible {op}", info, _reproducible.elements(buf.size, info))
     for step in summing(comm, transport, "allreduce", buf.reshape(1, -1), info, op, False, out=buf,
-                        calling=calling):
+                        calling=calling, one_each=True):
         transport.caller = calling
         try:
             getattr(transport, step.operation)(*step.args)

@@ -98,6 +98,11 @@ class DeadlineMPITransport(MPITransport):
             return
         super().allreduce(buf, op)
 
+    def allreduce_exact(self, buf, name, kernel) -> None:
+        """As the plain transport's, under the deadline: the call's fingerprint first, then each node
+        barrier an ``MPI_Ibarrier`` waited under the deadline (:meth:`_bounded_shm`)."""
+        self._bounded_shm(buf, name, self._wait, kernel)
+
     def allreduce_fused(self, bufs, op) -> bool:
         """As the plain transport's, under the deadline: one fingerprint for the pass (an allreduce of
         every element of ``bufs``), then each node barrier an ``MPI_Ibarrier`` waited under the deadline."""

@@ -43,6 +43,16 @@ class SharedWindow(HostTransport):
         reducer.allreduce(buf, op, wait)
         return True
 
+    def sums_in_one_pass(self, buf) -> bool:
+        """Every rank on one node, ``buf`` from the shared-memory threshold: :meth:`allreduce_exact` takes it.
+        Depends only on what every rank passes alike (the size)."""
+        return buf.nbytes >= self._shm_threshold and self.reduces_on_the_callers_cpus()
+
+    def allreduce_exact(self, buf, name, kernel) -> None:
+        """``buf`` reduced through the node-shared window by ``kernel`` (``shm.Reducer.allreduce_exact``):
+        with an ordinary allreduce's bytes and barriers. Where :meth:`sums_in_one_pass`."""
+        self._reducer().allreduce_exact(buf, name, kernel)
+
     def _reducer(self, wait=None) -> shm.Reducer:
         """The node-shared window, made at first use: collective, and safe where every rank is in the same
         allreduce (``wait``: as in :meth:`_shm_allreduce`)."""
@@ -102,20 +112,23 @@ class SharedWindow(HostTransport):
         seconds, setting = self._at_start  # type: ignore[misc]  # set: only _allreduce_at_start waits here
         self._wait_within(what, req, seconds, setting)
 
-    def _bounded_shm(self, buf, op, wait) -> bool:
+    def _bounded_shm(self, buf, op, wait, kernel=None) -> bool:
         """On one node, from the shared-memory threshold: ``buf`` reduced through the shared window, each of
         its barriers an ``MPI_Ibarrier`` completed by ``wait(what, request)`` (the window is made after a
         rendezvous of every rank waited for the same way). False where that path does not apply. The
         fingerprint of the call is reduced first (a node barrier cannot tell an allreduce of 4 elements from
-        one of 8)."""
+        one of 8). With ``kernel``: :meth:`allreduce_exact`, ``op`` its name."""
         if buf.nbytes < self._shm_threshold or not self.reduces_on_the_callers_cpus():
             return False
         self.usable()
         what = ("allreduce", buf, f"op={op}, node-shared memory")
-        if self._shm is not None and not self._shm.supports(buf.dtype, op, bounded=True):
+        if kernel is None and self._shm is not None and not self._shm.supports(buf.dtype, op, bounded=True):
             return False
         if self.size > 1:
-            req, check = self._fingerprint("allreduce", buf, wire_op(op))
+            req, check = self._fingerprint("allreduce", buf, wire_op(op) if kernel is None else "sum")
             wait(what, req)
             self._verify(check, what)
-        return self._shm_allreduce(buf, op, lambda req: wait(what, req))
+        if kernel is None:
+            return self._shm_allreduce(buf, op, lambda req: wait(what, req))
+        self._reducer(lambda req: wait(what, req)).allreduce_exact(buf, op, kernel, lambda req: wait(what, req))
+        return True
