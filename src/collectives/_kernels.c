@@ -11,6 +11,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #define SHIFT 162
 #define SPECIAL 255u
@@ -114,13 +115,59 @@ VERSIONS void coll_decode_f32(const double *restrict words, const uint8_t *restr
     }
 }
 
-/* out = the reproducible sum (mean: / k) of the k >= 1 terms, element by element: codes, words and the
- * conversion back, piece by piece. */
+/* The fused sum of K terms (a constant where it is inlined: its loop over the terms unrolled, the loop over
+ * the elements vectorized): codes, words and the conversion back in one pass over the elements. */
+static inline void sum_k(const float *const *terms, const int K, int64_t n, int mean, float *restrict out) {
+    const double terms_d = (double)K;
+    int special = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t c = 0;
+        for (int u = 0; u < K; u++) {
+            uint32_t b;
+            memcpy(&b, terms[u] + i, sizeof b);
+            uint32_t cu = code_of(b);
+            c = cu > c ? cu : c;
+        }
+        double scale = pow2(SHIFT - (int)c), w = 0.0;
+        for (int u = 0; u < K; u++) w += trunc((double)terms[u][i] * scale);
+        double v = w * pow2((int)c - SHIFT) + 0.0;
+        v = c == 0 ? -0.0 : v;
+        if (mean) v = v / terms_d;
+        out[i] = (float)v;
+        special |= c == SPECIAL;
+    }
+    if (!special) return;
+    for (int64_t i = 0; i < n; i++) { /* inf or NaN among some element's terms: as decode gives them */
+        uint32_t c = 0;
+        double count = 0.0;
+        for (int u = 0; u < K; u++) {
+            float x = terms[u][i];
+            uint32_t b;
+            memcpy(&b, &x, sizeof b);
+            uint32_t cu = code_of(b);
+            c = cu > c ? cu : c;
+            count += isnan(x) ? NAN_AT : (x == INFINITY ? PINF_AT : (x == -INFINITY ? 1.0 : 0.0));
+        }
+        if (c != SPECIAL) continue;
+        double v = special_out(count);
+        if (mean) v = v / terms_d;
+        out[i] = (float)v;
+    }
+}
+
+/* out = the reproducible sum (mean: / k) of the k >= 1 terms, element by element: 2 to 4 terms in one
+ * fused pass, more piece by piece (codes, words and the conversion back). */
 VERSIONS void coll_sum_f32(const float *const *terms, int64_t k, int64_t n, int mean, float *out) {
     uint8_t codes[BLOCK];
     double words[BLOCK];
     const float *piece[64];
     const float **at = piece;
+    switch (k) {
+        case 2: sum_k(terms, 2, n, mean, out); return;
+        case 3: sum_k(terms, 3, n, mean, out); return;
+        case 4: sum_k(terms, 4, n, mean, out); return;
+        default: break;
+    }
     if (k > 64) return; /* the caller passes at most 64 terms (else the NumPy passes) */
     for (int64_t lo = 0; lo < n; lo += BLOCK) {
         int64_t m = n - lo < BLOCK ? n - lo : BLOCK;

@@ -309,3 +309,5 @@ def test_the_compiled_passes_across_pieces_and_specials(name):
     units = real.view(np.complex64) if name == "complex64" else real
     for op in ("sum", "mean"):
         both_passes(units, name, op, [[0, 3], [1], [2, 4]])
+        for k in (1, 2, 3, 4):  # sum_terms has a fused pass for 2 to 4 terms
+            both_passes(units[:k], name, op, [list(range(k))])
