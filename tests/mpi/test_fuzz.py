@@ -1,7 +1,8 @@
 """The fuzz suite (issue 12): random calls on every rank, checked against a reference built from an
 allgather of every rank's inputs, and the rule that an exception is the same exception on every rank.
 
-A draw is a collective (allreduce, reduce, broadcast, allgather, gather, allreduce_tree, synchronize), an op, a
+A draw is a collective (allreduce, reduce, broadcast, allgather, gather, allreduce_tree, synchronize), an op
+(a float sum or mean reproducible or not), a
 dtype (longdouble, structured and byte-swapped ones included), a layout, a library (NumPy, torch), an
 element count around every threshold (the shared-memory one, its slot, the per-call count limit: all
 shrunk on the fuzz communicator so that the whole file runs in seconds), values with NaN, infinities and
@@ -80,6 +81,7 @@ LEGAL = {"sum": "iufc", "prod": "iufc", "min": "biuf", "max": "biuf", "mean": "f
 COLLECTIVES = ["allreduce", "allreduce", "reduce", "broadcast", "allgather", "gather", "allreduce_tree",
                "synchronize"]
 REDUCTIONS = ("allreduce", "reduce", "allreduce_tree")
+REPRODUCIBLE = ("float16", "bfloat16", "float32", "float64", "complex64", "complex128")  # reproducible=True
 
 
 def kind(dtype: str) -> str:
@@ -150,7 +152,7 @@ def calls(draw, size):
         mismatch = draw(st.sampled_from(["shape", "collective", "struct"]))
         if op is not None and kind(dtype) not in LEGAL[op]:  # (an invalid call is refused differently:
             op = next(o for o, kinds in LEGAL.items() if kind(dtype) in kinds)  # TypeError where it is)
-    return {
+    p = {
         "family": family, "lib": lib, "dtype": dtype, "collective": collective, "op": op, "n": n,
         "layout": layout, "root": draw(st.integers(0, size - 1)),
         "specials": kind(dtype) == "f" and (family == "floats" or draw(st.booleans())),
@@ -160,6 +162,11 @@ def calls(draw, size):
         "warm": family == "views" and draw(st.booleans()),  # the same call on a plain tensor first
         "seed": draw(st.integers(0, 2**32 - 1)),
     }
+    # a reproducible sum or mean (reproducible=True): its values are quarters, so the exact sum is the
+    # reference's; through the node-shared window's one pass from SHM_THRESHOLD on
+    p["reproducible"] = (collective in REDUCTIONS and op in ("sum", "mean") and dtype in REPRODUCIBLE
+                         and draw(st.booleans()))
+    return p
 
 
 def legal(p) -> bool:
@@ -325,10 +332,11 @@ def compare(p, got: np.ndarray, want: np.ndarray) -> str | None:
 def run_call(c, p, x):
     """The drawn collective on ``x``; returns the result as NumPy (the root's tree value for trees)."""
     name = p["collective"]
+    exact = p.get("reproducible", False)
     if name == "allreduce":
-        return to_numpy(c.allreduce(x, op=p["op"]))
+        return to_numpy(c.allreduce(x, op=p["op"], reproducible=exact))
     if name == "reduce":
-        return to_numpy(c.reduce(x, op=p["op"], root=p["root"]))
+        return to_numpy(c.reduce(x, op=p["op"], root=p["root"], reproducible=exact))
     if name == "broadcast":
         return to_numpy(c.broadcast(x, root=p["root"]))
     if name == "allgather":
@@ -337,7 +345,7 @@ def run_call(c, p, x):
         got = c.gather(x, root=p["root"])
         return None if got is None else to_numpy(got)
     if name == "allreduce_tree":
-        out = c.allreduce_tree({"x": x, "other": np.ones(2)}, op=p["op"])
+        out = c.allreduce_tree({"x": x, "other": np.ones(2)}, op=p["op"], reproducible=exact)
         return to_numpy(out["x"])
     out = c.synchronize({"x": x, "step": 3}, root=p["root"])
     return to_numpy(out["x"])
