@@ -30,8 +30,10 @@ mean divides it by the number of terms in float64, then rounds once more into th
 together, is NaN; otherwise an inf is that inf; a sum of only -0.0 terms is -0.0; an exact cancellation
 is +0.0; a finite sum beyond the dtype's range rounds to inf.
 
-NumPy only; runs in pieces of :data:`CHUNK` elements (the temporaries stay in cache) and ignores the
-caller's NumPy error state.
+NumPy passes, run in pieces of :data:`CHUNK` elements (the temporaries stay in cache), ignoring the
+caller's NumPy error state; for float32 (and complex64's parts) the compiled passes of ``_kernels.c``
+instead where the package was built with them (:func:`compiled`), which give the same integers. Where one
+process sees every term of an element (the node-shared window), :func:`sum_terms` computes the whole sum.
 
 Example:
     >>> import numpy as np
