@@ -120,10 +120,28 @@ def nbytes(rec: list) -> int | None:
     return count * int(itemsize)
 
 
+def dtype_name(dtype) -> str | None:
+    """A record's dtype as the dumps name it (``float32``, torch's without ``torch.``), remembered per dtype:
+    NumPy's ``str(dtype)`` is some microseconds of Python, and the timeline names every call's."""
+    if dtype is None:
+        return None
+    try:
+        return _DTYPE_NAMES[dtype]
+    except (KeyError, TypeError):  # (TypeError: an unhashable stand-in for a dtype)
+        name = str(dtype).replace("torch.", "")
+        if len(_DTYPE_NAMES) < 1024:
+            with contextlib.suppress(TypeError):
+                _DTYPE_NAMES[dtype] = name
+        return name
+
+
+_DTYPE_NAMES: dict = {}  # dtype -> its name in the dumps (dtype_name)
+
+
 def fields(rec: list) -> tuple:
     """The record as the dumps show it, in :data:`FIELDS`' order, its thread as its ident."""
-    dtype, shape, op = rec[DTYPE], rec[SHAPE], rec[OP]
-    return (rec[SEQ], rec[COLLECTIVE], op if op is None or op.__class__ is str else repr(op), rec[ROOT], None if dtype is None else str(dtype).replace("torch.", ""),
+    shape, op = rec[SHAPE], rec[OP]
+    return (rec[SEQ], rec[COLLECTIVE], op if op is None or op.__class__ is str else repr(op), rec[ROOT], dtype_name(rec[DTYPE]),
             None if shape is None else [int(n) for n in shape], nbytes(rec), path(rec), site(rec), rec[THREAD],
             rec[START], rec[END], state(rec), rec[ERROR])
 

@@ -7,8 +7,10 @@ asynchronous calls, point-to-point, trees, and so every call of the torch backen
 buckets, which are made through them), is timed as it happens:
 
 - a hot-path call (the cached call of a NumPy or CPU torch array's repeated call): the cached call is
-  replaced by a timed one (``Engine.instrument_hot``), which appends ``(kind, seq, size or root, start,
-  end)`` to a list; its one phase is ``transfer``;
+  replaced by a timed one (``Engine.instrument_hot``), which appends ``(kind, seq, bytes or root, start,
+  end)`` to a list; its one phase is ``transfer``. Where the transport's cached call can time itself
+  (the MPI transport's allreduce and broadcast closures, ``Operation.bind``'s ``timed``), it does, in
+  its own frame: no frame around it;
 - a blocking general-path call's event spans the call; its phases: ``validation`` (the checks, up to the
   first transfer; it holds checked mode's ``agreement`` and the NaN check's exchange), each ``transfer``
   (the host transport's own calls where they are made, else the step), ``host`` (the work between two
@@ -47,11 +49,10 @@ import threading
 import time
 import weakref
 
-import numpy as np
 
 from . import _records
 
-FORMAT = "collectives-timeline/1"
+FORMAT = "collectives-timeline/2"
 FLUSH_S = 0.25  # how often the daemon thread writes what has accumulated (40 bytes a hot-path call)
 _ns = time.time_ns  # the hosts' clock (as the flight recorder's records): comparable across ranks of a host
 
@@ -200,7 +201,7 @@ def _take_marks(since: int) -> list:
 
 
 # ---- the instruments ----
-# A hot-path call is its cached call, timed: it appends (kind, seq, size or root, start, end) to the job's
+# A hot-path call is its cached call, timed: it appends (kind, seq, bytes or root, start, end) to the job's
 # array (kind: what the cached call is, named when it was made). Any other call is a tuple in job.slow,
 # made by the entry of its method (methods without a hot path) or, for a method with one, by the blocking
 # driver or the asynchronous call when no entry is around it (_depth).
@@ -215,6 +216,10 @@ def _timed_run(job, engine, tags, names, run):
         run = run.__wrapped__
     extend, seq, comm = job.fast.append, engine.seq_reader(), engine.communicator  # (a tuple appended to a
     # list: a third of what array.extend takes, which converts each integer; marshal writes the list)
+    timed_in_place = getattr(run, "timed", None)
+    if timed_in_place is not None:  # the transport's own call timed in its frame (mpi/ops.py Operation.bind):
+        # a frame less than the wrappers below on the 8-byte path
+        return timed_in_place((extend, kind, seq, comm, lambda t0, exc: job.failed(engine, tag, False, t0, exc)))
     if names[0] == "broadcast":
         def timed_broadcast(x, root):
             t0 = _ns()
@@ -234,7 +239,7 @@ def _timed_run(job, engine, tags, names, run):
             except BaseException as exc:
                 job.failed(engine, tag, False, t0, exc)
                 raise
-            extend((kind, seq(comm), x.size, t0, _ns()))
+            extend((kind, seq(comm), x.nbytes, t0, _ns()))
 
         return timed_blocks
 
@@ -245,7 +250,7 @@ def _timed_run(job, engine, tags, names, run):
         except BaseException as exc:
             job.failed(engine, tag, False, t0, exc)
             raise
-        extend((kind, seq(comm), x.size, t0, _ns()))
+        extend((kind, seq(comm), x.nbytes, t0, _ns()))
 
     return timed
 
@@ -483,8 +488,7 @@ def read(path: str) -> dict:
                 if collective == "broadcast":
                     info["root"] = aux
                 else:
-                    size = _itemsize(dtype)
-                    info["nbytes"] = None if size is None else aux * size
+                    info["nbytes"] = aux
                 calls.append(_call(table[tag], seq, t0, t1, info, None))
             for tag, seq, t0, t1, described, marks, error in events:
                 info = dict(zip(fields, described))
@@ -494,13 +498,6 @@ def read(path: str) -> dict:
                     info["state"] = "completed"
                 calls.append(_call(table[tag], seq, t0, t1, info, marks or []))
     return {"rank": rank, "calls": calls}
-
-
-def _itemsize(dtype) -> int | None:
-    try:
-        return np.dtype(dtype).itemsize
-    except TypeError:  # a dtype NumPy does not name (torch's bfloat16)
-        return None
 
 
 def _call(where, seq, t0, t1, info, marks) -> dict:

@@ -48,6 +48,7 @@ PROCESS_WIDE = {  # "module:name" -> why the process holds it, not a communicato
     "_handles:ABANDONED": "MPI requests of handles dropped unfinished, kept alive until MPI completes them "
                           "(MPI owns their buffers meanwhile, whichever communicator made them)",
     "_records:_LINES": LOADED + ": the line of each (code, instruction) call site",
+    "_records:_DTYPE_NAMES": LOADED + ": the name in the dumps of each dtype a record held",
     "_records:_PATHS": "the last few stack paths to a user's call site, shared by every record",
     "_records:_hinting": "how many call-site hint blocks are under way, on any thread (records read the "
                          "thread's hint only then)",

@@ -71,3 +71,45 @@ def test_off_the_methods_are_the_class_own(tmp_path):
                           cwd=tmp_path)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
     assert not list(tmp_path.glob("*.raw")), list(tmp_path.iterdir())
+
+
+def test_the_transports_own_timed_call_stamps_what_it_did_and_its_failure():
+    """The MPI transport's cached allreduce and broadcast time themselves in their own frame under the
+    timeline (``Operation.bind``'s ``timed``): the same MPI call as untimed, a stamp ``(kind, seq, bytes or
+    root, start, end)`` after it, and ``failed(start, exc)`` before an error goes on. Reaches into the
+    transport's table (a private) because nothing public can make an MPI call of the hot path fail: the
+    method here is a stand-in that records its arguments and raises when asked."""
+    import operator
+    import time
+
+    import numpy as np
+    import pytest
+
+    from collectives._backends.mpi.ops import OPERATIONS
+
+    made, stamps, failures = [], [], []
+
+    def method(*args):
+        made.append(args)
+        if args[-1] == "raise":
+            raise RuntimeError("an MPI error")
+
+    class Owner:
+        _seq = 7
+
+    seq = operator.attrgetter("_seq")  # (as the engine's seq_reader)
+    stamp = (stamps.append, 3, seq, Owner(), lambda t0, exc: failures.append((t0, exc)))
+    x = np.ones(5, np.float32)
+    for name, args, mop in (("allreduce", (x,), "SUM"), ("broadcast", (x, 1), None)):
+        plain = OPERATIONS[name].bind(method, "FLOAT", mop, "IN_PLACE", 1 << 30, None)
+        plain(*args)
+        untimed = made.pop()
+        before = time.time_ns()
+        plain.timed(stamp)(*args)
+        assert made.pop() == untimed  # the same MPI call
+        kind, n, aux, t0, t1 = stamps.pop()
+        assert (kind, n, aux) == (3, 7, 20 if name == "allreduce" else 1) and before <= t0 <= t1 <= time.time_ns()
+    failing = OPERATIONS["allreduce"].bind(method, "FLOAT", "raise", "IN_PLACE", 1 << 30, None).timed(stamp)
+    with pytest.raises(RuntimeError, match="an MPI error"):
+        failing(x)
+    assert not stamps and len(failures) == 1 and str(failures[0][1]) == "an MPI error"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from time import time_ns as _ns  # the hosts' clock: the timeline's stamps (Operation.bind)
 
 ELEMENTS, BYTES, BYTES_PER_RANK = "elements", "bytes", "bytes per rank"  # what a row's count counts
 NEVER, ALWAYS, AT_ROOT = "never", "always", "at root"  # where a row's send buffer is MPI_IN_PLACE
@@ -118,23 +119,66 @@ class Operation(_Methods):
         that calls ``method`` (the lane's bound mpi4py method) on the whole buffers, typed ``datatype``,
         or ``slow`` with the same arguments where the counted buffer holds ``at`` bytes or more (None: no
         test). For the rows the hot path takes: one buffer in place, one rooted buffer, two buffers counted
-        by the receive buffer with an op, or by the send buffer without."""
+        by the receive buffer with an op, or by the send buffer without.
+
+        The closure of one buffer (the allreduce's and the broadcast's) has an attribute ``timed(stamp)``
+        that makes the same call timed in its own frame (the timeline's hot path, ``_timeline``: no frame
+        around it): ``stamp = (append, kind, seq, owner, failed)``; each call appends ``(kind, seq(owner),
+        bytes or root, start, end)`` (``seq(owner)``: the call's sequence number; the hosts' clock, ns),
+        and one that raises calls ``failed(start, exc)`` before the error goes on."""
         if self.buffers == 1 and self.in_place == ALWAYS and not self.rooted:
             def run(x):
                 if x.nbytes >= at:
                     return slow(x)
                 method(in_place, [x, datatype], mop)
 
+            def timed_run(stamp):
+                append, kind, seq, owner, failed = stamp
+
+                def run_timed(x):
+                    t0 = _ns()
+                    try:
+                        if (nbytes := x.nbytes) >= at:
+                            slow(x)
+                        else:
+                            method(in_place, [x, datatype], mop)
+                    except BaseException as exc:
+                        failed(t0, exc)
+                        raise
+                    append((kind, seq(owner), nbytes, t0, _ns()))
+
+                return run_timed
+
+            run.timed = timed_run  # type: ignore[attr-defined]
             return run
         if self.buffers == 1 and self.in_place == NEVER and self.rooted and not self.reduces:
             if at is None:
-                return lambda x, root: method([x, datatype], root)
+                def run_rooted(x, root):
+                    method([x, datatype], root)
+            else:
+                def run_rooted(x, root):
+                    if x.nbytes >= at:
+                        return slow(x, root)
+                    method([x, datatype], root)
 
-            def run_rooted(x, root):
-                if x.nbytes >= at:
-                    return slow(x, root)
-                method([x, datatype], root)
+            def timed_rooted(stamp):
+                append, kind, seq, owner, failed = stamp
 
+                def run_rooted_timed(x, root):
+                    t0 = _ns()
+                    try:
+                        if at is not None and x.nbytes >= at:
+                            slow(x, root)
+                        else:
+                            method([x, datatype], root)
+                    except BaseException as exc:
+                        failed(t0, exc)
+                        raise
+                    append((kind, seq(owner), root, t0, _ns()))
+
+                return run_rooted_timed
+
+            run_rooted.timed = timed_rooted  # type: ignore[attr-defined]
             return run_rooted
         if self.buffers == 2 and self.in_place == NEVER and not self.rooted and self.reduces and self.counted == 1:
             def run_reducing(send, recv):
