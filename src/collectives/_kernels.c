@@ -155,20 +155,23 @@ static inline void sum_k(const float *const *terms, const int K, int64_t n, int 
     }
 }
 
-/* out = the reproducible sum (mean: / k) of the k >= 1 terms, element by element: 2 to 4 terms in one
- * fused pass, more piece by piece (codes, words and the conversion back). */
-VERSIONS void coll_sum_f32(const float *const *terms, int64_t k, int64_t n, int mean, float *out) {
+/* out = the reproducible sum (mean: / k) of the k terms, element by element: 2 to 4 terms in one fused
+ * pass, 1 or 5 to MAX_TERMS piece by piece (codes, words and the conversion back). Returns 0, or
+ * COLL_BAD_TERMS (nothing written) for k outside 1..MAX_TERMS: the caller (_reproducible.sum_terms) then
+ * raises, never leaves out unwritten without saying so. */
+#define MAX_TERMS 64
+#define COLL_BAD_TERMS 1
+VERSIONS int coll_sum_f32(const float *const *terms, int64_t k, int64_t n, int mean, float *out) {
     uint8_t codes[BLOCK];
     double words[BLOCK];
-    const float *piece[64];
-    const float **at = piece;
+    const float *at[MAX_TERMS];
     switch (k) {
-        case 2: sum_k(terms, 2, n, mean, out); return;
-        case 3: sum_k(terms, 3, n, mean, out); return;
-        case 4: sum_k(terms, 4, n, mean, out); return;
+        case 2: sum_k(terms, 2, n, mean, out); return 0;
+        case 3: sum_k(terms, 3, n, mean, out); return 0;
+        case 4: sum_k(terms, 4, n, mean, out); return 0;
         default: break;
     }
-    if (k > 64) return; /* the caller passes at most 64 terms (else the NumPy passes) */
+    if (k < 1 || k > MAX_TERMS) return COLL_BAD_TERMS;
     for (int64_t lo = 0; lo < n; lo += BLOCK) {
         int64_t m = n - lo < BLOCK ? n - lo : BLOCK;
         for (int64_t u = 0; u < k; u++) at[u] = terms[u] + lo;
@@ -176,4 +179,5 @@ VERSIONS void coll_sum_f32(const float *const *terms, int64_t k, int64_t n, int 
         coll_encode_f32(at, k, m, codes, words);
         coll_decode_f32(words, codes, m, mean, (double)k, out + lo);
     }
+    return 0;
 }

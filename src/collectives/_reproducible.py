@@ -59,6 +59,7 @@ import numpy as np
 from . import _dtypes
 
 MAX_TERMS = 1 << 16  # terms per element a reproducible sum may have (every rank's units together)
+FUSED_TERMS = 64  # the most terms the compiled sum takes at once (_kernels.c MAX_TERMS; more: the passes one by one)
 S = 52 - 16  # fraction bits of one word: MAX_TERMS words below 2**S sum to below 2**52 (exact in float64)
 CHUNK = 1 << 15  # elements per piece of the conversions
 OPS = ("sum", "mean")
@@ -87,8 +88,9 @@ class _Compiled:
         self.encode.argtypes = [p, i64, i64, p, p]
         self.decode.argtypes = [p, p, i64, ctypes.c_int, f64, p]
         self.sum.argtypes = [p, i64, i64, ctypes.c_int, p]
-        for fn in (self.codes, self.encode, self.decode, self.sum):
+        for fn in (self.codes, self.encode, self.decode):
             fn.restype = None
+        self.sum.restype = ctypes.c_int  # 0, or 1: a term count outside 1..FUSED_TERMS (nothing written)
 
     def table(self, arrays) -> object:
         """A C array of the arrays' data pointers (each contiguous)."""
@@ -444,9 +446,11 @@ def sum_terms(terms: list, info: _dtypes.DType, op: str, out: np.ndarray) -> Non
     the node-shared window (``_backends.shm``), where one rank sees every rank's terms of its slice."""
     fmt = format_of(info)
     fast = _fast(fmt)
-    if fast is not None and len(terms) <= 64:  # every term at once, element by element
+    if fast is not None and len(terms) <= FUSED_TERMS:  # every term at once, element by element
         reals = [_reals(t, fmt) for t in terms]
-        fast.sum(fast.table(reals), len(reals), reals[0].shape[0], op == "mean", _reals(out.reshape(-1), fmt).ctypes.data)
+        if fast.sum(fast.table(reals), len(reals), reals[0].shape[0], op == "mean",
+                    _reals(out.reshape(-1), fmt).ctypes.data):
+            raise ValueError(f"the compiled sum takes 1 to {FUSED_TERMS} terms per element, got {len(reals)}")
         return
     c = codes(terms, info)
     words = encode(terms, info, c, tail=False)

@@ -311,3 +311,24 @@ def test_the_compiled_passes_across_pieces_and_specials(name):
         both_passes(units, name, op, [[0, 3], [1], [2, 4]])
         for k in (1, 2, 3, 4):  # sum_terms has a fused pass for 2 to 4 terms
             both_passes(units[:k], name, op, [list(range(k))])
+
+
+def test_the_compiled_sum_refuses_a_term_count_it_does_not_take():
+    """``coll_sum_f32`` takes 1 to ``FUSED_TERMS`` terms; outside that it returns its error status and writes
+    nothing (``sum_terms`` passes more terms to the passes one by one, so it never asks). Through the loaded
+    library (a private: no public call can pass it such a count); its bits at 65 terms are NumPy's."""
+    compiled_or_skip()
+    fast = rp.compiled()
+    terms = [np.full(9, 1.5, np.float32) for _ in range(rp.FUSED_TERMS + 1)]
+    out = np.full(9, 7.0, np.float32)
+    for k in (0, rp.FUSED_TERMS + 1):
+        assert fast.sum(fast.table(terms), k, 9, 0, out.ctypes.data) == 1
+        assert (out == 7.0).all()  # untouched
+    assert fast.sum(fast.table(terms), rp.FUSED_TERMS, 9, 0, out.ctypes.data) == 0
+    assert (out == 1.5 * rp.FUSED_TERMS).all()
+    info = info_of("float32")
+    rp.sum_terms(terms, info, "sum", out)  # 65 terms: the passes one by one
+    with numpy_passes():
+        expected = np.empty_like(out)
+        rp.sum_terms(terms, info, "sum", expected)
+    assert out.tobytes() == expected.tobytes() and (out == 1.5 * (rp.FUSED_TERMS + 1)).all()
