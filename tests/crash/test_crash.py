@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from bounded import bounded  # (tests/crash/bounded.py: a job that cannot hang the suite)
+
 from collectives._launcher import job_command, job_environment  # one way to start a job, any launcher
 
 HERE = Path(__file__).resolve().parent
@@ -62,24 +64,15 @@ def run(name: str, n: int, **env_extra) -> Job:
     cmd = job_command(n, [sys.executable, str(SCENARIO), name], forward=env_extra)
     for attempt in (1, 2):
         start = time.time()
-        # its own process group, so that a hung job is killed whole (mpiexec and every rank)
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                start_new_session=True)
-        try:
-            out, err = proc.communicate(timeout=RUN_LIMIT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-            pytest.fail(f"{name} at {n} ranks HUNG: still running after {RUN_LIMIT_S}s\n"
-                        f"{out[-3000:]}\n{err[-3000:]}")
+        rc, out, err = bounded(cmd, f"{name} at {n} ranks", RUN_LIMIT_S, env)
         ended = time.time()
-        if attempt == 1 and proc.returncode != 0 and not out.strip() and LAUNCH_FAILED.search(err):
-            print(f"\n[crash] {name} -n {n}: the launcher did not start (exit {proc.returncode}): once more\n{err}")
+        if attempt == 1 and rc != 0 and not out.strip() and LAUNCH_FAILED.search(err):
+            print(f"\n[crash] {name} -n {n}: the launcher did not start (exit {rc}): once more\n{err}")
             time.sleep(1.0)
             continue
         break
     marks = [float(t) for t in re.findall(r"^FAILING \S+ AT ([\d.]+)$", out, re.M)]
-    job = Job(proc.returncode, out, err, ended - start, min(marks) if marks else None, ended)
+    job = Job(rc, out, err, ended - start, min(marks) if marks else None, ended)
     job.trace_dir = env_extra["COLLECTIVES_TRACE_DIR"]
     after = f"{job.after_failure:.2f}s after the failure" if marks else "no failure mark"
     print(f"\n[crash] {name} -n {n} {env_extra or ''}: exit {job.rc}, {job.wall:.2f}s wall, {after}")

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from bounded import bounded  # (tests/crash/bounded.py: a job that cannot hang the suite)
 
 from collectives._launcher import job_command, job_environment  # one way to start a job, any launcher
 
@@ -33,15 +32,9 @@ def _job(n: int) -> dict[str, str]:
         env.setdefault("MPIR_CVAR_CH4_PROGRESS_THROTTLE", "1")
         env.setdefault("MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT", "16")
     start = time.time()
-    proc = subprocess.Popen(job_command(n, [sys.executable, "-W", "ignore", str(STEPS)]), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=RUN_LIMIT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"the training job at {n} ranks HUNG: still running after {RUN_LIMIT_S}s\n{out[-3000:]}\n{err[-3000:]}")
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{out[-3000:]}\n{err[-6000:]}"
+    rc, out, err = bounded(job_command(n, [sys.executable, "-W", "ignore", str(STEPS)]),
+                           f"the training job at {n} ranks", RUN_LIMIT_S, env)
+    assert rc == 0, f"exit {rc}\n{out[-3000:]}\n{err[-6000:]}"
     found = dict(re.findall(r"^(torch|jax) (\S+) same-on-every-rank$", out, re.M))
     print(f"\n[reproducible] -n {n}: {found} in {time.time() - start:.1f}s")
     return found

@@ -14,16 +14,15 @@ killed whole if it hangs.
 from __future__ import annotations
 
 import functools
-import os
 import re
 import shlex
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from bounded import bounded  # (tests/crash/bounded.py: a job that cannot hang the suite)
 
 from collectives._launcher import implementation, job_environment  # one way to make a job's environment
 
@@ -47,18 +46,10 @@ def torchrun(nproc: int, *worker_args: str):
            str(WORKER), *worker_args]
     env = job_environment(drop=("COLLECTIVES_",), OMP_NUM_THREADS=1)
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=RUN_LIMIT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"torchrun --nproc_per_node {nproc} HUNG: still running after {RUN_LIMIT_S}s\n{out[-3000:]}\n"
-                    f"{err[-3000:]}")
+    rc, out, err = bounded(cmd, f"torchrun --nproc_per_node {nproc}", RUN_LIMIT_S, env)
     wall = time.monotonic() - start
-    print(f"\n[torchrun] --nproc_per_node {nproc} {' '.join(worker_args)}: exit {proc.returncode}, {wall:.1f}s wall")
-    return proc.returncode, out, err
+    print(f"\n[torchrun] --nproc_per_node {nproc} {' '.join(worker_args)}: exit {rc}, {wall:.1f}s wall")
+    return rc, out, err
 
 
 def assert_refused(nproc, worker_args, rc, out, err, reason):
