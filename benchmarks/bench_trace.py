@@ -16,7 +16,9 @@ each on two communicators over duplicates of ``COMM_WORLD``, made one with the r
 same calls on a communicator made with ``COLLECTIVES_TIMELINE`` set (every call timed with its phases and
 written to ``<dir>/timeline.<rank>``, in a temporary directory) against one made without it, both with the
 record on: what the timeline costs on top of the record. Both sides run on the same buffer in
-alternating rounds (``_common.measure``); on/off is the median of per-round ratios. Only ratios of one run
+alternating rounds (``_common.measure``): 1600 MiB a side, up to 200 000 calls for a blocking call
+(100 000 for an asynchronous one): what the A/A row needs to stay within 3% at 8 bytes; on/off is the
+median of per-round ratios. Only ratios of one run
 mean something. A row ``A/A`` times the allreduce on "off" against a second "off"
 communicator: what two identical sides differ by in this job (the measurement's floor; a ratio within
 it of 1.0 is no cost that this job can see). The row ``timeline floor`` times the least that any timing of
@@ -70,7 +72,6 @@ def main() -> int:
 
     for nbytes in parse_sizes(args.sizes, 4):
         x = np.zeros(max(1, nbytes // 4), np.float32)
-        rounds, k = plan(nbytes, args.iters)
         for name, call, first in (("allreduce", lambda c, x: c.allreduce(x, "sum"), on),
                                ("broadcast", lambda c, x: c.broadcast(x, 0), on),
                                ("async", lambda c, x: c.allreduce(x, "sum", async_op=True).wait(), on),
@@ -80,6 +81,11 @@ def main() -> int:
                                ("timeline async", lambda c, x: c.allreduce(x, "sum", async_op=True).wait(), timed),
                                ("timeline floor", floor_timed, on)):
             second = on if name.startswith("timeline") else off
+            # (a blocking call of a few us: 200 000 calls a side, whose A/A rows stay within 3%; 20 000 moved
+            # them by 5%, more than the differences measured; an asynchronous call of 30 us: 100 000; 1 MiB:
+            # 1600 calls, not 160)
+            rounds, k = plan(nbytes, args.iters, budget=1600 * 2**20,
+                             max_calls=100_000 if "async" in name else 200_000)
             untimed = (lambda c, x: c.allreduce(x, "sum")) if call is floor_timed else call  # (the floor's other side)
             sides = (lambda x=x, call=call, first=first: call(first, x),
                      lambda x=x, call=untimed, second=second: call(second, x))
