@@ -648,7 +648,9 @@ def test_the_node_shared_window_sums_every_ranks_terms_at_once(comm, dtype, monk
                 mine = take(data, [c.rank])
                 x = mine[0].copy() if isinstance(mine, np.ndarray) else mine[0].clone()
                 assert raw(c.allreduce(x, op, reproducible=True)) == want[op], (env, op)
+                kept = raw(mine)
                 assert raw(c.allreduce_units(mine, op)) == want[op], (env, op, "units")
+                assert raw(mine) == kept, (env, op)  # (the pass reads the unit where it lies: never writes it)
                 through = c.size > 1 and env.get("COLLECTIVES_SHM") != 0
                 assert len(passes) - before == (2 if through else 0), (env, op, len(passes) - before)
                 if c.size > 1:  # units: one pass only where every rank holds one unit

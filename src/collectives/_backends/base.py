@@ -187,11 +187,12 @@ class HostTransport(abc.ABC):
         codes' max, the words' sum), which give the same bits."""
         return False
 
-    def allreduce_exact(self, buf: np.ndarray, name: str, kernel) -> None:
+    def allreduce_exact(self, buf: np.ndarray, name: str, kernel, src: np.ndarray | None = None) -> None:
         """Reduce the contiguous writable ``buf`` over the ranks in place, each element computed by
         ``kernel(terms, out)`` from every rank's values of it at once (``terms``: a list in rank order);
         ``name`` says what the kernel computes ("reproducible sum" or "reproducible mean"), for the ranks to
-        compare. Where :meth:`sums_in_one_pass`."""
+        compare. ``src``: this rank's values where they are not ``buf``'s (contiguous, ``buf``'s dtype and
+        size; read only: the result still lands in ``buf``, a copy less). Where :meth:`sums_in_one_pass`."""
         raise NotImplementedError(f"the {self.name} transport has no one-pass reduction")
 
     @abc.abstractmethod

@@ -327,24 +327,29 @@ class Reducer:
             else:
                 divide(part[at:at + b - a], divisor, out=f[a:b])
 
-    def allreduce_exact(self, buf: np.ndarray, name: str, kernel, wait=None) -> None:
+    def allreduce_exact(self, buf: np.ndarray, name: str, kernel, wait=None, src=None) -> None:
         """:meth:`allreduce` of ``buf`` whose slices are computed by ``kernel(terms, out)``: every rank's
         data of a slice at once (a list in rank order), the result written into ``out`` (the reproducible
         sums: ``_reproducible.sum_terms``, which needs every term of an element together); ``name`` (one of
-        :data:`EXACT`) is what the ranks compare, as they compare an op. One node only."""
+        :data:`EXACT`) is what the ranks compare, as they compare an op. One node only. ``src``: this rank's
+        terms where they are not ``buf`` (read, never written; the result lands in ``buf``: one copy less)."""
         if self.multi_node or name not in EXACT:
             raise ValueError(f"Reducer.allreduce_exact runs {EXACT} on one node only, got {name!r}"
                              f"{' across nodes' if self.multi_node else ''}")
         self._wait = wait
         try:
             with np.errstate(all="ignore"):
-                self._allreduce(buf, name, kernel)
+                self._allreduce(buf, name, kernel, src)
         finally:
             self._wait = None
 
-    def _allreduce(self, buf: np.ndarray, op: str, kernel=None) -> None:
+    def _allreduce(self, buf: np.ndarray, op: str, kernel=None, src=None) -> None:
         flat = buf.reshape(-1)
         total = flat.shape[0]
+        if src is not None and (self.multi_node or self.local_size == 1):  # (only a node's pass reads src
+            np.copyto(flat, src.reshape(-1))  # where it lies)
+            src = None
+        flat_in = flat if src is None else src.reshape(-1)
         step = self.chunk_bytes // flat.dtype.itemsize
         if kernel is None:
             kernel = _chain(KERNELS[op])
@@ -358,7 +363,8 @@ class Reducer:
             c = chunk.shape[0]
             bounds = [c * q // n for q in range(n + 1)]
             if n > 1:
-                self._node_reduce(chunk, bounds, regions, kernel, None if self.multi_node else divisor, lo == 0)
+                self._node_reduce(chunk, bounds, regions, kernel, None if self.multi_node else divisor, lo == 0,
+                                  flat_in[lo:lo + step])
             if self.multi_node:
                 self._across_nodes(chunk, bounds, regions, op, divisor)
             elif n > 1:
@@ -372,20 +378,23 @@ class Reducer:
             elif divisor is not None:
                 divide(chunk, divisor)
 
-    def _node_reduce(self, chunk, bounds, regions, kernel, divisor, first: bool) -> None:
+    def _node_reduce(self, chunk, bounds, regions, kernel, divisor, first: bool, source=None) -> None:
+        """Steps 1 to 4 of a chunk (see the class): this rank's slice of ``chunk`` reduced over every rank's
+        data, read from ``source`` (default: ``chunk`` itself) and written into ``chunk``."""
         n, p = self.local_size, self.local_rank
         slot = regions[p]
+        source = chunk if source is None else source
         for q in range(n):  # 1: my inputs for the other ranks' slices
             if q != p:
                 lo, hi = bounds[q], bounds[q + 1]
-                slot[q][:hi - lo] = chunk[lo:hi]
+                slot[q][:hi - lo] = source[lo:hi]
         self._sync()  # 2
         if first:
             self._check_calls()
         lo, hi = bounds[p], bounds[p + 1]  # 3: my slice, over every rank's data, in rank order
         mine = chunk[lo:hi]
         res = slot[p][:hi - lo]
-        kernel([mine if q == p else regions[q][p][:hi - lo] for q in range(n)], res)
+        kernel([source[lo:hi] if q == p else regions[q][p][:hi - lo] for q in range(n)], res)
         if divisor is None:
             mine[...] = res
         else:  # the region keeps the sum; each rank divides while copying it out (one pass less)

@@ -43,13 +43,13 @@ def summing(comm, transport, operation: str, stack, info, op: str, asynchronous:
             vote = _agree.Ballot({"one each": "all"})
             yield steps.Step(transport, "allreduce", (vote.fill({"one each": stack.shape[0] == 1}), "max"))
             one_each = vote.result()["one each"]
-            if one_each:
-                np.copyto(out.reshape(-1), stack[0])
         if one_each:
             def kernel(terms, result):
                 _reproducible.sum_terms(terms, info, op, result)
 
-            yield steps.Step(transport, "allreduce_exact", (out.reshape(-1), f"reproducible {op}", kernel))
+            # (allreduce_units: the pass reads the one unit where it lies, the result lands in out)
+            src = None if np.shares_memory(out, stack) else stack[0]
+            yield steps.Step(transport, "allreduce_exact", (out.reshape(-1), f"reproducible {op}", kernel, src))
             return
     n = _reproducible.elements(stack.shape[1], info)
     codes = _reproducible.codes(stack, info, out=reused(comm, "codes", _reproducible.code_dtype(info), n,

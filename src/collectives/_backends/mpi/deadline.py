@@ -98,10 +98,10 @@ class DeadlineMPITransport(MPITransport):
             return
         super().allreduce(buf, op)
 
-    def allreduce_exact(self, buf, name, kernel) -> None:
+    def allreduce_exact(self, buf, name, kernel, src=None) -> None:
         """As the plain transport's, under the deadline: the call's fingerprint first, then each node
         barrier an ``MPI_Ibarrier`` waited under the deadline (:meth:`_bounded_shm`)."""
-        self._bounded_shm(buf, name, self._wait, kernel)
+        self._bounded_shm(buf, name, self._wait, kernel, src)
 
     def allreduce_fused(self, bufs, op) -> bool:
         """As the plain transport's, under the deadline: one fingerprint for the pass (an allreduce of

@@ -48,10 +48,11 @@ class SharedWindow(HostTransport):
         Depends only on what every rank passes alike (the size)."""
         return buf.nbytes >= self._shm_threshold and self.reduces_on_the_callers_cpus()
 
-    def allreduce_exact(self, buf, name, kernel) -> None:
+    def allreduce_exact(self, buf, name, kernel, src=None) -> None:
         """``buf`` reduced through the node-shared window by ``kernel`` (``shm.Reducer.allreduce_exact``):
-        with an ordinary allreduce's bytes and barriers. Where :meth:`sums_in_one_pass`."""
-        self._reducer().allreduce_exact(buf, name, kernel)
+        with an ordinary allreduce's bytes and barriers (from ``src`` where given). Where
+        :meth:`sums_in_one_pass`."""
+        self._reducer().allreduce_exact(buf, name, kernel, src=src)
 
     def _reducer(self, wait=None) -> shm.Reducer:
         """The node-shared window, made at first use: collective, and safe where every rank is in the same
@@ -112,12 +113,12 @@ class SharedWindow(HostTransport):
         seconds, setting = self._at_start  # type: ignore[misc]  # set: only _allreduce_at_start waits here
         self._wait_within(what, req, seconds, setting)
 
-    def _bounded_shm(self, buf, op, wait, kernel=None) -> bool:
+    def _bounded_shm(self, buf, op, wait, kernel=None, src=None) -> bool:
         """On one node, from the shared-memory threshold: ``buf`` reduced through the shared window, each of
         its barriers an ``MPI_Ibarrier`` completed by ``wait(what, request)`` (the window is made after a
         rendezvous of every rank waited for the same way). False where that path does not apply. The
         fingerprint of the call is reduced first (a node barrier cannot tell an allreduce of 4 elements from
-        one of 8). With ``kernel``: :meth:`allreduce_exact`, ``op`` its name."""
+        one of 8). With ``kernel``: :meth:`allreduce_exact` (from ``src`` where given), ``op`` its name."""
         if buf.nbytes < self._shm_threshold or not self.reduces_on_the_callers_cpus():
             return False
         self.usable()
@@ -130,5 +131,6 @@ class SharedWindow(HostTransport):
             self._verify(check, what)
         if kernel is None:
             return self._shm_allreduce(buf, op, lambda req: wait(what, req))
-        self._reducer(lambda req: wait(what, req)).allreduce_exact(buf, op, kernel, lambda req: wait(what, req))
+        self._reducer(lambda req: wait(what, req)).allreduce_exact(buf, op, kernel, lambda req: wait(what, req),
+                                                                    src=src)
         return True
