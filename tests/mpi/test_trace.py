@@ -275,7 +275,7 @@ def _outer_call(c, x, depth, function):
 
 
 def test_call_sites_stay_right_when_the_paths_alternate(comm):
-    """The record finds a call site through the paths it remembers (one frame checked, its code and
+    """The record finds a call site through the paths it remembers (a frame checked per path, its code and
     instruction, not the whole stack walked): calls that alternate between paths of different depths,
     through the module function and the method, from a recursive user function at different depths (where
     a frame of the same function sits at a remembered depth, at another instruction), each get their own

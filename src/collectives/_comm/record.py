@@ -60,13 +60,17 @@ def begin(comm, collective: str, x=None, op=None, root=None, path: str = "blocki
         dtype, shape = x.dtype, x.shape
     except AttributeError:
         dtype, shape = getattr(x, "dtype", None), getattr(x, "shape", None)
-    try:  # the call site (depth 0: this frame, as for _raw_site(0))
-        depth, code, lasti, via = _PATHS[0]
-        user = _getframe(depth)
-        seen = user.f_code is code and user.f_lasti == lasti
-    except (IndexError, ValueError):  # nothing remembered yet, a shallower stack
-        seen = False
-    if not seen:
+    # the call site: each path remembered is checked here, in place (depth 0: this frame, as for
+    # _raw_site(0)), so a program whose calls come from two or three lines in turn finds each without the
+    # walk's reordering (0.9 against 2.2 us a record, two lines alternating, 1 process)
+    try:
+        for depth, code, lasti, via in _PATHS:  # noqa: B007 - via is the path found, read after the loop
+            user = _getframe(depth)
+            if user.f_code is code and user.f_lasti == lasti:
+                break
+        else:  # nothing remembered comes this way: the walk (which remembers it)
+            code, lasti, via = _records.site_here(0)
+    except ValueError:  # a shallower stack than a path remembered
         code, lasti, via = _records.site_here(0)
     if _hinting[0]:
         code, lasti, via = _records.hinted(code, lasti, via)
