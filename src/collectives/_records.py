@@ -220,15 +220,17 @@ def site_of(raw) -> list | None:
     if raw is None or raw.__class__ is list:
         return raw
     code, lasti = raw
-    line = _LINES.get(raw)
-    if line is None:
+    known = _LINES.get((id(code), lasti))  # (keyed by the code's id: hashing a code object hashes its
+    if known is not None and known[0] is code:  # constants and names, some us for a large one; the entry
+        line = known[1]  # holds the object, so its id is not reused while the entry exists)
+    else:
         line = next((n for start, end, n in code.co_lines() if start <= lasti < end), None) or code.co_firstlineno
         if len(_LINES) < 65536:
-            _LINES[raw] = line
+            _LINES[(id(code), lasti)] = (code, line)
     return [code.co_filename, line, code.co_name]
 
 
-_LINES: dict = {}  # (code, instruction offset) -> its line (site_of's memo)
+_LINES: dict = {}  # (id of a code object, instruction offset) -> (the code object, its line): site_of's memo
 
 
 def _raw_site(skip: int = 1) -> tuple[tuple | None, str | None]:
