@@ -49,7 +49,6 @@ import threading
 import time
 import weakref
 
-
 from . import _records
 
 FORMAT = "collectives-timeline/2"

@@ -39,16 +39,16 @@ def summing(comm, transport, operation: str, stack, info, op: str, asynchronous:
         # every rank on one node: the transport sums every rank's terms at once (the node-shared window),
         # the same bits as the two collectives below, no codes or words on the wire; for allreduce_units,
         # where every rank holds one unit (a vote of 8 bytes first: the ranks' counts may differ)
+        src = None  # (one_each given: stack is out itself, summed in place)
         if not one_each:
             vote = _agree.Ballot({"one each": "all"})
             yield steps.Step(transport, "allreduce", (vote.fill({"one each": stack.shape[0] == 1}), "max"))
             one_each = vote.result()["one each"]
+            src = stack[0]  # allreduce_units: the pass reads the one unit where it lies, the result lands in out
         if one_each:
             def kernel(terms, result):
                 _reproducible.sum_terms(terms, info, op, result)
 
-            # (allreduce_units: the pass reads the one unit where it lies, the result lands in out)
-            src = None if np.shares_memory(out, stack) else stack[0]
             yield steps.Step(transport, "allreduce_exact", (out.reshape(-1), f"reproducible {op}", kernel, src))
             return
     n = _reproducible.elements(stack.shape[1], info)
