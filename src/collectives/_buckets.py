@@ -446,7 +446,7 @@ def _allreduce_parts(engine, items, op, the_plan, *, pooled: bool, reproducible:
     if not items:
         return
     for transport, group in zip(_device_transports(engine, items, the_plan.devices), the_plan.devices):
-        _allreduce_device(transport, [items[pos] for pos in group], op)
+        _allreduce_device(transport, [items[pos] for pos in group], op, reproducible)
     if engine.size == 1 and not reproducible:  # the reduction of one rank is the identity: only immutable leaves need new arrays
         for item in items:
             if item.view is not None and not item.writable_in_place():
@@ -493,9 +493,17 @@ def _unpack(items, buf, entries, bf16: bool) -> None:
             item.take(lambda target, seg=seg: np.copyto(target, seg, casting="unsafe"))
 
 
-def _allreduce_device(transport, group: list[Item], op: str) -> None:
+def _allreduce_device(transport, group: list[Item], op: str, reproducible: bool = False) -> None:
     """Reduce the device items of one device: in one fused call where the transport has one (NCCL: one
-    group), else one by one. Device transports write into the caller's arrays."""
+    group), else one by one. Device transports write into the caller's arrays. ``reproducible``: float
+    and complex items each by the transport's reproducible sum (through host memory, element by element:
+    the bits of a host leaf's), the others as without it."""
+    if reproducible:
+        exact = [item for item in group if _reproducible.applies(item.info, op)]
+        for item in exact:
+            item.result = transport.reproducible(item.leaf, item.adapter, "allreduce", op)
+        if exact:
+            group = [item for item in group if not _reproducible.applies(item.info, op)]
     if transport.fuses and len(group) > 1:
         transport.allreduce_many([item.leaf for item in group], group[0].adapter, op)
         return

@@ -74,6 +74,22 @@ def opaque(name: str, storage: np.dtype) -> DType:
     return DType(name, storage, "x")
 
 
+def name_of(x) -> str:
+    """The name of an array's dtype as its library prints it, without torch's prefix (``float32``)."""
+    return str(getattr(x, "dtype", "?")).replace("torch.", "")
+
+
+def from_name(name: str) -> DType:
+    """A dtype's description from its name (:func:`name_of`), for an array whose memory the host cannot
+    view (a CUDA array): a name NumPy does not know is moved bit for bit (``opaque``), never reduced."""
+    if name == "bfloat16":
+        return _BF16
+    try:
+        return from_numpy(np.dtype(name))
+    except TypeError:
+        return opaque(name, np.dtype(np.uint8))
+
+
 def check_reduction(dtype: DType, op: str) -> None:
     """Raise TypeError if ``op`` is not defined on ``dtype`` (same words on every transport: ``_ops``)."""
     if dtype.kind not in LEGAL[op]:

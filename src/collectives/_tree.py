@@ -131,27 +131,16 @@ def _item(x) -> _buckets.Item:
     a = _arrays.adapter(x)
     device = a.device(x)
     if device[0] not in _arrays.HOST_DEVICE_TYPES:
-        return _buckets.Item(x, a, None, _info_from_name(_dtype_name(x)), device)
+        return _buckets.Item(x, a, None, _dtypes.from_name(_dtype_name(x)), device)
     view, info = a.host_view(x)
     return _buckets.Item(x, a, view, info, device)
 
 
-def _dtype_name(x) -> str:
-    return str(getattr(x, "dtype", "?")).replace("torch.", "")
+_dtype_name = _dtypes.name_of
 
 
 def _shape(x) -> tuple:
     return tuple(int(n) for n in getattr(x, "shape", ()))
-
-
-def _info_from_name(name: str) -> _dtypes.DType:
-    """A dtype description from a dtype's name (for arrays whose memory we cannot view from the host)."""
-    if name == "bfloat16":
-        return _dtypes.bfloat16()
-    try:
-        return _dtypes.from_numpy(np.dtype(name))
-    except TypeError:
-        return _dtypes.opaque(name, np.dtype(np.uint8))
 
 
 def _at(path, exc: BaseException) -> BaseException:

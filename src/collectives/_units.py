@@ -12,7 +12,9 @@ at any number of ranks and any split of the micro-batches among them.
   passes since the last step per dtype, one row per unit, and sums them with one ``allreduce_units`` per
   dtype. A parameter that got no gradient in some pass contributes zeros to that unit; one column per
   parameter (1 where it had a gradient) tells every rank which parameters had a gradient on any rank
-  (the others keep ``.grad`` ``None`` and are skipped by the inner step, as torch skips them).
+  (the others keep ``.grad`` ``None`` and are skipped by the inner step, as torch skips them). The stack is
+  in host memory, where the sum is computed, whatever the parameters' device: a CUDA gradient is copied
+  into its row, and its parameter's sum back to its device.
 - optax-like (:func:`sum_units`): ``update`` takes a list of gradient trees, one per micro-batch of this
   rank (possibly empty), and sums them the same way, one ``allreduce_units`` per dtype.
 """
@@ -58,14 +60,10 @@ def _make_hook(ref):
 
 
 def check_params(params) -> None:
-    """TypeError/ValueError (at construction, before anything moves) for a parameter a reproducible sum
-    cannot take: not in host memory, or not of float16, bfloat16, float32 or float64."""
+    """TypeError (at construction, before anything moves) for a parameter a reproducible sum cannot take:
+    one not of float16, bfloat16, float32 or float64."""
     torch = _torch()
     for p in params:
-        if p.device.type != "cpu":
-            raise ValueError(f"DistributedOptimizer(reproducible=True) sums gradients in host memory; a parameter "
-                             f"of shape {tuple(p.shape)} is on {p.device}: keep the model on the CPU, or drop "
-                             f"reproducible=True")
         if p.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
             raise TypeError(f"DistributedOptimizer(reproducible=True) sums float16, bfloat16, float32 and float64 "
                             f"gradients, got a {str(p.dtype).replace('torch.', '')} parameter of shape "
@@ -153,7 +151,8 @@ class TorchUnits:
                 present = total[n:] > 0  # NaN (a mean of no unit anywhere) is not present
                 offset = 0
                 for j, (p, size) in enumerate(zip(ps, sizes)):
-                    p.grad = total[offset:offset + size].view(p.shape) if bool(present[j]) else None
+                    grad = total[offset:offset + size].view(p.shape) if bool(present[j]) else None
+                    p.grad = grad if grad is None or p.device.type == "cpu" else grad.to(p.device)
                     offset += size
 
 

@@ -403,3 +403,83 @@ def test_many_async_then_a_blocking_call_keep_one_order(comm, dev):
         h.wait()
     for i, x in enumerate(xs):
         assert (dev.to_numpy(x) == sum(r + i for r in range(n))).all(), i
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64", "complex64"])
+def test_reproducible_sums_of_cuda_arrays_are_the_host_bits(comm, dev, dtype):
+    """reproducible=True on CUDA arrays (issue 36), on every device transport (NCCL, host staging, CUDA-aware
+    MPI): allreduce, reduce, reduce_scatter, allreduce_units and a tree's CUDA leaves give the bits of the
+    same calls on host arrays of the same values, blocking and asynchronous; CUDA arrays come back."""
+    if not dev.has(dtype):
+        pytest.skip(f"{dev.name} has no {dtype}")
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(7)
+    size, rank = comm.size, comm.rank
+    values = rng.standard_normal((size, 4 * size)) * np.exp2(rng.integers(-20, 20, (size, 4 * size)))
+    if dtype.startswith("complex"):
+        values = values + 1j * values[::-1]
+
+    def host(v):  # the same values in host memory (bfloat16: a CPU tensor)
+        if dtype == "bfloat16":
+            return torch.from_numpy(np.asarray(v, np.float32)).to(torch.bfloat16)
+        return np.array(v, dtype=dtype)
+
+    def bits(x):
+        if isinstance(x, torch.Tensor):
+            t = x.detach().cpu()
+            return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes()
+        return dev.to_numpy(x).tobytes() if dev.is_array(x) else np.asarray(x).tobytes()
+
+    for op in ("sum", "mean"):
+        want = bits(comm.allreduce(host(values[rank]), op, reproducible=True))
+        for async_op in (False, True):
+            def run(h, async_op=async_op):
+                return h.wait() if async_op else h
+
+            x = dev.make(values[rank], dtype)
+            got = run(comm.allreduce(x, op, reproducible=True, async_op=async_op))
+            assert dev.is_array(got) and bits(got) == want, (op, async_op)
+            x = dev.make(values[rank], dtype)
+            got = run(comm.reduce(x, op, size - 1, reproducible=True, async_op=async_op))
+            assert bits(got) == (want if rank == size - 1 else bits(dev.make(values[rank], dtype)))
+            got = run(comm.reduce_scatter(dev.make(values[rank], dtype), op, reproducible=True, async_op=async_op))
+            block = len(want) // size
+            assert dev.is_array(got) and bits(got) == want[rank * block:(rank + 1) * block]
+        units = bits(comm.allreduce_units(host(values[:rank + 1]), op))  # uneven: rank r holds r + 1 units
+        got = comm.allreduce_units(dev.make(values[:rank + 1], dtype), op)
+        assert dev.is_array(got) and bits(got) == units
+        out = comm.allreduce_tree({"w": dev.make(values[rank], dtype), "h": host(values[rank])}, op,
+                                  reproducible=True)
+        assert dev.is_array(out["w"]) and bits(out["w"]) == want == bits(out["h"])
+
+
+def test_reproducible_optimizer_on_cuda_parameters(comm, dev):
+    """DistributedOptimizer(reproducible=True) with the model on the GPU: every backward pass one unit (summed
+    in host memory, the sum back on the GPU); the parameters after 5 steps of a fixed global batch of six
+    micro-batches are the same bits at this world size as on one rank alone."""
+    if dev.name != "torch":
+        pytest.skip("torch optimizer")
+    torch = dev.xp
+    device = f"cuda:{dev.index}"
+
+    def run(c):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).to(device)
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(6, 4, 5, generator=g).to(device), torch.randn(6, 4, 1, generator=g).to(device)
+        opt = coll.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), comm=c, reproducible=True)
+        for _ in range(5):
+            for i in range(c.rank, 6, c.size):
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x[i]), y[i]).backward()
+            opt.step()
+            assert all(p.grad.device == p.device for p in model.parameters())
+        opt.close()
+        return b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters())
+
+    solo = comm.split(color=comm.rank)
+    try:
+        want = run(solo)
+    finally:
+        solo.close()
+    assert run(comm) == want

@@ -3,7 +3,8 @@ allgather of every rank's inputs, and the rule that an exception is the same exc
 
 A draw is a collective (allreduce, reduce, broadcast, allgather, gather, allreduce_tree, synchronize), an op
 (a float sum or mean reproducible or not), a
-dtype (longdouble, structured and byte-swapped ones included), a layout, a library (NumPy, torch), an
+dtype (longdouble, structured and byte-swapped ones included), a layout, a library (NumPy, torch, and
+NumPy values on a stand-in CUDA device moved by host staging: ``support.device``), an
 element count around every threshold (the shared-memory one, its slot, the per-call count limit: all
 shrunk on the fuzz communicator so that the whole file runs in seconds), values with NaN, infinities and
 signed zeros, the caller's NumPy error state, checked mode on or off, and now and then a rank that calls
@@ -49,6 +50,7 @@ from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import collectives as coll  # noqa: E402
+from support.device import OnDevice, staging  # noqa: E402
 
 # Issue 12's items fixed by the parallel refactor, not on this branch (empty this set when it is merged):
 #  1 the caller's NumPy error state (seterr raise, -W error) makes a collective raise, warn, or hang
@@ -166,6 +168,14 @@ def calls(draw, size):
     # reference's; through the node-shared window's one pass from SHM_THRESHOLD on
     p["reproducible"] = (collective in REDUCTIONS and op in ("sum", "mean") and dtype in REPRODUCIBLE
                          and draw(st.booleans()))
+    # the array on a (stand-in) CUDA device, moved by the host-staging transport (a dtype a CUDA library
+    # has), its float sums and means mostly reproducible (summed through host memory)
+    p["device"] = (lib == "numpy" and family != "views" and mismatch != "struct" and native(dtype)
+                   and dtype not in ("longdouble", "struct") and draw(st.integers(0, 3)) == 0)
+    if p["device"]:
+        p["layout"] = "C"
+        p["reproducible"] = p["reproducible"] or (collective in REDUCTIONS and op in ("sum", "mean")
+                                                  and dtype in REPRODUCIBLE and draw(st.booleans()))
     return p
 
 
@@ -226,6 +236,8 @@ def values(p, rank) -> np.ndarray:
 def build(p, logical: np.ndarray, dtype=None):
     """x: ``logical`` in the drawn library and layout (``dtype`` overrides the structured one)."""
     layout = p["layout"]
+    if p.get("device") and dtype is None:
+        return OnDevice(logical.copy())
     if p["lib"] == "torch":
         import torch
 
@@ -257,6 +269,8 @@ def build(p, logical: np.ndarray, dtype=None):
 def to_numpy(x) -> np.ndarray:
     if isinstance(x, np.ndarray):
         return x
+    if isinstance(x, OnDevice):
+        return x.values
     import torch
 
     t = x.detach().resolve_conj().resolve_neg()
@@ -434,9 +448,12 @@ def judge(p, verdicts: list[tuple], size) -> str | None:
 
 @pytest.fixture(scope="module")
 def fuzz_comm(comm):
-    """A communicator with every threshold shrunk (made with the variables set, on every rank)."""
+    """A communicator with every threshold shrunk (made with the variables set, on every rank), whose arrays
+    on the stand-in CUDA device go to a host-staging transport (``support.device.staging``)."""
     if comm.backend != "mpi":
-        yield comm
+        with pytest.MonkeyPatch.context() as mp:
+            staging(comm, mp)
+            yield comm
         return
     env = {"COLLECTIVES_SHM_THRESHOLD": str(SHM_THRESHOLD), "COLLECTIVES_SHM_SLOT_BYTES": str(SHM_SLOT),
            "COLLECTIVES_MAX_COUNT": str(MAX_COUNT)}
@@ -451,7 +468,9 @@ def fuzz_comm(comm):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    yield c
+    with pytest.MonkeyPatch.context() as mp:
+        staging(c, mp)
+        yield c
     user.Free()
 
 

@@ -322,25 +322,33 @@ def test_no_units_anywhere(comm):
 
 
 @pytest.mark.skipif(coll.world().size < 2 or coll.world().backend != "mpi", reason="needs two or more MPI ranks")
-@pytest.mark.parametrize("mode", ["checked", "async", "deadline", "shared memory"])
-def test_reproducible_against_ordinary_is_a_mismatch(comm, mode):
+@pytest.mark.parametrize("mode", ["checked", "async", "deadline", "shared memory", "device, checked",
+                                  "device, deadline"])
+def test_reproducible_against_ordinary_is_a_mismatch(comm, mode, monkeypatch):
     """``shared memory``: both calls through the node-shared window (the reproducible one in its one pass),
-    unchecked and blocking: the window's own comparison of the calls names the op, buffers untouched."""
-    env = {"COLLECTIVES_TIMEOUT": 60} if mode == "deadline" else {}
+    unchecked and blocking: the window's own comparison of the calls names the op, buffers untouched.
+    ``device``: arrays in device memory (host staging, with stand-ins for the device): agreed on in
+    checked mode, compared beside the staged transfer by the deadline transport."""
+    from support.device import OnDevice, staging
+
+    env = {"COLLECTIVES_TIMEOUT": 60} if mode.endswith("deadline") else {}
     if mode == "shared memory":
         env = {"COLLECTIVES_SHM_THRESHOLD": 64}
     with communicator(**env) as c:
-        c.check = mode == "checked"
+        c.check = mode.endswith("checked")
         x = np.full(4096 if mode == "shared memory" else 8, 1.0 + c.rank, dtype=np.float32)
         before = x.copy()
+        if mode.startswith("device"):
+            staging(c, monkeypatch)
+            x = OnDevice(x)
         reproducible = c.rank == c.size - 1
         with pytest.raises(coll.MismatchError) as info:
             h = c.allreduce(x, "sum", reproducible=reproducible, async_op=mode == "async")
             if mode == "async":
                 h.wait()
         assert "reproducible sum" in str(info.value), str(info.value)
-        if mode in ("checked", "shared memory"):  # refused before anything moved (or was written)
-            assert x.tobytes() == before.tobytes()
+        if mode in ("checked", "shared memory", "device, checked"):  # refused before anything moved (or was written)
+            assert (x.values if mode.startswith("device") else x).tobytes() == before.tobytes()
 
 
 PRECISION = {"float16": (11, -24), "bfloat16": (8, -133), "float32": (24, -149), "float64": (53, -1074)}
@@ -570,9 +578,6 @@ def test_reproducible_optimizer_refuses_before_anything_moves(comm):
     with pytest.raises(TypeError, match="complex64"):
         coll.DistributedOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2, dtype=torch.complex64))]),
                                   comm=comm, reproducible=True)
-    with pytest.raises(ValueError, match="host memory"):
-        coll.DistributedOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2, device="meta"))]),
-                                  comm=comm, reproducible=True)
     opt = coll.DistributedOptimizer(sgd, comm=comm, reproducible=True)
     with pytest.raises(RuntimeError, match="closure"):
         opt.step(lambda: 0.0)
@@ -658,3 +663,94 @@ def test_the_node_shared_window_sums_every_ranks_terms_at_once(comm, dtype, monk
                     mine = take(data, [c.rank] * (1 + (c.rank == 0)))
                     assert raw(c.allreduce_units(mine, op)) == uneven[op], (env, op)
                     assert len(passes) == before, (env, op)
+
+
+# ---- arrays in device (CUDA) memory: the host path's reproducible sum of a host copy, on every device
+# transport (DeviceTransport.reproducible); here through host staging with stand-ins for the device ----
+
+DEVICE_DTYPES = ["float16", "float32", "float64", "complex64"]  # (bfloat16: the stand-in holds NumPy values)
+
+
+@pytest.mark.parametrize("checked", [False, True], ids=["unchecked", "checked"])
+def test_device_arrays_give_the_bits_of_host_arrays(comm, monkeypatch, checked):
+    """allreduce, reduce, reduce_scatter (reproducible=True, blocking and asynchronous), allreduce_units
+    (uneven splits) and allreduce_tree's device leaves: the bits of the same calls on host arrays, x
+    written as on the host path, one record and (checked mode) one agreement per call."""
+    from collectives._comm import engine_of  # the record's sequence number: one record per device call
+    from support.device import OnDevice, staging
+
+    before, comm.check = comm.check, checked
+    try:
+        staging(comm, monkeypatch)
+        engine = engine_of(comm)
+        size, rank = comm.size, comm.rank
+        for dtype in DEVICE_DTYPES:
+            data = global_units(dtype, seed=31, units=size, count=8 * size)
+            with alone(comm) as solo:
+                want = solo.allreduce_units(data, "sum").tobytes()
+            mine = data[rank]
+            for async_op in (False, True):
+                def run(call, *args, async_op=async_op, **kw):
+                    seq = engine.trace_seq()
+                    h = call(*args, async_op=async_op, **kw)
+                    got = h.wait() if async_op else h
+                    assert engine.trace_seq() == seq + 1, call
+                    return got
+
+                x = OnDevice(mine)
+                assert run(comm.allreduce, x, "sum", reproducible=True) is x and x.values.tobytes() == want
+                x = OnDevice(mine)
+                assert run(comm.reduce, x, "sum", size - 1, reproducible=True) is x
+                assert x.values.tobytes() == (want if rank == size - 1 else mine.tobytes())
+                x = OnDevice(mine.reshape(size, -1))
+                got = run(comm.reduce_scatter, x, "sum", reproducible=True)
+                block = len(want) // size
+                assert got.values.tobytes() == want[rank * block:(rank + 1) * block]
+                assert x.values.tobytes() == mine.tobytes()
+                share = splits(size, size)["all-on-last"][rank]
+                got = run(comm.allreduce_units, OnDevice(take(data, share)), "mean")
+                with alone(comm) as solo:
+                    assert got.values.tobytes() == solo.allreduce_units(data, "mean").tobytes()
+        comm.reproducible = True  # COLLECTIVES_REPRODUCIBLE=1: device sums too; reproducible=False: ordinary
+        try:
+            x = OnDevice(mine)
+            assert comm.allreduce(x, "sum").values.tobytes() == want
+            y = OnDevice(mine)
+            ordinary = comm.allreduce(mine.copy(), "sum", reproducible=False)
+            assert comm.allreduce(y, "sum", reproducible=False).values.tobytes() == ordinary.tobytes()
+        finally:
+            comm.reproducible = False
+        names = ("float32", "float64", "float16", "complex64")
+        data = {n: global_units(n, seed=40 + i, units=size, count=30 + 7 * i) for i, n in enumerate(names)}
+        for op in ("sum", "mean"):
+            with alone(comm) as solo:
+                want = {n: solo.allreduce_units(d, op).tobytes() for n, d in data.items()}
+            for async_op in (False, True):  # device leaves and host leaves, in buckets of 64 bytes
+                tree = {n: OnDevice(d[rank]) if i % 2 else d[rank].copy() for i, (n, d) in enumerate(data.items())}
+                if op == "sum":  # an integer device leaf: exact, as without reproducible=True
+                    tree["steps"] = OnDevice(np.arange(3, dtype=np.int32) + rank)
+                h = comm.allreduce_tree(tree, op, bucket_bytes=64, reproducible=True, async_op=async_op)
+                out = h.wait() if async_op else h
+                for i, n in enumerate(names):
+                    assert (out[n].values if i % 2 else out[n]).tobytes() == want[n], (n, op, async_op)
+                if op == "sum":
+                    assert out["steps"].values.tolist() == [i * size + size * (size - 1) // 2 for i in range(3)]
+    finally:
+        comm.check = before
+
+
+def test_device_bad_calls_are_the_host_paths_errors(comm, monkeypatch):
+    """A device array's reproducible call that the host path refuses: the same error, word for word, before
+    anything moves, x untouched; the communicator still works."""
+    from support.device import OnDevice, staging
+
+    staging(comm, monkeypatch)
+    for dtype, op in (("int64", "sum"), ("float32", "max"), ("float32", "prod")):
+        x = np.arange(4, dtype=dtype)
+        with pytest.raises((TypeError, ValueError)) as host:
+            comm.allreduce(x.copy(), op, reproducible=True)
+        d = OnDevice(x)
+        with pytest.raises(type(host.value)) as dev:
+            comm.allreduce(d, op, reproducible=True)
+        assert str(dev.value) == str(host.value) and d.values.tobytes() == x.tobytes()
+    assert comm.allreduce(OnDevice(np.ones(2)), "sum").values.tolist() == [comm.size] * 2

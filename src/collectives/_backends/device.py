@@ -202,6 +202,21 @@ class DeviceTransport(abc.ABC):
             xp.from_host(x, host)
         return x
 
+    def reproducible(self, x, a, collective: str, op: str, *args):
+        """A reproducible sum or mean of ``x`` (``reproducible=True``): ``collective`` is ``allreduce``,
+        ``reduce`` (``args``: the root), ``reduce_scatter`` or ``allreduce_units``. Every device transport
+        runs it through host memory: the host path's reproducible sum (``_reproducible``, by
+        ``Engine.staged``) of a host copy, so its bits are those of the same call on host memory, at any
+        number of ranks, whatever the transport (NCCL's own sum depends on the ranks and its algorithm).
+        Returns what the operation of that name does: ``x`` written (allreduce; reduce, on the root), or a
+        new array on x's device."""
+        xp, _ = self._prepare(x)
+        host = self._engine.staged(collective, xp.to_host(x), op, *args, reproducible=True)
+        if collective == "allreduce" or (collective == "reduce" and self.rank == args[0]):
+            xp.from_host(x, host)
+            return x
+        return x if collective == "reduce" else xp.to_device(host, x)
+
     def _staged_scatter(self, x, op: str):
         """:meth:`reduce_scatter` through host memory and the host path (every host rule holds): the
         host-staging transport's, and CUDA-aware MPI's where :meth:`_staged` is taken."""

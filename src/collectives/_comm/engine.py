@@ -14,9 +14,11 @@ from .. import _arrays
 from . import call, movement, p2p, record, reductions, rules, summing, validate
 
 # The host collectives a device transport may run on its host copy (Engine.staged): their steps, and
-# whether they take ``reproducible`` (given as False: the host rules, never a reproducible sum)
+# whether they take ``reproducible`` (Engine.staged's: False, the host rules, unless the device call is a
+# reproducible sum; allreduce_units is always one)
 STAGED = {"allreduce": (reductions.allreduce, True), "reduce": (reductions.reduce, True),
-          "reduce_scatter": (reductions.reduce_scatter, True), "broadcast": (movement.broadcast, False),
+          "reduce_scatter": (reductions.reduce_scatter, True), "allreduce_units": (reductions.allreduce_units, False),
+          "broadcast": (movement.broadcast, False),
           "allgather": (movement.allgather, False), "alltoall": (movement.alltoall, False),
           "send": (p2p.send, False), "recv": (p2p.recv, False)}
 
@@ -92,18 +94,19 @@ class Engine:
         """The device transports made so far: ``{(dlpack type, id): transport}`` (a copy)."""
         return dict(self.communicator._devices)
 
-    def staged(self, collective: str, x, *args, async_op: bool = False):
+    def staged(self, collective: str, x, *args, async_op: bool = False, reproducible: bool = False):
         """Run ``collective`` (a name in :data:`STAGED`) on ``x``, a device transport's copy in host memory,
         with ``args`` as the Communicator's method takes them (``op``, ``root``; ``dst``/``src``, ``tag``),
         as part of the device call this engine is running now, which is already validated, recorded and
         (checked mode) agreed: the host collective's own steps (the host rules, a message's header and the
         receive's check, the deadline transport's bound) driven by the blocking driver, or with
         ``async_op`` in a :class:`~collectives.Handle`; no record of its own, no second agreement
-        (``call.staged``). Returns what the Communicator's method would (a reduction's result in ``x``,
-        a new array, the sender's rank)."""
+        (``call.staged``). ``reproducible``: a reduction is the host path's reproducible sum (the device
+        call is one: ``DeviceTransport.reproducible``), else the host rules. Returns what the
+        Communicator's method would (a reduction's result in ``x``, a new array, the sender's rank)."""
         define, reduces = STAGED[collective]
         if reduces:
-            args = (*args, False)
+            args = (*args, reproducible)
         return call.staged(self.communicator, collective, define, x, *args, async_op=async_op)
 
     def runner(self, transport, info, op: str):

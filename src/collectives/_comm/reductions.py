@@ -21,7 +21,9 @@ def allreduce(comm, x, op, reproducible, asynchronous: bool):
     a, transport, view, info, op, _ = validate.prepare(comm, "allreduce", x, op=op, asynchronous=asynchronous,
                                                        reproducible=reproducible)
     if transport.array_level:
-        return a.written(x, (yield Step(transport, "allreduce", (x, a, op), device=True)))
+        step = (Step(transport, "reproducible", (x, a, "allreduce", op), device=True) if comm._repro else
+                Step(transport, "allreduce", (x, a, op), device=True))
+        return a.written(x, (yield step))
     buf, place = placing(x, a, view, info)
     if comm._repro:
         yield from summing.summing(comm, transport, "allreduce", buf.reshape(1, -1), info, op, asynchronous, out=buf,
@@ -36,6 +38,8 @@ def allreduce(comm, x, op, reproducible, asynchronous: bool):
 def allreduce_units(comm, units, op, asynchronous: bool):
     a, transport, view, info, op, _ = validate.prepare(comm, "allreduce", units, op=op, asynchronous=asynchronous,
                                                        reproducible=True, units=True)
+    if transport.array_level:
+        return (yield Step(transport, "reproducible", (units, a, "allreduce_units", op), device=True))
     out = np.empty(view.shape[1:], dtype=view.dtype)
     stack = contiguous(view).reshape(view.shape[0], out.size)
     yield from summing.summing(comm, transport, "allreduce", stack, info, op, asynchronous, out=out)
@@ -46,7 +50,8 @@ def reduce(comm, x, op, root, reproducible, asynchronous: bool):
     a, transport, view, info, op, root = validate.prepare(comm, "reduce", x, op=op, root=root, asynchronous=asynchronous,
                                                           reproducible=reproducible)
     if transport.array_level:
-        out = yield Step(transport, "reduce", (x, a, op, root), device=True)
+        out = yield (Step(transport, "reproducible", (x, a, "reduce", op, root), device=True) if comm._repro else
+                     Step(transport, "reduce", (x, a, op, root), device=True))
         return a.written(x, out) if comm.rank == root else x
     if comm._repro:
         receives = comm.rank == root
@@ -67,7 +72,8 @@ def reduce_scatter(comm, x, op, reproducible, asynchronous: bool):
     a, transport, view, info, op, _ = validate.prepare(comm, "reduce_scatter", x, op=op, blocks=True,
                                                        asynchronous=asynchronous, reproducible=reproducible)
     if transport.array_level:
-        return (yield Step(transport, "reduce_scatter", (x, a, op), device=True))
+        return (yield (Step(transport, "reproducible", (x, a, "reduce_scatter", op), device=True) if comm._repro
+                       else Step(transport, "reduce_scatter", (x, a, op), device=True)))
     size = comm._size
     out = np.empty((view.shape[0] // size,) + view.shape[1:], dtype=view.dtype)
     if comm._repro:

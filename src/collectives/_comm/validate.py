@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import _agree, _arrays, _call, _dtypes, _finite, _ops, _reproducible
+from .. import _agree, _arrays, _call, _dtypes, _finite, _reproducible
 from .._records import NBYTES, ON, SHAPE
 from . import record
 
@@ -80,25 +80,21 @@ def prepare(comm, collective: str, x, op=UNSET, root=UNSET, blocks: bool = False
             check_blocks(comm, collective, x)
         if units:
             check_units(x)
-        if op is not UNSET and device[0] not in _arrays.HOST_DEVICE_TYPES:
-            no_device_reproducible(x, op, reproducible, comm._reproducible)
+        if op is not UNSET and device[0] not in _arrays.HOST_DEVICE_TYPES and (
+                reproducible is not False and (reproducible is not None or comm._reproducible)):
+            # a reproducible sum of a device array: the host path's, on a host copy (DeviceTransport.reproducible)
+            reproducing(comm, args, _dtypes.from_name(_dtypes.name_of(x)), op, reproducible)
         transport = local_transport(comm, device)
         if transport is not None and not transport.array_level:
             view, info = a.host_view(x)
             if op is not UNSET:
-                _dtypes.check_reduction(info, op)
-                comm._repro = wants_reproducible(reproducible, comm._reproducible, info, op)
-                if comm._repro:
-                    args["op"] = f"reproducible {op}"
-                    if comm._size > _reproducible.MAX_TERMS:
-                        raise ValueError(f"reproducible sums take at most {_reproducible.MAX_TERMS} terms per "
-                                         f"element, and this communicator has {comm._size} ranks")
+                reproducing(comm, args, info, op, reproducible)
     except Exception as exc:
         if comm.check and not staging:  # the others wait in the agreement step: tell them, then raise (see _agree)
             _agree.agree(comm._host, collective, (), None, exc)
         raise
     if transport is None:  # checked mode, an array outside host memory
-        agree_device(comm, collective, x, device, **args)
+        agree_device(comm, collective, x, device, units, **args)
         transport = comm._transport_for(device)
     elif not transport.array_level:
         # the call as the user made it (_call): what the fingerprint beside each transfer compares
@@ -113,7 +109,7 @@ def prepare(comm, collective: str, x, op=UNSET, root=UNSET, blocks: bool = False
     if rec is not None:
         rec[ON] = transport.name if not comm._repro else f"{transport.name}, reproducible"
         if units:  # the ranks' unit counts may differ: what must agree is a unit's shape (as described)
-            rec[SHAPE], rec[NBYTES] = tuple(view.shape[1:]), getattr(x, "nbytes", None)  # type: ignore[union-attr]
+            rec[SHAPE], rec[NBYTES] = tuple(x.shape[1:]), getattr(x, "nbytes", None)
     return a, transport, view, info, op, root
 
 
@@ -129,12 +125,13 @@ def local_transport(comm, device):
     return comm._transport_for(device)
 
 
-def agree_device(comm, collective, x, device, **args):
-    """Checked mode, an array outside host memory: agree on the call from the array's own shape and
-    dtype, before its transport is chosen."""
-    dtype = str(getattr(x, "dtype", None)).replace("torch.", "")
+def agree_device(comm, collective, x, device, units: bool = False, **args):
+    """Checked mode, an array outside host memory: agree on the call from the array's own shape (a unit's,
+    for a stack of units) and dtype, before its transport is chosen."""
+    dtype = _dtypes.name_of(x)
     kind = _arrays.DEVICE_NAMES.get(device[0], f"dlpack-device-{device[0]}")
-    header = (*args.items(), ("shape", tuple(getattr(x, "shape", ()))), ("dtype", dtype), ("device", kind))
+    shape = tuple(getattr(x, "shape", ()))[1 if units else 0:]
+    header = (*args.items(), ("shape", shape), ("dtype", dtype), ("device", kind))
     _agree.agree(comm._transport_for(_arrays.HOST), collective, header)
 
 
@@ -164,17 +161,18 @@ def wants_reproducible(reproducible, default: bool, info, op: str) -> bool:
     return bool(reproducible)
 
 
-def no_device_reproducible(x, op, reproducible, default: bool) -> None:
-    """A reproducible sum of an array outside host memory: not available (ValueError, before anything)."""
-    if reproducible is False or (reproducible is None and not default):
-        return
-    name = str(getattr(x, "dtype", "")).replace("torch.", "")
-    if reproducible is None and not (op in _reproducible.OPS and _ops.kind_of(name) in "fc"):
-        return
-    raise ValueError(f"reproducible sums run on host memory; this {name} array is on "
-                     f"{_arrays.device_name(_arrays.adapter(x).device(x))}: copy it to host memory first (x.cpu()), "
-                     f"or pass reproducible=False" + (" (COLLECTIVES_REPRODUCIBLE=1 asks for reproducible sums)"
-                                                      if reproducible is None else ""))
+def reproducing(comm, args: dict, info, op: str, reproducible) -> None:
+    """Set ``comm._repro``, whether this reduction of ``info`` with ``op`` is a reproducible sum
+    (:func:`wants_reproducible`), and then name the op in ``args`` (what the ranks agree on) as
+    ``"reproducible sum"`` or ``"reproducible mean"``. The same for a host array and a device array (whose
+    ``info`` comes from its dtype's name), so both refuse the same pairs with the same words."""
+    _dtypes.check_reduction(info, op)
+    comm._repro = wants_reproducible(reproducible, comm._reproducible, info, op)
+    if comm._repro:
+        args["op"] = f"reproducible {op}"
+        if comm._size > _reproducible.MAX_TERMS:
+            raise ValueError(f"reproducible sums take at most {_reproducible.MAX_TERMS} terms per "
+                             f"element, and this communicator has {comm._size} ranks")
 
 
 def check_units(x) -> None:

@@ -109,7 +109,8 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
       global batch after this rank's passes (any number, 0 included), sums every rank's units per dtype
       and divides by their number (``"mean"``), then runs the inner step. A parameter without gradient in
       some pass counts zeros for it; one without gradient anywhere keeps ``.grad`` ``None``.
-      ``zero_grad()`` drops nothing; ``average_gradients()`` sums early. No overlap with backward
+      ``zero_grad()`` drops nothing; ``average_gradients()`` sums early. The sum runs in host memory
+      (a CUDA parameter's gradients are copied there and their sum back). No overlap with backward
       (``overlap``, ``grad_views``, ``bucket_bytes`` have no effect); ``step(closure)`` and GradScaler are a
       RuntimeError.
     - optax-like: ``update(units, state, params)`` takes this rank's units as a list of gradient trees, one
@@ -154,8 +155,8 @@ def DistributedOptimizer(optimizer, *, op: str = "mean", backward_passes_per_ste
             distributed, ``missing_grads`` or ``compression`` is unknown, ``compression`` with an op other
             than mean or sum, or ``shard_state``/``missing_grads``/``compression`` for an optax-like
             optimizer; with ``reproducible=True``: ``compression``, ``shard_state``,
-            ``backward_passes_per_step`` other than 1, an op other than mean or sum, a parameter outside
-            host memory (a TypeError for one not of float16, bfloat16, float32 or float64).
+            ``backward_passes_per_step`` other than 1, an op other than mean or sum (a TypeError for a
+            parameter not of float16, bfloat16, float32 or float64).
 
     Example:
         >>> import numpy as np, collectives as coll
