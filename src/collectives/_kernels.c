@@ -181,3 +181,34 @@ VERSIONS int coll_sum_f32(const float *const *terms, int64_t k, int64_t n, int m
     }
     return 0;
 }
+
+/* ---- the node-shared window's slice of an ordinary float sum or mean (collectives/_backends/shm.py) ----
+ * res[i] = the k terms' sum in rank order, (((t0 + t1) + t2) + ...), each addition rounded to the type as
+ * NumPy's add rounds it, and out[i] = res[i] (sum) or res[i] / divisor (mean, divisor > 0): the bits of
+ * np.add(t0, t1, out=res), np.add(res, t2, out=res) ... then np.divide(res, divisor, out=out), in one
+ * pass over the elements instead of two. A term may be out itself (the rank's own data, read before its
+ * element is written); res is the window's region (no term). Block by block, so the second loop reads
+ * res from the first level of cache. k >= 2. */
+#define ADD_BLOCK 2048
+#define ADD_PASS(NAME, T)                                                                                    \
+    VERSIONS void NAME(const T *const *terms, int64_t k, int64_t n, double divisor, T *restrict res,        \
+                       T *out) {                                                                           \
+        const T d = (T)divisor;                                                                            \
+        for (int64_t lo = 0; lo < n; lo += ADD_BLOCK) {                                                    \
+            int64_t m = n - lo < ADD_BLOCK ? n - lo : ADD_BLOCK;                                           \
+            T *restrict r = res + lo;                                                                      \
+            const T *a = terms[0] + lo, *b = terms[1] + lo;                                                \
+            for (int64_t i = 0; i < m; i++) r[i] = a[i] + b[i];                                            \
+            for (int64_t u = 2; u < k; u++) {                                                              \
+                const T *t = terms[u] + lo;                                                                \
+                for (int64_t i = 0; i < m; i++) r[i] = r[i] + t[i];                                        \
+            }                                                                                              \
+            T *o = out + lo;                                                                               \
+            if (divisor > 0.0)                                                                             \
+                for (int64_t i = 0; i < m; i++) o[i] = r[i] / d;                                           \
+            else                                                                                           \
+                memcpy(o, r, (size_t)m * sizeof(T));                                                       \
+        }                                                                                                  \
+    }
+ADD_PASS(coll_add_f32, float)
+ADD_PASS(coll_add_f64, double)

@@ -108,19 +108,15 @@ def compiled() -> _Compiled | None:
 
 
 def _load() -> _Compiled | None:
-    import ctypes
-    import importlib.machinery
-    from pathlib import Path
+    from . import _native
 
-    here = Path(__file__).parent
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = here / f"_kernels{suffix}"
-        if path.is_file():
-            try:
-                return _Compiled(ctypes.CDLL(str(path)))
-            except (OSError, AttributeError):  # not loadable here, or an older build without a symbol
-                return None
-    return None
+    lib = _native.library()
+    if lib is None:
+        return None
+    try:
+        return _Compiled(lib)
+    except AttributeError:  # an older build without a symbol
+        return None
 
 
 def _fast(fmt: Format) -> _Compiled | None:

@@ -17,7 +17,7 @@ LAYERS = {
     # 0: the bottom: no library module above it
     "_version": 0, "_errors": 0, "_ops": 0, "_config": 0, "_dtypes": 0, "_arrays": 0, "_agree": 0,
     "_threads": 0, "_registry": 0, "_launcher": 0, "_handles": 0, "_poll": 0, "_trace": 0, "_p2p": 0, "_call": 0,
-    "_finite": 0, "_trace_torch": 0, "_records": 0,
+    "_finite": 0, "_trace_torch": 0, "_records": 0, "_native": 0,
     # 1: transports
     "_backends._libnccl": 1, "_backends.base": 1, "_backends.self": 1, "_backends.shm": 1,
     "_backends.mpi": 1, "_backends.mpi.ops": 1, "_backends.mpi.library": 1, "_backends.mpi.lanes": 1,

@@ -32,6 +32,8 @@ PROCESS_WIDE = {  # "module:name" -> why the process holds it, not a communicato
     "_backends.mpi.library:_TYPES_CACHE": LOADED + ": the MPI library's datatypes, made once",
     "_backends.mpi.library:_warned": "a warning said once per process",
     "_reproducible:_compiled": "the loaded compiled float32 passes (_kernels.c: one library per process)",
+    "_native:_library": "the loaded compiled passes (_kernels.c: one library per process)",
+    "_native:_adders": LOADED + ": the compiled sum pass of each dtype, bound once",
     "_bench:_printed_header": "the bench command's output: its header printed once per process",
     "_call:_codes": LOADED + ": the code of each dtype in use (a call description's field)",
     "_call:_heads": LOADED + ": the head of a call description, by (collective, op, dtype, root, naming)",

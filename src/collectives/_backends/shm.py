@@ -49,11 +49,12 @@ from typing import Any
 
 import numpy as np
 
-from .. import _agree
+from .. import _agree, _native
 from .._dtypes import divide, wire_op
 from .._errors import MismatchError
 
 KERNELS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum, "mean": np.add}
+_ADDS = ("sum", "mean")  # the ops whose slice a compiled pass may compute (_native.adder: float32, float64)
 EXACT = ("reproducible sum", "reproducible mean")  # the sums of allreduce_exact (a kernel of every rank's data)
 _OPS = (*KERNELS, *EXACT)
 _KINDS = "biufc"  # NumPy reduces these natively on the host
@@ -273,6 +274,7 @@ class Reducer:
         total = starts[-1]
         step = self.chunk_bytes // dtype.itemsize
         kernel = _chain(KERNELS[op])
+        add = _native.adder(dtype) if op in _ADDS else None  # (a float sum or mean: one pass)
         divisor = float(self.size) if op == "mean" else None
         regions = self._views(dtype)
         n, p = self.local_size, self.local_rank
@@ -311,9 +313,13 @@ class Reducer:
             res = slot[p][:m]  # piece (my own input read where it lies, as allreduce reads its chunk)
             mine = list(pieces(bounds[p], bounds[p + 1]))
             for f, a, b, at in mine:
-                out = res[at:at + b - a]
-                kernel([f[a:b] if q == p else regions[q][p][at:at + b - a] for q in range(n)], out)
-            self._scatter(mine, res, divisor)  # (the region keeps the sum)
+                terms = [f[a:b] if q == p else regions[q][p][at:at + b - a] for q in range(n)]
+                if add is not None:  # the sum into the region and the result into the buffer: one pass
+                    add(terms, res[at:at + b - a], f[a:b], divisor)
+                else:
+                    kernel(terms, res[at:at + b - a])
+            if add is None:
+                self._scatter(mine, res, divisor)  # (the region keeps the sum)
             self._sync()  # 4
             for q in range(n):  # 5: the other ranks' result slices (sums for mean: divided here)
                 if q != p:
@@ -351,8 +357,10 @@ class Reducer:
             src = None
         flat_in = flat if src is None else src.reshape(-1)
         step = self.chunk_bytes // flat.dtype.itemsize
+        add = None
         if kernel is None:
             kernel = _chain(KERNELS[op])
+            add = _native.adder(flat.dtype) if op in _ADDS else None  # (a float sum or mean: one pass)
         divisor = float(self.size) if op == "mean" else None
         regions = self._views(flat.dtype)
         n, p = self.local_size, self.local_rank
@@ -364,7 +372,7 @@ class Reducer:
             bounds = [c * q // n for q in range(n + 1)]
             if n > 1:
                 self._node_reduce(chunk, bounds, regions, kernel, None if self.multi_node else divisor, lo == 0,
-                                  flat_in[lo:lo + step])
+                                  flat_in[lo:lo + step], add)
             if self.multi_node:
                 self._across_nodes(chunk, bounds, regions, op, divisor)
             elif n > 1:
@@ -378,9 +386,11 @@ class Reducer:
             elif divisor is not None:
                 divide(chunk, divisor)
 
-    def _node_reduce(self, chunk, bounds, regions, kernel, divisor, first: bool, source=None) -> None:
+    def _node_reduce(self, chunk, bounds, regions, kernel, divisor, first: bool, source=None, add=None) -> None:
         """Steps 1 to 4 of a chunk (see the class): this rank's slice of ``chunk`` reduced over every rank's
-        data, read from ``source`` (default: ``chunk`` itself) and written into ``chunk``."""
+        data, read from ``source`` (default: ``chunk`` itself) and written into ``chunk``. ``add``: the
+        compiled pass of a float sum or mean (``_native.adder``), the kernel's and the copy's (or the
+        division's) bits in one pass."""
         n, p = self.local_size, self.local_rank
         slot = regions[p]
         source = chunk if source is None else source
@@ -394,11 +404,15 @@ class Reducer:
         lo, hi = bounds[p], bounds[p + 1]  # 3: my slice, over every rank's data, in rank order
         mine = chunk[lo:hi]
         res = slot[p][:hi - lo]
-        kernel([source[lo:hi] if q == p else regions[q][p][:hi - lo] for q in range(n)], res)
-        if divisor is None:
-            mine[...] = res
-        else:  # the region keeps the sum; each rank divides while copying it out (one pass less)
-            divide(res, divisor, out=mine)
+        terms = [source[lo:hi] if q == p else regions[q][p][:hi - lo] for q in range(n)]
+        if add is not None:
+            add(terms, res, mine, divisor)
+        else:
+            kernel(terms, res)
+            if divisor is None:
+                mine[...] = res
+            else:  # the region keeps the sum; each rank divides while copying it out (one pass less)
+                divide(res, divisor, out=mine)
         self._sync()  # 4
 
     def _check_calls(self) -> None:
