@@ -68,11 +68,13 @@ class DeviceLibrary:
         pass
 
 
-def staging(comm, monkeypatch):
+def staging(comm, monkeypatch, transport=cuda.HostStagingTransport):
     """Route ``comm``'s arrays on cuda:0 (:class:`OnDevice`) to a host-staging transport over
-    :class:`DeviceLibrary` (replacing the communicator's transport choice, as tests may); returns it."""
+    :class:`DeviceLibrary` (replacing the communicator's transport choice, as tests may); returns it.
+    ``transport``: another device transport class made from the engine alone (``cuda.CudaAwareMPITransport``,
+    for what it stages through the host path as host staging does: its reproducible sums)."""
     host = comm._transport_for
-    t = cuda.HostStagingTransport(engine_of(comm), 0)
+    t = transport(engine_of(comm), 0)
     t._library_of = lambda x: DeviceLibrary()
     monkeypatch.setattr(comm, "_transport_for", lambda device: t if device[0] == 2 else host(device))
     return t
