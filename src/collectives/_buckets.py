@@ -499,11 +499,13 @@ def _allreduce_device(transport, group: list[Item], op: str, reproducible: bool 
     and complex items each by the transport's reproducible sum (through host memory, element by element:
     the bits of a host leaf's), the others as without it."""
     if reproducible:
-        exact = [item for item in group if _reproducible.applies(item.info, op)]
-        for item in exact:
-            item.result = transport.reproducible(item.leaf, item.adapter, "allreduce", op)
-        if exact:
-            group = [item for item in group if not _reproducible.applies(item.info, op)]
+        rest = []
+        for item in group:
+            if _reproducible.applies(item.info, op):
+                item.result = transport.reproducible(item.leaf, item.adapter, "allreduce", op)
+            else:
+                rest.append(item)
+        group = rest
     if transport.fuses and len(group) > 1:
         transport.allreduce_many([item.leaf for item in group], group[0].adapter, op)
         return

@@ -131,12 +131,9 @@ def _item(x) -> _buckets.Item:
     a = _arrays.adapter(x)
     device = a.device(x)
     if device[0] not in _arrays.HOST_DEVICE_TYPES:
-        return _buckets.Item(x, a, None, _dtypes.from_name(_dtype_name(x)), device)
+        return _buckets.Item(x, a, None, _dtypes.from_name(_dtypes.name_of(x)), device)
     view, info = a.host_view(x)
     return _buckets.Item(x, a, view, info, device)
-
-
-_dtype_name = _dtypes.name_of
 
 
 def _shape(x) -> tuple:
@@ -198,14 +195,14 @@ class _Leaves:
             self.sig.append((item.info.name, item.view.shape))
         else:
             ordinal = self.devices.setdefault(item.device, len(self.devices))
-            self.sig.append((device_kind(item.device), _dtype_name(x), _shape(x), ordinal))
+            self.sig.append((device_kind(item.device), _dtypes.name_of(x), _shape(x), ordinal))
         return item
 
     def describe(self, item: _buckets.Item) -> str:
         if item.view is not None:
             return f"{item.info.name} {item.view.shape}"
         x = item.leaf
-        text = array_desc(_dtype_name(x), _shape(x), device_kind(item.device))
+        text = array_desc(_dtypes.name_of(x), _shape(x), device_kind(item.device))
         ordinal = self.devices[item.device]
         if ordinal:
             nth = _ORDINALS[ordinal] if ordinal < len(_ORDINALS) else f"{ordinal + 1}th "
@@ -219,7 +216,7 @@ class _Leaves:
             device = _arrays.adapter(x).device(x)
         except Exception:  # noqa: BLE001 - the error itself is what gets reported
             device = _HOST
-        return array_desc(_dtype_name(x), _shape(x), device_kind(device)), _at(path, exc)
+        return array_desc(_dtypes.name_of(x), _shape(x), device_kind(device)), _at(path, exc)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -151,8 +151,8 @@ class TorchUnits:
                 present = total[n:] > 0  # NaN (a mean of no unit anywhere) is not present
                 offset = 0
                 for j, (p, size) in enumerate(zip(ps, sizes)):
-                    grad = total[offset:offset + size].view(p.shape) if bool(present[j]) else None
-                    p.grad = grad if grad is None or p.device.type == "cpu" else grad.to(p.device)
+                    # (.to: a CUDA parameter's sum back to its device; the same tensor for a CPU one)
+                    p.grad = total[offset:offset + size].view(p.shape).to(p.device) if bool(present[j]) else None
                     offset += size
 
 

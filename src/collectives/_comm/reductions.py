@@ -17,13 +17,19 @@ from . import rules, summing, validate
 from .steps import Step, contiguous, placing
 
 
+def on_device(comm, transport, operation: str, x, a, op: str, *rest) -> Step:
+    """The step of a reduction of ``x`` by a device transport: its ``operation``, or, for a reproducible sum
+    (``comm._repro``, set by the validation), its ``reproducible`` (the host path's sum of a host copy)."""
+    if comm._repro:
+        return Step(transport, "reproducible", (x, a, operation, op, *rest), device=True)
+    return Step(transport, operation, (x, a, op, *rest), device=True)
+
+
 def allreduce(comm, x, op, reproducible, asynchronous: bool):
     a, transport, view, info, op, _ = validate.prepare(comm, "allreduce", x, op=op, asynchronous=asynchronous,
                                                        reproducible=reproducible)
     if transport.array_level:
-        step = (Step(transport, "reproducible", (x, a, "allreduce", op), device=True) if comm._repro else
-                Step(transport, "allreduce", (x, a, op), device=True))
-        return a.written(x, (yield step))
+        return a.written(x, (yield on_device(comm, transport, "allreduce", x, a, op)))
     buf, place = placing(x, a, view, info)
     if comm._repro:
         yield from summing.summing(comm, transport, "allreduce", buf.reshape(1, -1), info, op, asynchronous, out=buf,
@@ -50,8 +56,7 @@ def reduce(comm, x, op, root, reproducible, asynchronous: bool):
     a, transport, view, info, op, root = validate.prepare(comm, "reduce", x, op=op, root=root, asynchronous=asynchronous,
                                                           reproducible=reproducible)
     if transport.array_level:
-        out = yield (Step(transport, "reproducible", (x, a, "reduce", op, root), device=True) if comm._repro else
-                     Step(transport, "reduce", (x, a, op, root), device=True))
+        out = yield on_device(comm, transport, "reduce", x, a, op, root)
         return a.written(x, out) if comm.rank == root else x
     if comm._repro:
         receives = comm.rank == root
@@ -72,8 +77,7 @@ def reduce_scatter(comm, x, op, reproducible, asynchronous: bool):
     a, transport, view, info, op, _ = validate.prepare(comm, "reduce_scatter", x, op=op, blocks=True,
                                                        asynchronous=asynchronous, reproducible=reproducible)
     if transport.array_level:
-        return (yield (Step(transport, "reproducible", (x, a, "reduce_scatter", op), device=True) if comm._repro
-                       else Step(transport, "reduce_scatter", (x, a, op), device=True)))
+        return (yield on_device(comm, transport, "reduce_scatter", x, a, op))
     size = comm._size
     out = np.empty((view.shape[0] // size,) + view.shape[1:], dtype=view.dtype)
     if comm._repro:
