@@ -51,7 +51,10 @@ def begin(comm, collective: str, x=None, op=None, root=None, path: str = "blocki
 
     This is the whole cost of the record of an asynchronous call, so :func:`_records.new` is written out
     here (a call less): the array's dtype and shape objects, the call site (the first path remembered,
-    checked inline, else ``_raw_site``), the thread's ident, one clock reading; the rest is made when read."""
+    checked inline, else ``_raw_site``), the thread's ident, one clock reading; the rest is made when read.
+    Where the package was built with ``_recorder.c``, ``begin`` is its compiled copy (the same record; see
+    :func:`_found`), and this function is ``record.python_begin``: call either directly from the frame
+    whose caller is the call's front end (the depth of a path remembered counts from here)."""
     ring = comm._ring
     if ring is None:
         return None
@@ -78,6 +81,33 @@ def begin(comm, collective: str, x=None, op=None, root=None, path: str = "blocki
                                   _clock(), None, None, None]  # (_records: SEQ ... ON)
     comm._last_activity = rec[START]
     return rec
+
+
+python_begin = begin
+
+
+def _found() -> tuple:
+    """The call site as :func:`begin` finds it when no path remembered matches, or while a site hint is
+    set: the compiled ``begin`` calls this from the frame that called it, so this frame stands where
+    :func:`python_begin`'s would (depth 0 of a path)."""
+    code, lasti, via = _records.site_here(0)
+    return _records.hinted(code, lasti, via) if _hinting[0] else (code, lasti, via)
+
+
+def _compiled():
+    """``_recorder.begin`` set up to read ``_records``' paths, hint count and clock, or None where the
+    package was built without it (or for a Python older than 3.11)."""
+    try:
+        from .. import _recorder  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    if not hasattr(_recorder, "begin"):
+        return None
+    _recorder.setup(_PATHS, _hinting, _found, _clock, _getframe)
+    return _recorder.begin
+
+
+begin = _compiled() or python_begin  # the compiled copy of the function above, where built
 
 
 def begin_p2p(comm, what: str, x, asynchronous: bool):
