@@ -1,21 +1,23 @@
 /* The flight recorder's record of a call, compiled: collectives._comm.record.begin written in C.
  *
- * The record of an asynchronous call is all the flight recorder costs it, and most of that cost was the
- * interpreter's: some thirty bytecodes, each of which costs several times more inside a 30 us call than
- * in a tight loop. This module makes the same list, in the same ring slot, from the same facts, with the
- * same call site (record.py, _begin: the paths remembered by collectives._records, checked in place, else
- * the walk). Optional: where it is not built (no C compiler, Python < 3.11), record.begin is the Python
- * function, and tests/unit/test_recorder.py checks that both make the same records.
+ * The record is all the flight recorder costs an asynchronous call, and inside a 30 us call each Python
+ * operation of it costs several times what it costs in a tight loop (docs/performance.md, "Stop 50").
+ * This module makes the same list, in the same ring slot, from the same facts, with the same call site
+ * (record.python_begin: the paths remembered by collectives._records, checked in place, else the walk).
+ * Optional: where it is not built (no C compiler, Python < 3.11, a build without the GIL), record.begin is
+ * the Python function; tests/unit/test_recorder.py checks that both make the same records.
  *
  * begin(comm, collective, x=None, op=None, root=None, path="blocking") is called directly by the frame that
- * the Python begin's caller would be: the Python begin's frame is depth 0 of a path remembered (see
- * _records._raw_site), so here depth d is sys._getframe(d - 1), and the fallback (``found``: a Python
- * function) stands where the Python begin would stand.
+ * would call the Python begin, whose own frame is depth 0 of a path remembered (_records._raw_site): so
+ * here depth d is sys._getframe(d - 1), and the fallback (``found``, a Python function that this calls)
+ * stands where the Python begin's frame would.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#if PY_VERSION_HEX >= 0x030B0000 /* PyFrame_GetLasti */
+/* PyFrame_GetLasti is Python 3.11's; and a build without the GIL (3.13t) keeps the Python function, whose
+ * list operations are made safe there by the interpreter itself. */
+#if PY_VERSION_HEX >= 0x030B0000 && !defined(Py_GIL_DISABLED)
 #define HAVE_BEGIN 1
 #include <frameobject.h>
 #include <pythread.h>
@@ -254,5 +256,11 @@ PyMODINIT_FUNC PyInit__recorder(void) {
         return NULL;
     }
 #endif
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+#ifdef Py_GIL_DISABLED
+    if (m != NULL && PyUnstable_Module_SetGIL(m, Py_MOD_GIL_NOT_USED) < 0) { /* (it holds no state there) */
+        Py_CLEAR(m);
+    }
+#endif
+    return m;
 }
