@@ -53,8 +53,9 @@ def begin(comm, collective: str, x=None, op=None, root=None, path: str = "blocki
     here (a call less): the array's dtype and shape objects, the call site (the first path remembered,
     checked inline, else ``_raw_site``), the thread's ident, one clock reading; the rest is made when read.
     Where the package was built with ``_recorder.c``, ``begin`` is its compiled copy (the same record; see
-    :func:`_found`), and this function is ``record.python_begin``: call either directly from the frame
-    whose caller is the call's front end (the depth of a path remembered counts from here)."""
+    :func:`_found`), and this function is ``record.python_begin``. Either is called directly by the
+    function that starts the record (``validate.prepare``, the tree's driver, a traced method): the depth of
+    a path remembered counts from this call."""
     ring = comm._ring
     if ring is None:
         return None
