@@ -29,11 +29,15 @@ def compiled_or_skip():
 
 def fresh(buffer: str = "64"):
     mpi = pytest.importorskip("mpi4py.MPI")
+    saved = os.environ.get("COLLECTIVES_TRACE_BUFFER")
     os.environ["COLLECTIVES_TRACE_BUFFER"] = buffer
     try:
         return coll.init(comm=mpi.COMM_SELF.Dup())
-    finally:
-        os.environ.pop("COLLECTIVES_TRACE_BUFFER", None)
+    finally:  # (the caller's setting, as it was)
+        if saved is None:
+            os.environ.pop("COLLECTIVES_TRACE_BUFFER", None)
+        else:
+            os.environ["COLLECTIVES_TRACE_BUFFER"] = saved
 
 
 def _deep(c, x, depth: int, function: bool):
@@ -106,7 +110,7 @@ def test_the_compiled_record_is_the_python_record(monkeypatch):
     assert any(e["state"] == "failed" for e in got)
 
 
-def test_the_compiled_record_is_off_with_the_ring(monkeypatch):
+def test_the_compiled_record_is_off_with_the_ring():
     compiled = compiled_or_skip()
     c = fresh("0")
     try:

@@ -97,7 +97,7 @@ def _found() -> tuple:
 
 def _compiled():
     """``_recorder.begin`` set up to read ``_records``' paths, hint count and clock, or None where the
-    package was built without it (or for a Python older than 3.11)."""
+    package was built without it (or for a Python older than 3.11, or a build without the GIL)."""
     try:
         from .. import _recorder  # type: ignore[attr-defined]
     except ImportError:
