@@ -381,7 +381,7 @@ def allreduce(engine, items: list[Item], op: str, bucket_bytes: int, the_plan: P
             finish()
         together.clear()
 
-    for k, (buf, info, finish) in enumerate(_allreduce_parts(engine, items, op, the_plan, pooled=True,
+    for k, (buf, info, finish) in enumerate(_allreduce_parts(engine, items, op, the_plan, bucket_bytes, pooled=True,
                                                              reproducible=reproducible)):
         if reproducible and _reproducible.applies(info, op):
             flush()
@@ -408,7 +408,7 @@ def start_allreduce(engine, items: list[Item], op: str, bucket_bytes: int, the_p
     are reduced here, blocking."""
     if the_plan is None:
         the_plan = allreduce_plan(engine, items, op, bucket_bytes, reproducible)
-    parts = list(_allreduce_parts(engine, items, op, the_plan, pooled=False,  # every bucket packed now
+    parts = list(_allreduce_parts(engine, items, op, the_plan, bucket_bytes, pooled=False,  # every bucket packed now
                                   reproducible=reproducible))
     host = engine.transport_for(_arrays.HOST) if parts else None
     started = []
@@ -434,7 +434,7 @@ def start_allreduce(engine, items: list[Item], op: str, bucket_bytes: int, the_p
     return the_plan, steps()
 
 
-def _allreduce_parts(engine, items, op, the_plan, *, pooled: bool, reproducible: bool = False):
+def _allreduce_parts(engine, items, op, the_plan, bucket_bytes: int, *, pooled: bool, reproducible: bool = False):
     """The parts of :func:`allreduce` (a generator, to be run to its end): device leaves reduced first
     (by their transports), then for the host leaves ``(buf, info, finish)``, one per solo leaf and bucket
     in the plan's order: the contiguous buffer to allreduce under ``info``'s rules (a bucket's, packed and
@@ -442,11 +442,12 @@ def _allreduce_parts(engine, items, op, the_plan, *, pooled: bool, reproducible:
     ``pooled``: buckets in the communicator's pool buffers, so each must be finished before the next is
     taken; else in buffers of their own. ``reproducible``: a bucket of float or complex items holds them as
     they are, reduced under ``info`` = their dtype's (even at one rank: a reproducible sum of one term is
-    its value, but NaN as the canonical NaN, as at any number of ranks)."""
+    its value, but NaN as the canonical NaN, as at any number of ranks); its device leaves in buckets of up
+    to ``bucket_bytes`` (:func:`_allreduce_device`)."""
     if not items:
         return
     for transport, group in zip(_device_transports(engine, items, the_plan.devices), the_plan.devices):
-        _allreduce_device(transport, [items[pos] for pos in group], op, reproducible)
+        _allreduce_device(transport, [items[pos] for pos in group], op, bucket_bytes, reproducible)
     if engine.size == 1 and not reproducible:  # the reduction of one rank is the identity: only immutable leaves need new arrays
         for item in items:
             if item.view is not None and not item.writable_in_place():
@@ -493,19 +494,24 @@ def _unpack(items, buf, entries, bf16: bool) -> None:
             item.take(lambda target, seg=seg: np.copyto(target, seg, casting="unsafe"))
 
 
-def _allreduce_device(transport, group: list[Item], op: str, reproducible: bool = False) -> None:
+def _allreduce_device(transport, group: list[Item], op: str, bucket_bytes: int, reproducible: bool = False) -> None:
     """Reduce the device items of one device: in one fused call where the transport has one (NCCL: one
     group), else one by one. Device transports write into the caller's arrays. ``reproducible``: float
-    and complex items each by the transport's reproducible sum (through host memory, element by element:
-    the bits of a host leaf's), the others as without it."""
+    and complex items by the transport's reproducible sum (through host memory, element by element: the
+    bits of a host leaf's), in buckets of one dtype and up to ``bucket_bytes`` (:func:`assign`, as the host
+    leaves': one host collective a bucket, ``DeviceTransport.reproducible_packed``; a leaf of
+    ``solo_bytes(bucket_bytes)`` or more alone); the others as without it."""
     if reproducible:
-        rest = []
-        for item in group:
-            if _reproducible.applies(item.info, op):
+        summed = [item for item in group if _reproducible.applies(item.info, op)]
+        group = [item for item in group if not _reproducible.applies(item.info, op)]
+        sizes = [transport.nbytes(item.leaf) for item in summed]
+        for _, members, _ in assign([item.info.name for item in summed], sizes, sizes, bucket_bytes,
+                                    solo_bytes(bucket_bytes)):
+            if len(members) == 1:
+                item = summed[members[0]]
                 item.result = transport.reproducible(item.leaf, item.adapter, "allreduce", op)
             else:
-                rest.append(item)
-        group = rest
+                transport.reproducible_packed([summed[i].leaf for i in members], summed[members[0]].adapter, op)
     if transport.fuses and len(group) > 1:
         transport.allreduce_many([item.leaf for item in group], group[0].adapter, op)
         return

@@ -5,6 +5,8 @@ Which transport runs depends on the environment, and the tests follow it: NCCL b
 ``COLLECTIVES_CUDA_AWARE_MPI=1``). Two ranks may share one GPU with ``NCCL_MULTI_RANK_GPU_ENABLE=1``.
 """
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -451,6 +453,14 @@ def test_reproducible_sums_of_cuda_arrays_are_the_host_bits(comm, dev, dtype):
         out = comm.allreduce_tree({"w": dev.make(values[rank], dtype), "h": host(values[rank])}, op,
                                   reproducible=True)
         assert dev.is_array(out["w"]) and bits(out["w"]) == want == bits(out["h"])
+        # several CUDA leaves: summed a bucket at a time (packed on the device), each its slice of the bits
+        n, item = 4 * size, len(want) // (4 * size)
+        pieces = list(itertools.pairwise([0, 1, 3, n // 2, n]))
+        for bucket_bytes in (16, 1 << 20):
+            tree = {f"p{i}": dev.make(values[rank][a:b], dtype) for i, (a, b) in enumerate(pieces)}
+            out = comm.allreduce_tree(tree, op, bucket_bytes=bucket_bytes, reproducible=True)
+            for i, (a, b) in enumerate(pieces):
+                assert out[f"p{i}"] is tree[f"p{i}"] and bits(out[f"p{i}"]) == want[a * item:b * item], (i, bucket_bytes)
 
 
 def test_reproducible_optimizer_on_cuda_parameters(comm, dev):

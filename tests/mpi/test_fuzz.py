@@ -359,7 +359,10 @@ def run_call(c, p, x):
         got = c.gather(x, root=p["root"])
         return None if got is None else to_numpy(got)
     if name == "allreduce_tree":
-        out = c.allreduce_tree({"x": x, "other": np.ones(2)}, op=p["op"], reproducible=exact)
+        tree = {"x": x, "other": np.ones(2)}
+        if isinstance(x, OnDevice):  # a device leaf before x: device leaves share a bucket (reproducible sums)
+            tree = {"before": OnDevice(x.values[::-1].copy()), **tree}
+        out = c.allreduce_tree(tree, op=p["op"], reproducible=exact)
         return to_numpy(out["x"])
     out = c.synchronize({"x": x, "step": 3}, root=p["root"])
     return to_numpy(out["x"])

@@ -746,6 +746,52 @@ def test_device_arrays_give_the_bits_of_host_arrays(comm, monkeypatch, checked, 
         comm.check = before
 
 
+@pytest.mark.parametrize("transport", ["host-staging", "cuda-aware-mpi"])
+def test_a_trees_device_leaves_are_summed_a_bucket_at_a_time(comm, monkeypatch, transport):
+    """allreduce_tree(reproducible=True) with many device leaves of several dtypes and sizes (an empty one
+    too): each leaf the bits of the same leaf in host memory, for every bucket size, blocking and
+    asynchronous; and the leaves go through host memory a bucket at a time, not a leaf at a time: with
+    buckets of 1 MiB, one host collective per dtype; with 256 bytes, packs of at most 256 bytes, or one
+    leaf. (What crosses to the host is seen only by the transport's ``reproducible``, wrapped here to log
+    it: no public name shows how many host collectives a device call made.)"""
+    from collectives._backends import cuda
+    from support.device import OnDevice, staging
+
+    if transport == "cuda-aware-mpi" and comm.backend != "mpi":
+        pytest.skip("CUDA-aware MPI needs the MPI backend")
+    t = staging(comm, monkeypatch, cuda.HostStagingTransport if transport == "host-staging" else
+                cuda.CudaAwareMPITransport)
+    staged = []
+    real = t.reproducible
+    monkeypatch.setattr(t, "reproducible", lambda x, *a: (staged.append((x.values.dtype.name, x.values.nbytes)),
+                                                          real(x, *a))[1])
+    size, rank = comm.size, comm.rank
+    counts = {"float32": (5, 17, 0, 40, 3, 90), "float64": (9, 1, 33), "complex64": (4, 12)}
+    data = {f"{name}/{i}": global_units(name, seed=60 + 7 * j + i, units=size, count=n, specials=n >= 7)
+            for j, (name, ns) in enumerate(counts.items()) for i, n in enumerate(ns)}
+    for op in ("sum", "mean"):
+        with alone(comm) as solo:
+            want = {k: solo.allreduce_units(d, op).tobytes() for k, d in data.items()}
+        for bucket_bytes in (256, 1 << 20):
+            for async_op in (False, True):
+                tree = {k: OnDevice(d[rank]) for k, d in data.items()}
+                tree["host"] = data["float32/1"][rank].copy()  # a host leaf beside them
+                staged.clear()
+                h = comm.allreduce_tree(tree, op, bucket_bytes=bucket_bytes, reproducible=True, async_op=async_op)
+                out = h.wait() if async_op else h
+                for k in data:
+                    assert out[k] is tree[k] and out[k].values.tobytes() == want[k], (k, op, bucket_bytes, async_op)
+                assert out["host"].tobytes() == want["float32/1"]
+                for name, ns in counts.items():  # every leaf's bytes crossed once, in its dtype's calls
+                    assert sum(b for d, b in staged if d == name) == sum(ns) * np.dtype(name).itemsize, staged
+                if bucket_bytes == 1 << 20:
+                    assert sorted(d for d, _ in staged) == sorted(counts), staged
+                else:
+                    leaves = {n * np.dtype(name).itemsize for name, ns in counts.items() for n in ns}
+                    assert all(b <= bucket_bytes or b in leaves for _, b in staged), staged
+                    assert len(staged) < len(data), staged
+
+
 def test_device_bad_calls_are_the_host_paths_errors(comm, monkeypatch):
     """A device array's reproducible call that the host path refuses: the same error, word for word, before
     anything moves, x untouched; the communicator still works."""

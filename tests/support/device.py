@@ -17,8 +17,8 @@ class OnDevice:
     """An array on cuda:0 as far as collectives can tell (DLPack device ``(2, 0)``); its values are a NumPy
     array, which :class:`DeviceLibrary` copies to and from "host memory"."""
 
-    def __init__(self, values):
-        self.values = np.array(values)
+    def __init__(self, values, copy: bool = True):
+        self.values = np.array(values) if copy else values  # copy=False: a view of another's values
         self.shape, self.dtype = self.values.shape, self.values.dtype
 
     def __dlpack_device__(self):
@@ -36,6 +36,30 @@ class DeviceLibrary:
 
     def dtype(self, x):
         return _dtypes.from_numpy(x.values.dtype)
+
+    def numel(self, x):
+        return x.values.size
+
+    def itemsize(self, x):
+        return x.values.itemsize
+
+    def shape(self, x):
+        return x.values.shape
+
+    def contiguous(self, x, copy=True):
+        return x, True  # (its values are a C-contiguous NumPy array)
+
+    def flat(self, buf):
+        return OnDevice(buf.values.reshape(-1), copy=False)
+
+    def empty(self, shape, like):
+        return OnDevice(np.empty(shape, like.values.dtype), copy=False)
+
+    def part(self, buf, offset, count, shape):
+        return OnDevice(buf.values[offset:offset + count].reshape(shape), copy=False)
+
+    def copy_back(self, x, buf):
+        x.values[...] = buf.values
 
     def to_host(self, x):
         return x.values.copy()

@@ -217,6 +217,32 @@ class DeviceTransport(abc.ABC):
             return x
         return x if collective == "reduce" else xp.to_device(host, x)
 
+    def reproducible_packed(self, xs: list, a, op: str) -> None:
+        """The reproducible sums or means (allreduce) of several arrays of one dtype on this transport's
+        device in one call of :meth:`reproducible`: their values packed one after another into a
+        contiguous buffer on the device, that buffer summed through host memory (one copy each way, one
+        host collective), and each array written back from its part. The reproducible sum is element by
+        element, so every array gets the bits its own call would give: a tree's CUDA leaves, in the
+        buckets ``_buckets`` makes of them, cost one host collective a bucket instead of one a leaf."""
+        xp, _ = self._prepare(xs[0])
+        flats = [xp.flat(xp.contiguous(x)[0]) for x in xs]
+        counts = [xp.numel(f) for f in flats]
+        packed = xp.empty((sum(counts),), like=flats[0])
+        offset = 0
+        for f, n in zip(flats, counts):
+            xp.copy_back(xp.part(packed, offset, n, (n,)), f)
+            offset += n
+        self.reproducible(packed, a, "allreduce", op)
+        offset = 0
+        for x, n in zip(xs, counts):
+            xp.copy_back(x, xp.part(packed, offset, n, xp.shape(x)))
+            offset += n
+
+    def nbytes(self, x) -> int:
+        """The bytes of ``x``'s values (its elements times their size)."""
+        xp, _ = self._prepare(x)
+        return xp.numel(x) * xp.itemsize(x)
+
     def _staged_scatter(self, x, op: str):
         """:meth:`reduce_scatter` through host memory and the host path (every host rule holds): the
         host-staging transport's, and CUDA-aware MPI's where :meth:`_staged` is taken."""
@@ -373,6 +399,10 @@ class _TorchCUDA:
     def empty(self, shape, like):
         return self.torch.empty(tuple(shape), dtype=like.dtype, device=like.device)
 
+    def part(self, buf, offset: int, count: int, shape):
+        """Elements ``offset`` to ``offset + count`` of the flat contiguous ``buf``, as a view of ``shape``."""
+        return buf[offset:offset + count].reshape(tuple(shape))
+
     def to_host(self, x):
         return x.detach().cpu()  # waits for the producer stream
 
@@ -513,6 +543,9 @@ class _CupyCUDA:
     def empty(self, shape, like):
         with like.device:
             return self.cupy.empty(tuple(shape), dtype=like.dtype)
+
+    def part(self, buf, offset: int, count: int, shape):
+        return buf[offset:offset + count].reshape(tuple(shape))  # a view (see _TorchCUDA.part)
 
     def to_host(self, x):
         with x.device:
