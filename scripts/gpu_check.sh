@@ -10,7 +10,8 @@
 #    "collectives", equal to one process, and dist.* collectives on CUDA, in steps 1-3; and test_p2p_cuda.py:
 #    coll.send/recv and dist.send/recv/batch_isend_irecv of CUDA arrays, ncclSend/ncclRecv in steps 1-2,
 #    host staging in step 3; and test_cuda.py's reproducible sums of CUDA arrays, which must give the bits of
-#    host arrays on NCCL and on host staging, and DistributedOptimizer(reproducible=True) on a GPU model)
+#    host arrays on NCCL and on host staging (a tree's CUDA leaves too, packed into buckets on the device),
+#    and DistributedOptimizer(reproducible=True) on a GPU model)
 #   5. benchmarks/bench_training.py --device cuda: the training step with the gradient buckets (overlap,
 #      views, sharded state) on CUDA tensors, 1 rank and (if step 2 could run) 2 ranks over NCCL
 #
