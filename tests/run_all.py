@@ -211,7 +211,7 @@ def main() -> int:
     # it the jobs that need a world size of their own (the reproducible training step at 1, 2, 3 and 4 ranks).
     # Two jobs at a time where pytest-xdist is installed (the test extra has it): a job keeps about one core
     # busy (its ranks start Python, torch, MPI) and waits for its deadlines, so two take 226-301 s on CI's 2
-    # cores under MPICH instead of 346-370 s, and about half of 455 s under Open MPI; the longest file (the
+    # cores under MPICH instead of 346-370 s, and 284 s instead of 455 s under Open MPI; the longest file (the
     # reproducible step, four jobs in one test) is named first so that it starts first. The early-exit jobs
     # then run alone, after the rest (ALONE): the one CI run that had Open MPI's jobs two at a time (stop 46)
     # had PRRTE end one of them 115 s after its MPI_Abort instead of at once, at 3 ranks beside another job.
