@@ -502,8 +502,10 @@ def _allreduce_device(transport, group: list[Item], op: str, bucket_bytes: int, 
     leaves': one host collective a bucket, ``DeviceTransport.reproducible_packed``; a leaf of
     ``solo_bytes(bucket_bytes)`` or more alone); the others as without it."""
     if reproducible:
-        summed = [item for item in group if _reproducible.applies(item.info, op)]
-        group = [item for item in group if not _reproducible.applies(item.info, op)]
+        summed, others = [], []
+        for item in group:
+            (summed if _reproducible.applies(item.info, op) else others).append(item)
+        group = others
         sizes = [transport.nbytes(item.leaf) for item in summed]
         for _, members, _ in assign([item.info.name for item in summed], sizes, sizes, bucket_bytes,
                                     solo_bytes(bucket_bytes)):

@@ -115,25 +115,39 @@ def reduce_buffer(buf: np.ndarray, info: _dtypes.DType, op: str, size: int, coll
     ``collective`` returns) the result goes there and ``buf`` is left as it was. The decoding (ordered
     integers back to floats, mean's division, rounding back) runs on the result only.
     """
-    run = steps(buf, info, op, size, native, receives=receives, out=out)
+    run, quiet = steps(buf, info, op, size, native, receives=receives, out=out)
     result = None
-    while True:
-        with np.errstate(all="ignore"):
-            try:
-                wire, wire_op_ = run.send(result)
-            except StopIteration:
-                return
-        result = collective(wire, wire_op_)
+    while (step := advance(run, result, quiet)) is not None:
+        result = collective(*step)
 
 
 def steps(buf: np.ndarray, info: _dtypes.DType, op: str, size: int, native, *, receives: bool = True,
           out: np.ndarray | None = None):
     """:func:`reduce_buffer` as a generator, for callers that start the collective and finish later (the
-    asynchronous collectives): it yields ``(wire, op)`` for each collective it needs (one; two for the
-    flagged floats) and is sent what the collective returned (None for in place, else its result) once
-    that collective has completed. Run it with NumPy's floating-point errors ignored (as reduce_buffer
-    does), each step: the encoding before the first yield, the decoding after the last."""
-    return _reduce(buf, info, op, size, native, receives, out)
+    asynchronous collectives), and whether its steps are quiet: ``(run, quiet)``. ``run`` yields
+    ``(wire, op)`` for each collective it needs (one; two for the flagged floats) and is sent what the
+    collective returned (None for in place, else its result) once that collective has completed. Run
+    each step with :func:`advance` and ``quiet`` (as reduce_buffer does): the encoding before the first
+    yield, the decoding after the last, with NumPy's floating-point errors ignored where they could
+    arise. ``quiet``: the pair travels as it is (:func:`as_is`, read from the plan)."""
+    plan = _dtypes.wire(info, op, native)  # the one plan of a reduction, the device transports' too
+    return _reduce(buf, info, op, size, plan, receives, out), travels_as_is(info, op, plan.dtype)
+
+
+def advance(run, result, quiet: bool):
+    """One step of :func:`steps`' generator ``run``: ``run.send(result)``, the next ``(wire, op)``, or None
+    once it has returned. The step runs with NumPy's floating-point errors ignored, whatever the
+    caller's error state (a caller's ``np.seterr(all="raise")`` must not raise on some ranks only), except
+    where ``quiet``: the pair travels as it is (:func:`as_is`), so its steps compute nothing that could
+    raise or warn (mean's division is quiet by itself, ``_dtypes.divide``), and the cost of entering
+    ``np.errstate`` (about a microsecond, each time) is saved."""
+    try:
+        if quiet:
+            return run.send(result)
+        with np.errstate(all="ignore"):
+            return run.send(result)
+    except StopIteration:
+        return None
 
 
 def scatters(info: _dtypes.DType, op: str) -> bool:
@@ -143,8 +157,7 @@ def scatters(info: _dtypes.DType, op: str) -> bool:
     return not (op in MINMAX and info.kind == "f" and info.name != "bfloat16" and not ordered(info.storage))
 
 
-def _reduce(buf, info, op, size, native, receives, out):
-    plan = _dtypes.wire(info, op, native)  # the one plan of a reduction, the device transports' too
+def _reduce(buf, info, op, size, plan, receives, out):
     value = plan.dtype
     bf16 = info.name == "bfloat16"
     keep = not receives or out is not None  # buf must stay as it was
@@ -210,8 +223,12 @@ def runner(transport, info: _dtypes.DType, op: str, size: int):
 def as_is(info: _dtypes.DType, op: str, native) -> bool:
     """Whether values of ``info`` reduced with ``op`` travel as they are (no widening, no ordered-integer
     mapping, no bool bytes): then a transport's direct call gives :func:`reduce_buffer`'s bits."""
-    return (value_dtype(info, op, native) == info.storage and info.kind != "b"
-            and not (op in MINMAX and info.kind == "f"))
+    return travels_as_is(info, op, value_dtype(info, op, native))
+
+
+def travels_as_is(info: _dtypes.DType, op: str, value: np.dtype) -> bool:
+    """:func:`as_is`, given the dtype the values are reduced in (``value_dtype``, a plan's ``dtype``)."""
+    return value == info.storage and info.kind != "b" and not (op in MINMAX and info.kind == "f")
 
 
 def scatter_runner(transport, info: _dtypes.DType, op: str, size: int, general):

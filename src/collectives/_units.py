@@ -21,6 +21,7 @@ at any number of ranks and any split of the micro-batches among them.
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import numpy as np
@@ -184,7 +185,7 @@ def sum_units(units, params, op: str, comm):
     for dtype in sorted(groups, key=str):  # the same order on every rank
         idx = groups[dtype]
         shapes = [np.shape(leaves[j]) for j in idx]
-        sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
+        sizes = [math.prod(s) for s in shapes]
         stack = np.empty((len(rows), sum(sizes)), dtype=dtype)
         for r, row in enumerate(rows):
             offset = 0

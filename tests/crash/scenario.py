@@ -132,6 +132,8 @@ def main(name: str) -> None:
         cases = [
             (np.full(big, np.inf if comm.rank % 2 == 0 else -np.inf), "sum"),  # inf - inf on some slices
             (np.full(big, 60000.0, np.float16), "sum"),  # float16 overflow
+            (np.full(3, 60000.0, np.float16), "sum"),  # the same on the general path: widened, rounded back
+            (np.full(3, 1e300), "prod"),  # an overflow in MPI's own product (the values travel as they are)
             (np.array([5e-324, 3.0]), "mean"),  # underflow in mean's division
             (np.full(big, 1e300), "prod"),  # overflow
         ]
@@ -139,6 +141,8 @@ def main(name: str) -> None:
             try:
                 comm.allreduce(data, op=op)
                 coll.allreduce_tree({"a": data.copy(), "b": data[:3].copy()}, op=op)
+                comm.allreduce(data, op=op, async_op=True).wait()  # the host rules' steps in a Handle
+                coll.allreduce_tree({"a": data.copy(), "b": data[:3].copy()}, op=op, async_op=True).wait()
             except Exception as e:  # noqa: BLE001 - what a test runner would do: catch, report, go on
                 say(f"rank {comm.rank} caught {type(e).__name__} in {op}: {e}")
         comm.allreduce(x)

@@ -7,7 +7,8 @@ dtype (longdouble, structured and byte-swapped ones included), a layout, a libra
 NumPy values on a stand-in CUDA device moved by host staging: ``support.device``), an
 element count around every threshold (the shared-memory one, its slot, the per-call count limit: all
 shrunk on the fuzz communicator so that the whole file runs in seconds), values with NaN, infinities and
-signed zeros, the caller's NumPy error state, checked mode on or off, and now and then a rank that calls
+signed zeros, the caller's NumPy error state, checked mode on or off, blocking or ``async_op=True`` (a
+third of the calls), and now and then a rank that calls
 something else (a different shape, structured dtype or collective), where checked mode must raise
 MismatchError on every rank.
 
@@ -65,7 +66,11 @@ if _override is not None:
 
 REPORT = os.environ.get("COLLECTIVES_FUZZ_REPORT") == "1"  # list every failing draw instead of failing
 MAX_EXAMPLES = int(os.environ.get("COLLECTIVES_FUZZ_EXAMPLES", "250"))
-SETTINGS = settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None,
+# CI draws the same calls every run (derandomized); COLLECTIVES_FUZZ_SEED=N draws another sequence, the
+# same on every rank and in every run with that N (rank 0's draw is broadcast anyway): a longer hunt
+# than CI's, seed by seed, that a failure can be replayed from
+SEED = os.environ.get("COLLECTIVES_FUZZ_SEED")
+SETTINGS = settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=SEED is None, database=None,
                     suppress_health_check=list(HealthCheck), report_multiple_bugs=False, print_blob=False,
                     phases=[Phase.explicit, Phase.generate])
 
@@ -176,6 +181,9 @@ def calls(draw, size):
         p["layout"] = "C"
         p["reproducible"] = p["reproducible"] or (collective in REDUCTIONS and op in ("sum", "mean")
                                                   and dtype in REPRODUCIBLE and draw(st.booleans()))
+    # a third of the calls with async_op=True (their Handle's wait()): the general path's steps in MPI's
+    # non-blocking calls, the fingerprint beside them (synchronize has no asynchronous form)
+    p["async"] = collective != "synchronize" and draw(st.integers(0, 2)) == 0
     return p
 
 
@@ -347,22 +355,28 @@ def run_call(c, p, x):
     """The drawn collective on ``x``; returns the result as NumPy (the root's tree value for trees)."""
     name = p["collective"]
     exact = p.get("reproducible", False)
+    if p.get("async"):  # the same call with async_op=True, its result once wait() returns
+        kw = {"async_op": True}
+        done = lambda handle: handle.wait()
+    else:
+        kw = {}
+        done = lambda result: result
     if name == "allreduce":
-        return to_numpy(c.allreduce(x, op=p["op"], reproducible=exact))
+        return to_numpy(done(c.allreduce(x, op=p["op"], reproducible=exact, **kw)))
     if name == "reduce":
-        return to_numpy(c.reduce(x, op=p["op"], root=p["root"], reproducible=exact))
+        return to_numpy(done(c.reduce(x, op=p["op"], root=p["root"], reproducible=exact, **kw)))
     if name == "broadcast":
-        return to_numpy(c.broadcast(x, root=p["root"]))
+        return to_numpy(done(c.broadcast(x, root=p["root"], **kw)))
     if name == "allgather":
-        return to_numpy(c.allgather(x))
+        return to_numpy(done(c.allgather(x, **kw)))
     if name == "gather":
-        got = c.gather(x, root=p["root"])
+        got = done(c.gather(x, root=p["root"], **kw))
         return None if got is None else to_numpy(got)
     if name == "allreduce_tree":
         tree = {"x": x, "other": np.ones(2)}
         if isinstance(x, OnDevice):  # a device leaf before x: device leaves share a bucket (reproducible sums)
             tree = {"before": OnDevice(x.values[::-1].copy()), **tree}
-        out = c.allreduce_tree(tree, op=p["op"], reproducible=exact)
+        out = done(c.allreduce_tree(tree, op=p["op"], reproducible=exact, **kw))
         return to_numpy(out["x"])
     out = c.synchronize({"x": x, "step": 3}, root=p["root"])
     return to_numpy(out["x"])
@@ -502,6 +516,8 @@ def test_fuzz(comm, fuzz_comm):
         assert problem is None, (f"{problem} (issue 12 item {item})" if item else problem,
                                  p, dict(enumerate(verdicts)))
 
+    if SEED is not None:
+        prop = hypothesis.seed(int(SEED))(prop)
     prop()
     if REPORT and comm.rank == 0:
         bad = [f for f in found if f[1] is not None]
@@ -511,5 +527,5 @@ def test_fuzz(comm, fuzz_comm):
         for item, problem, p, verdicts in bad:
             print(f"  item {item}: {problem}: {p} -> {dict(enumerate(verdicts))}")
     if comm.rank == 0:
-        print(f"\nfuzz: {MAX_EXAMPLES} draws at {size} ranks; skipped as known (KNOWN_UNFIXED "
+        print(f"\nfuzz: {MAX_EXAMPLES} draws at {size} ranks (seed {SEED or 'derandomized'}); skipped as known (KNOWN_UNFIXED "
               f"{sorted(KNOWN_UNFIXED)}): {len(skipped)}, by item {dict(collections.Counter(skipped))}")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 
 from .. import _call, _reduction, _reproducible
 from . import steps
@@ -101,14 +100,10 @@ def reducing(comm, transport, operation, buf, info, op, extra, finish, *, receiv
         finally:
             transport.caller = None
         return finish()
-    run = _reduction.steps(buf, info, op, comm._size, transport.reduces, receives=receives, out=out)
+    run, quiet = _reduction.steps(buf, info, op, comm._size, transport.reduces, receives=receives, out=out)
     result = None
-    while True:
-        with np.errstate(all="ignore"):
-            try:
-                wire, wire_op = run.send(result)
-            except StopIteration:
-                break
+    while (step := _reduction.advance(run, result, quiet)) is not None:
+        wire, wire_op = step
         if operation == "reduce_scatter":
             result = steps.block_for(wire, out, comm._size)
             yield steps.started(transport, calling, operation, (wire, result, wire_op))

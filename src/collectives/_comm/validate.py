@@ -8,6 +8,8 @@ mode's agreement (``_agree``) and the NaN check (``_finite``). It starts the cal
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from .. import _agree, _arrays, _call, _dtypes, _finite, _reproducible
@@ -100,7 +102,7 @@ def prepare(comm, collective: str, x, op=UNSET, root=UNSET, blocks: bool = False
         # the call as the user made it (_call): what the fingerprint beside each transfer compares
         shape = view.shape[1:] if units else view.shape  # type: ignore[union-attr]
         comm._calling = _call.describe(collective, args.get("op") if isinstance(op, str) else None, info,  # type: ignore[arg-type]
-                                       int(np.prod(shape, dtype=np.int64)), root if isinstance(root, int) else -1)
+                                       math.prod(shape), root if isinstance(root, int) else -1)
         if comm.check and not staging:
             agree_host(transport, collective, view, info, shape, **args)
         if comm._check_nan and op is not UNSET and _finite.checks(info):  # COLLECTIVES_CHECK_NAN
