@@ -17,11 +17,14 @@ row             ours                                           raw mpi4py (on a 
 ``alltoall``    ``collectives.alltoall(x)``                    ``np.empty_like(x)`` + ``comm.Alltoall(x, out)``
 ``async``       ``collectives.allreduce(x, async_op=True)``    ``comm.Iallreduce(MPI.IN_PLACE, x, MPI.SUM)``
                 ``.wait()``                                    ``.Wait()``
+``reduce``      ``collectives.reduce(x, op="sum", root=0)``    ``comm.Reduce(MPI.IN_PLACE or x, x, MPI.SUM, root=0)``
+``allgather``   ``collectives.allgather(x)``                   ``np.empty((size, n))`` + ``comm.Allgather(x, out)``
 ==============  =============================================  ====================================================
 
-(``rscatter``, ``alltoall`` and ``async`` only with ``--ops``; the sizes of the first two are rounded down to a
-multiple of the ranks. ``async`` is the general path of a call, its record and the fingerprint beside it
-(one more small MPI collective at 2 ranks and more, which raw's side does not run): no target.)
+(``rscatter``, ``alltoall``, ``async``, ``reduce`` and ``allgather`` only with ``--ops``; the sizes of the first
+two are rounded down to a multiple of the ranks. ``async`` is the general path of a call, its record and the
+fingerprint beside it (one more small MPI collective at 2 ranks and more, which raw's side does not run);
+``reduce`` and ``allgather`` have no hot path either: the general path, each call. No target for these three.)
 
 At the smallest size the ``allreduce`` and ``broadcast`` rows of NumPy arrays also time a third side, the
 **floor**: the least Python that the library's contract needs in front of the MPI call, written as one
@@ -72,7 +75,7 @@ TARGET_SMALL = 1.15  # ours/raw of allreduce sum at the smallest size (issue 34;
 TARGET_LARGE = 1.05  # ours/raw from 1 MiB up
 TARGET_MEAN = {2**20: 0.6, 2**26: 0.5}  # allreduce mean, ours/raw (issue 34: the node-shared window)
 LARGE = 2**20
-ROWS = ("allreduce", "broadcast", "mean", "rscatter", "alltoall", "async")
+ROWS = ("allreduce", "broadcast", "mean", "rscatter", "alltoall", "async", "reduce", "allgather")
 
 
 def floor_sides(raw, MPI, x: np.ndarray):
@@ -128,7 +131,7 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=None,
                     help="calls per side per size (default: scaled by size, under 90 s in all at 2 ranks)")
     ap.add_argument("--ops", default="allreduce,broadcast,mean",
-                    help="rows to run, comma-separated from allreduce, broadcast, mean, rscatter, alltoall, async")
+                    help="rows to run, comma-separated from " + ", ".join(ROWS))
     ap.add_argument("--repeat", type=int, default=1,
                     help="run every measurement this many times in a row in the one job and print each run's "
                          "ratio and their spread (max/min): a figure that jumps between runs is a finding")
@@ -146,7 +149,7 @@ def main() -> int:
     for o in ops:
         if o not in ROWS:
             ap.error(f"--ops: unknown {o!r}; expected one of {', '.join(ROWS)}")
-        if args.array == "torch" and o in ("rscatter", "alltoall", "async"):
+        if args.array == "torch" and o not in ("allreduce", "broadcast", "mean"):
             ap.error(f"--ops {o} compares NumPy arrays only")
 
     ours_comm = collectives.init()  # first, so that *we* choose MPI's thread level, as in an application
@@ -194,6 +197,11 @@ def main() -> int:
         if op == "async":
             return (lambda: collectives.allreduce(x, op="sum", async_op=True).wait(),
                     lambda: raw.Iallreduce(MPI.IN_PLACE, x, MPI.SUM).Wait())
+        if op == "reduce":
+            return (lambda: collectives.reduce(x, op="sum", root=0),
+                    lambda: raw.Reduce(MPI.IN_PLACE if rank == 0 else x, x, MPI.SUM, root=0))
+        if op == "allgather":
+            return (lambda: collectives.allgather(x), lambda: raw.Allgather(x, np.empty((size, x.size), x.dtype)))
 
         def raw_mean():
             raw.Allreduce(MPI.IN_PLACE, x, MPI.SUM)
@@ -361,9 +369,11 @@ def print_table(header: dict, results: list[dict], elapsed: float) -> None:
     print(f"  targets: smallest size ours/raw <= {TARGET_SMALL}x; from {human(LARGE)} up <= {TARGET_LARGE}x")
     smallest = min(r["bytes"] for r in results)
     names = {"allreduce": "allreduce sum", "broadcast": "broadcast", "mean": "allreduce mean",
-             "rscatter": "reduce_scatter sum", "alltoall": "alltoall", "async": "allreduce(async_op=True).wait()"}
+             "rscatter": "reduce_scatter sum", "alltoall": "alltoall", "async": "allreduce(async_op=True).wait()",
+             "reduce": "reduce sum", "allgather": "allgather"}
     raw_names = {"allreduce": "Allreduce", "broadcast": "Bcast", "mean": "Allreduce+divide",
-                 "rscatter": "Reduce_scatter_block", "alltoall": "Alltoall", "async": "Iallreduce().Wait()"}
+                 "rscatter": "Reduce_scatter_block", "alltoall": "Alltoall", "async": "Iallreduce().Wait()",
+                 "reduce": "Reduce", "allgather": "Allgather"}
     runs = 1 + max(r.get("run", 0) for r in results)
     print(f"  load average {header.get('load_average', float('nan')):.2f} at the start; {runs} run(s) in a row; "
           f"faults: minor page faults per call, ours/raw (rank 0)")
@@ -410,7 +420,7 @@ def target_of(op: str, nbytes: int, smallest: int) -> float | None:
         return TARGET_SMALL
     if op == "mean" and nbytes in TARGET_MEAN:
         return TARGET_MEAN[nbytes]
-    if nbytes >= LARGE and op not in ("mean", "async"):
+    if nbytes >= LARGE and op not in ("mean", "async", "reduce", "allgather"):
         return TARGET_LARGE
     return None
 
