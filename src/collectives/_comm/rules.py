@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 
-
 from .. import _call, _reduction, _reproducible
 from . import steps
 
