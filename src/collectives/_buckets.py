@@ -502,7 +502,8 @@ def _allreduce_device(transport, group: list[Item], op: str, bucket_bytes: int, 
     leaves': one host collective a bucket, ``DeviceTransport.reproducible_packed``; a leaf of
     ``solo_bytes(bucket_bytes)`` or more alone); the others as without it."""
     if reproducible:
-        summed, others = [], []
+        summed: list[Item] = []
+        others: list[Item] = []
         for item in group:
             (summed if _reproducible.applies(item.info, op) else others).append(item)
         group = others

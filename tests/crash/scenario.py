@@ -132,8 +132,7 @@ def main(name: str) -> None:
         cases = [
             (np.full(big, np.inf if comm.rank % 2 == 0 else -np.inf), "sum"),  # inf - inf on some slices
             (np.full(big, 60000.0, np.float16), "sum"),  # float16 overflow
-            (np.full(3, 60000.0, np.float16), "sum"),  # the same, small: not the shared window (widened and rounded back
-            # where the MPI has no float16 sum)
+            (np.full(3, 60000.0, np.float16), "sum"),  # the same, small (widened where the MPI has no float16)
             (np.full(3, 1e300), "prod"),  # an overflow in MPI's own product (the values travel as they are)
             (np.array([5e-324, 3.0]), "mean"),  # underflow in mean's division
             (np.full(big, 1e300), "prod"),  # overflow
