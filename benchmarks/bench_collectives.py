@@ -76,6 +76,7 @@ TARGET_LARGE = 1.05  # ours/raw from 1 MiB up
 TARGET_MEAN = {2**20: 0.6, 2**26: 0.5}  # allreduce mean, ours/raw (issue 34: the node-shared window)
 LARGE = 2**20
 ROWS = ("allreduce", "broadcast", "mean", "rscatter", "alltoall", "async", "reduce", "allgather")
+GENERAL = ("async", "reduce", "allgather")  # rows without a hot path: no target
 
 
 def floor_sides(raw, MPI, x: np.ndarray):
@@ -420,7 +421,7 @@ def target_of(op: str, nbytes: int, smallest: int) -> float | None:
         return TARGET_SMALL
     if op == "mean" and nbytes in TARGET_MEAN:
         return TARGET_MEAN[nbytes]
-    if nbytes >= LARGE and op not in ("mean", "async", "reduce", "allgather"):
+    if nbytes >= LARGE and op != "mean" and op not in GENERAL:
         return TARGET_LARGE
     return None
 

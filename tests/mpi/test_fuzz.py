@@ -417,8 +417,8 @@ def outcome(c, p) -> tuple:
         if mine["warm"] and mine["collective"] in ("allreduce", "broadcast"):
             import torch
 
-            for _ in range(2):  # fills the hot path for this dtype (unchecked), as a training loop does
-                run_call(c, dict(mine, layout="C"), torch.ones(max(mine["n"], 1), dtype=x.dtype))
+            for _ in range(2):  # fills the hot path for this dtype (unchecked, blocking), as a training loop does
+                run_call(c, {**mine, "layout": "C", "async": False}, torch.ones(max(mine["n"], 1), dtype=x.dtype))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("error" if mine["errstate"] == "warnings-as-errors" else "always")
             with np.errstate(**states[mine["errstate"]]):
