@@ -691,7 +691,8 @@ def test_stragglers_ranks_the_slow_rank_first(n):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.split("stragglers on world: ", 1)[1].splitlines()
     calls = re.match(r"(\d+) calls with a start time on every rank \(of (\d+);", lines[0])
-    assert calls and calls[1] == calls[2] and int(calls[1]) >= 8, proc.stdout  # every call (none on the hot path)
+    assert calls and calls[1] == calls[2] and int(calls[1]) >= 8, proc.stdout  # every call (the asynchronous hot path
+    # keeps its start too: the 8 allreduces after the first take it)
     m = re.match(rf"  rank {n - 1}: last to arrive at (\d+) of {calls[1]} calls; late by ([\d.]+) ms on average "
                  r"\(median ([\d.]+) ms", lines[1])
     assert m and int(m[1]) >= 8 and 150 < float(m[3]) < 1000, proc.stdout  # the 8 allreduces (the others: anyone)

@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 
 import collectives as coll
+from collectives._comm import engine_of
 from support.comms import communicator, gather_objects
+
+
+def last_path(c) -> str:
+    """The path of ``c``'s last call as its flight recorder keeps it (internal: nothing public says which
+    path a call took; ``tests/mpi/test_trace.py`` reads the record the same way)."""
+    return engine_of(c).trace_entries()[-1]["path"]
 
 
 def same(a, b) -> bool:
@@ -55,6 +62,88 @@ def test_async_reductions_are_the_blocking_bits(c, dtype, op):
         r = x.copy()
         got = c.reduce(r, op, root, async_op=True).wait()
         assert got is r and same(r, want if c.rank == root else x)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int32", "float16", "float32", "float64", "complex128", "longdouble", "bool"])
+@pytest.mark.parametrize("op", ["sum", "prod", "min", "max", "mean"])
+def test_the_asynchronous_hot_path_gives_the_general_paths_bits(comm, dtype, op):
+    """From the second asynchronous allreduce of an (op, dtype) on, a pair whose values travel as they are
+    (no widening, no ordered integers, no bool bytes) takes the asynchronous hot path: the cached transfer,
+    no validation. It gives the bits of the general path (its first call), of the blocking call and of
+    the blocking hot path, for NumPy arrays and CPU torch tensors; float min/max and bool never take it."""
+    kind = np.dtype(dtype).kind
+    if (op == "mean" and kind in "biu") or (op in ("sum", "prod", "mean") and kind == "b") or (
+            op in ("min", "max") and kind == "c"):
+        pytest.skip("illegal pair")
+    with communicator() as c:
+        x = tricky(c.rank, dtype, (2 * c.size, 3))
+        if op == "prod" and kind in "fc":
+            x = np.where(np.isfinite(x), x, 1).astype(dtype)  # (finite: the order of a product's infinities)
+        want = c.allreduce(x.copy(), op)
+        assert same(c.allreduce(x.copy(), op), want)  # the blocking hot path, where it has one
+        paths = []
+        for _ in range(3):
+            y = x.copy()
+            h = c.allreduce(y, op, async_op=True)
+            paths.append(last_path(c))
+            assert h.wait() is y and same(y, want), (paths, y, want)
+        assert paths[0] == "asynchronous, mpi", paths
+        hot = "hot path, asynchronous"
+        if kind == "b" or (op in ("min", "max") and kind == "f"):
+            assert paths[1:] == ["asynchronous, mpi"] * 2, paths
+        always = dtype in ("float32", "float64") and op in ("sum", "mean")  # (MPI reduces these itself everywhere)
+        if always:
+            assert paths[1:] == [hot, hot], paths
+        torch = pytest.importorskip("torch") if dtype in ("int32", "float32", "float64") else None
+        if torch is not None:
+            for i in range(3):
+                t = torch.from_numpy(x.copy())
+                assert c.allreduce(t, op, async_op=True).wait() is t and same(t.numpy(), want)
+                assert i == 0 or not always or last_path(c) == hot, last_path(c)
+
+
+def test_the_asynchronous_hot_path_keeps_the_guarantees(comm):
+    """The asynchronous hot path keeps what every asynchronous call has: a call the ranks made differently
+    (count, op) is a MismatchError on every rank, from the fingerprint beside the transfer; the failed
+    communicator refuses at the call; checked mode, a strided or read-only array and ``reproducible=``
+    take the general path."""
+    if comm.size < 2 or comm.backend != "mpi":
+        pytest.skip("needs two MPI ranks")
+    hot = "hot path, asynchronous"
+    with communicator() as c:
+        for op in ("sum", "mean"):
+            c.allreduce(np.ones(2), op, async_op=True).wait()  # fills the asynchronous hot path's table
+        h = c.allreduce(np.ones(2 if c.rank else 3), "sum", async_op=True)
+        assert last_path(c) == hot
+        with pytest.raises(coll.MismatchError, match="count"):
+            h.wait()
+    with communicator() as c:
+        for op in ("sum", "mean"):
+            c.allreduce(np.ones(2), op, async_op=True).wait()
+        x = np.full(2, float(c.rank))
+        h = c.allreduce(x, "sum" if c.rank else "mean", async_op=True)
+        assert last_path(c) == hot
+        with pytest.raises(coll.MismatchError):
+            h.wait()
+        with pytest.raises(coll.CollectiveError):  # failed: it stays failed, refused at the call
+            c.allreduce(np.ones(2), "sum", async_op=True)
+    with communicator() as c:
+        x = np.arange(8.0)
+        c.allreduce(x.copy(), "sum", async_op=True).wait()
+        c.allreduce(x.copy(), "sum", async_op=True).wait()
+        assert last_path(c) == hot
+        strided = np.stack([x, x], axis=1)[:, 0]
+        assert (c.allreduce(strided, "sum", async_op=True).wait() == x * c.size).all()
+        assert last_path(c) == "asynchronous, mpi"
+        ro = x.copy()
+        ro.flags.writeable = False
+        got = c.allreduce(ro, "sum", async_op=True).wait()
+        assert got is not ro and (got == x * c.size).all() and last_path(c) == "asynchronous, mpi"
+        c.allreduce(x.copy(), "sum", async_op=True, reproducible=False).wait()
+        assert last_path(c) == "asynchronous, mpi"
+        c.check = True
+        c.allreduce(x.copy(), "sum", async_op=True).wait()
+        assert last_path(c) == "asynchronous, mpi"
 
 
 def test_async_movement_and_trees(c):
@@ -117,16 +206,19 @@ def test_torch(comm):
     assert isinstance(rs, torch.Tensor) and rs.tolist() == [comm.size * (2 * comm.rank), comm.size * (2 * comm.rank + 1)]
 
 
-@pytest.mark.parametrize("make", ["plain", "strided"])
+@pytest.mark.parametrize("make", ["plain", "strided", "hot path"])
 def test_torch_writes_bump_the_version_as_blocking_ones_do(comm, make):
     """An async write into a tensor autograd saved is seen by backward (as a blocking one, or a write under
-    ``no_grad``), on the in-place and the written-back (strided) paths."""
+    ``no_grad``), on the in-place, the written-back (strided) and the asynchronous hot path."""
     torch = pytest.importorskip("torch")
+    if make == "hot path":
+        comm.allreduce(torch.ones(4), "sum", async_op=True).wait()  # fills the asynchronous hot path's table
     a = torch.ones(4, requires_grad=True)
-    b = torch.full((4,), 2.0) if make == "plain" else torch.full((8,), 2.0)[::2]
+    b = torch.full((8,), 2.0)[::2] if make == "strided" else torch.full((4,), 2.0)
     loss = (a * b).sum()  # autograd saves b
     before = b._version  # torch's public read of the counter
     h = comm.allreduce(b, "sum", async_op=True)
+    assert make != "hot path" or last_path(comm) == "hot path, asynchronous"
     assert h.wait() is b and b._version > before
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
@@ -215,17 +307,23 @@ def test_errors(comm):
                 c.allreduce(y, "sum")
 
 
-def test_deadline_fires_in_wait(comm):
-    """One rank issues an allreduce that the others issue only after its wait() gave up."""
+@pytest.mark.parametrize("path", ["general", "hot"])
+def test_deadline_fires_in_wait(comm, path):
+    """One rank issues an allreduce that the others issue only after its wait() gave up (the general path,
+    or the asynchronous hot path: both wait under the transport's deadline)."""
     if comm.size < 2 or comm.backend != "mpi":
         pytest.skip("needs two MPI ranks")
     with communicator(COLLECTIVES_TIMEOUT=0.5) as d:
         x = np.ones(4)
         # the allreduce lane made first: a kind's first non-blocking call is posted to MPI only once its lane
         # is (test_lanes.py), and this checks that a posted call a rank gave up on still meets the late ones
-        d.allreduce(np.ones(1), "sum")
+        if path == "hot":  # (its asynchronous call also fills the asynchronous hot path's table)
+            d.allreduce(np.ones(1), "sum", async_op=True).wait()
+        else:
+            d.allreduce(np.ones(1), "sum")
         if comm.rank == 0:
             h = d.allreduce(x, "sum", async_op=True)
+            assert (last_path(d) == "hot path, asynchronous") == (path == "hot"), last_path(d)
             time.sleep(0.7)  # longer than the timeout: the deadline counts the time spent in wait()
             assert not h.done()
             t0 = time.monotonic()

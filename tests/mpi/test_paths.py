@@ -5,7 +5,8 @@ The paths: the cached hot path (a second call), the general path (a strided view
 small-leaf buckets and the solo leaves of ``allreduce_tree`` (several solo leaves in shared memory: one pass
 for all, ``allreduce_fused``), the shared-memory allreduce forced on (a tiny threshold) and off, the deadline transport, ``reduce``, torch tensors (hot and general path), and the two
 CUDA transports that do not need a GPU for their logic (host staging, CUDA-aware MPI), with CPU tensors
-standing in for device tensors; the asynchronous calls (``async_op=True``, trees too) on those host paths; the
+standing in for device tensors; the asynchronous calls (``async_op=True``, trees too) on those host paths,
+the asynchronous hot path (a second asynchronous call) among them; the
 torch.distributed backend (``collectives.torch_backend``, torch's ReduceOp on CPU tensors; asynchronous, and
 made at the call as ``async_op=False`` makes it on a bounded group);
 ``reduce_scatter`` through the same host paths (its hot path too) and stand-ins (its block must hold the
@@ -188,10 +189,12 @@ def numpy_paths(x, op, comm, comms):
     out["async tree small leaves"] = comm.allreduce_tree(small, op, async_op=True).wait()["a"]
     out["async tree solo leaf"] = comm.allreduce_tree({"a": x.copy()}, op, bucket_bytes=64, async_op=True).wait()["a"]
     out["async"] = coll.allreduce(x.copy(), op, comm=comm, async_op=True).wait()
+    out["async hot"] = coll.allreduce(x.copy(), op, comm=comm, async_op=True).wait()  # (where the pair has one)
     out["async strided"] = comm.allreduce(base.T[:, 1], op, async_op=True).wait().copy()
     for name, c in comms.items():
         out[name] = c.allreduce(x.copy(), op)
         out[f"{name} async"] = c.allreduce(x.copy(), op, async_op=True).wait()
+        out[f"{name} async hot"] = c.allreduce(x.copy(), op, async_op=True).wait()
         out[f"{name} tree solo leaf"] = c.allreduce_tree({"a": x.copy()}, op, bucket_bytes=64)["a"]
         out[f"{name} tree small leaves"] = c.allreduce_tree({"a": x.copy(), "b": np.ones(2, x.dtype)}, op)["a"]
         solos = c.allreduce_tree({"a": x.copy(), "b": x.copy(), "c": x.copy()}, op, bucket_bytes=64)
@@ -227,6 +230,7 @@ def torch_paths(x, dtype, op, comm, comms):
     coll.allreduce(view, op, comm=comm)
     out["torch general"] = to_numpy(view.contiguous(), dtype)
     out["torch async"] = to_numpy(comm.allreduce(as_lib(x, dtype, "torch"), op, async_op=True).wait(), dtype)
+    out["torch async hot"] = to_numpy(comm.allreduce(as_lib(x, dtype, "torch"), op, async_op=True).wait(), dtype)
     out["torch tree"] = to_numpy(coll.allreduce_tree({"a": as_lib(x, dtype, "torch")}, op, comm=comm)["a"], dtype)
     for transport in device_stand_ins(comm):
         t = as_lib(x, dtype, "torch")

@@ -45,14 +45,22 @@ def test_every_front_end_is_recorded_in_order(comm):
         coll.allreduce_tree({"a": np.ones(2), "b": [np.zeros(3)]}, op="sum", comm=c)
         h = coll.allreduce_tree({"a": np.ones(2)}, op="sum", comm=c, async_op=True)
         h.wait()
+        c.allreduce(np.ones((2, 3), np.int32), "min", async_op=True).wait()  # the general path (it fills ...
+        h = c.allreduce(np.ones((2, 3), np.int32), "min", async_op=True)  # ... the asynchronous hot path's table)
+        pending = records(c)[-1]
+        h.wait()
         got = records(c)
-        assert [e["seq"] for e in got] == list(range(1, 10)), got
+        assert [e["seq"] for e in got] == list(range(1, 12)), got
         assert [e["collective"] for e in got] == ["allreduce", "allreduce", "broadcast", "broadcast", "allreduce",
                                                  "barrier", "allgather_object", "allreduce_tree",
-                                                 "allreduce_tree"], got
+                                                 "allreduce_tree", "allreduce", "allreduce"], got
         assert [e["path"].split(",")[0] for e in got] == ["blocking", "hot path", "blocking", "hot path",
                                                           "asynchronous", "blocking", "blocking", "tree buckets",
-                                                          "tree buckets"], got
+                                                          "tree buckets", "asynchronous", "hot path"], got
+        # the asynchronous hot path's entry: its call and shape, started until its handle completes it
+        assert got[10]["path"] == "hot path, asynchronous" and pending["state"] == "started", (got, pending)
+        assert (got[10]["op"], got[10]["dtype"], got[10]["shape"]) == ("min", "int32", (2, 3)), got
+        assert got[10]["site"] is None and got[10]["start"] <= got[10]["end"], got  # its times, not its site
         assert got[0]["op"] == got[1]["op"] == "sum" and got[4]["op"] == "max"
         assert got[2]["root"] == got[3]["root"] == c.size - 1
         assert got[0]["dtype"] == got[1]["dtype"] == "float32" and got[0]["shape"] == [5]
@@ -270,8 +278,8 @@ def _outer_call(c, x, depth, function):
     if depth:
         return _outer_call(c, x, depth - 1, function)
     if function:
-        return coll.allreduce(x, comm=c, async_op=True).wait()
-    return c.allreduce(x, async_op=True).wait()
+        return coll.allreduce(x, "max", comm=c, async_op=True).wait()
+    return c.allreduce(x, "max", async_op=True).wait()
 
 
 def test_call_sites_stay_right_when_the_paths_alternate(comm):
@@ -279,7 +287,7 @@ def test_call_sites_stay_right_when_the_paths_alternate(comm):
     instruction, not the whole stack walked): calls that alternate between paths of different depths,
     through the module function and the method, from a recursive user function at different depths (where
     a frame of the same function sits at a remembered depth, at another instruction), each get their own
-    line."""
+    line. (Float max: a pair the asynchronous hot path never takes, so every call keeps its record and site.)"""
     import inspect
 
     c = fresh(comm)
@@ -290,9 +298,9 @@ def test_call_sites_stay_right_when_the_paths_alternate(comm):
     recursive = _outer_call.__code__.co_firstlineno + 6
     got = []
     for i in range(12):
-        c.allreduce(x, async_op=True).wait()  # METHOD
+        c.allreduce(x, "max", async_op=True).wait()  # METHOD
         got.append((records(c)[-1]["site"][1:], ("METHOD", "test_call_sites_stay_right_when_the_paths_alternate")))
-        coll.allreduce(x, comm=c, async_op=True).wait()  # FUNCTION
+        coll.allreduce(x, "max", comm=c, async_op=True).wait()  # FUNCTION
         got.append((records(c)[-1]["site"][1:], ("FUNCTION", "test_call_sites_stay_right_when_the_paths_alternate")))
         _outer_call(c, x, i % 3, True)
         got.append((records(c)[-1]["site"][1:], ("RECURSIVE-FUNCTION", "_outer_call")))

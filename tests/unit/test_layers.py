@@ -55,7 +55,7 @@ TRANSPORT_IMPORTS = {
     "_backends.mpi.p2p": {"_backends.base", "_backends.mpi.ops"},
     "_backends.mpi.pipeline": {"_backends.base", "_backends.mpi.ops"},
     "_backends.mpi.shared": {"_backends.base", "_backends.shm", "_backends.mpi.ops"},
-    "_backends.mpi.fast": {"_backends.base", "_backends.mpi.library", "_backends.mpi.ops"},
+    "_backends.mpi.fast": {"_backends.base", "_backends.mpi.library", "_backends.mpi.ops", "_backends.mpi.requests"},
     "_backends.mpi.transport": MPI_PARTS | {"_backends.mpi." + m for m in (
         "fast", "lanes", "library", "ops", "p2p", "pipeline", "requests", "shared")},
     "_backends.mpi.deadline": {"_backends.mpi.ops", "_backends.mpi.p2p", "_backends.mpi.transport"},
@@ -82,7 +82,7 @@ WITHIN_COMM = {
     "_comm.validate": {"_comm.record"},
     "_comm.rules": {"_comm.steps"},
     "_comm.summing": {"_comm.rules", "_comm.steps"},
-    "_comm.call": {"_comm.rules", "_comm.steps"},
+    "_comm.call": {"_comm.record", "_comm.rules", "_comm.steps"},
     "_comm.reductions": {"_comm.rules", "_comm.summing", "_comm.validate", "_comm.steps"},
     "_comm.movement": {"_comm.call", "_comm.record", "_comm.validate", "_comm.steps"},
     "_comm.p2p": {"_comm.record", "_comm.validate", "_comm.steps"},

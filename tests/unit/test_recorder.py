@@ -40,20 +40,20 @@ def fresh(buffer: str = "64"):
             os.environ["COLLECTIVES_TRACE_BUFFER"] = saved
 
 
-def _deep(c, x, depth: int, function: bool):
-    if depth:
+def _deep(c, x, depth: int, function: bool):  # (float max: the general path, never the asynchronous hot path,
+    if depth:                                     # whose entry keeps no site)
         return _deep(c, x, depth - 1, function)
     if function:
-        return coll.allreduce(x, comm=c, async_op=True).wait()
-    return c.allreduce(x, async_op=True).wait()
+        return coll.allreduce(x, "max", comm=c, async_op=True).wait()
+    return c.allreduce(x, "max", async_op=True).wait()
 
 
 def _twin_a(c, x):
-    return c.allreduce(x, async_op=True).wait()
+    return c.allreduce(x, "max", async_op=True).wait()
 
 
 def _twin_b(c, x):  # (the same instructions as _twin_a: at the same offset, only the code object differs)
-    return c.allreduce(x, async_op=True).wait()
+    return c.allreduce(x, "max", async_op=True).wait()
 
 
 class NoDtype:

@@ -151,6 +151,14 @@ class HostTransport(abc.ABC):
         the blocking method takes; or None to use that method."""
         return None
 
+    def fast_start(self, op: str, dtype: np.dtype):
+        """A direct start of the non-blocking allreduce of contiguous buffers of ``dtype`` with the wire op
+        ``op`` (sum, prod, min, max): ``start(buf)`` returning the :class:`Request` that
+        ``start("allreduce", buf, op)`` returns, made without its general dispatch (the asynchronous hot
+        path, ``_comm.call.cache_start``); or None (then :meth:`start` itself is called). Only asked for
+        pairs that :meth:`reduces` accepts and that need no conversion."""
+        return None
+
     def start(self, operation: str, *args) -> Request:
         """Begin ``operation`` (one of :data:`OPERATIONS`, with the arguments its blocking method takes)
         and return its :class:`Request`; the buffers must stay alive and untouched until it completes.

@@ -11,15 +11,16 @@ communicator owns.
 
 from __future__ import annotations
 
-from .. import _arrays, _buckets, _finite, _records, _threads
+from .. import _arrays, _buckets, _call, _dtypes, _finite, _records, _reduction, _threads
+from .._records import _clock
 from .._backends import closed as _closed
 from .._backends import factory
 from .._backends.closed import CLOSED
 from .._errors import BackendUnavailableError, CollectiveError, reraise, transport_failure
 from .._handles import Handle, settle_all
 from .._threads import enter as _enter, leave as _leave, refuse as _refuse_thread
-from . import rules
-from .steps import Step, described, nothing, now, started
+from . import record, rules
+from .steps import PLAIN, Step, described, nothing, now, started
 
 CLOSE_WAIT_S = 30.0  # how long close() waits for handles not yet waited, without COLLECTIVES_TIMEOUT
 MAX_OUTSTANDING = 64  # asynchronous calls in flight per communicator before the oldest is completed (sweep)
@@ -175,6 +176,78 @@ def requests(comm, steps, step: Step, calling):
             return stop.value
 
 
+def cache_start(comm, op, x, a, info, transport) -> None:
+    """Put the asynchronous allreduce of (``op``, ``x``'s dtype) on ``transport`` in the hot path's table
+    of asynchronous calls (``comm._fast_async``, read by ``Communicator.allreduce``), once a fully
+    validated asynchronous call of it has completed (``Communicator._fast_path`` has checked the array):
+    for a pair that travels as it is (``_reduction.travels_as_is``: no widening, no ordered integers, no
+    bool bytes), where the asynchronous driver runs one transfer, ``transport.start`` of the wire op
+    beside the call's description, and, for ``mean``, ``_dtypes.divide`` after it. The cached entry is a
+    generator function ``steps(buf, x)`` of those same steps for a :class:`Handle` (:func:`hot_async`):
+    the general path's transfer and finish for this pair, without the validation, the record and the
+    plan it has already made once.
+
+    Not where something else stands in for the asynchronous call on this communicator (an instance
+    attribute ``_async``: the timeline times every asynchronous call there, a test may count them), nor
+    where ``COLLECTIVES_CHECK_NAN`` scans this pair's inputs first (the general path's step)."""
+    if "_async" in vars(comm) or (comm._check_nan and _finite.checks(info)):
+        return
+    table = comm._fast_async.setdefault(op, {})
+    if x.dtype in table:
+        return
+    plan = _dtypes.wire(info, op, transport.reduces)
+    if plan.ordered is not None or not _reduction.travels_as_is(info, op, plan.dtype):
+        return
+    with _call.naming():  # the entry serves calls of any naming: cache the plain head (as steps.described)
+        plain = _call.head("allreduce", op, info)
+    now, head, wire, divide, size = _call.naming_now, _call.head, plan.op, plan.divide, comm._size
+    begin, torch = transport.fast_start(wire, info.storage), a is _arrays.TORCH
+    if begin is None:  # the transport's own start, through its dispatch
+        def begin(buf, start=transport.start):
+            return start("allreduce", buf, wire)
+
+    def steps(buf, x):
+        transport.caller = (plain if now() is PLAIN else head("allreduce", op, info)) + (buf.size,)
+        try:
+            request = begin(buf)
+        finally:
+            transport.caller = None
+        yield request
+        if divide:
+            _dtypes.divide(buf, size)
+        if torch:
+            _arrays.bump_versions((x,))  # written behind autograd's back: as under no_grad
+        return x
+
+    comm._hot_names.setdefault(steps, ("allreduce", op, info.name))
+    table.setdefault(x.dtype, steps)
+
+
+def hot_async(comm, steps, buf, x):
+    """The hot path of ``allreduce(x, async_op=True)`` (``Communicator.allreduce``): a :class:`Handle`
+    over the cached ``steps`` (:func:`cache_start`) of ``buf`` (``x``, or a CPU tensor's NumPy view),
+    started at the call as the general path's are. What every asynchronous call has stays: the thread
+    guard, dropped handles released first (:func:`sweep`), the transfer with its fingerprint, the wait's
+    bounds, the failure of the communicator on a timeout; its flight-recorder entry is the hot path's
+    (``record.Pending``: the cached call, the shape and the start, completed or failed by the handle)."""
+    if _threads.settle is not None:  # a jitted JAX computation's collectives first (_threads)
+        _threads.settle()
+    if not _enter(False):  # another thread is inside a collective: refused (_threads)
+        _refuse_thread("allreduce")
+    try:
+        if comm._outstanding:
+            sweep(comm)
+        ring = comm._ring
+        rec = None
+        if ring is not None:
+            n = comm._seq = comm._seq + 1
+            rec = ring[n & comm._mask] = record.Pending(steps, x.shape, _clock())
+            comm._last_activity = rec.start  # (as record.begin: the stall inspector's choice of communicator)
+        return Handle("allreduce", steps(buf, x), comm._outstanding, comm._host.fail, rec)
+    finally:
+        _leave()
+
+
 def cache(comm, op, x, a, info, run, blocks: dict | None) -> None:
     """Put ``run``, the call the general path has just chosen for a fully validated call that the hot
     path may repeat (``Communicator._fast_path`` has checked the array), in the hot path's table: with the
@@ -225,7 +298,7 @@ def close(comm) -> None:  # (Communicator.close)
     for sub in subs:  # in the order they were made: the same on every rank of each
         sub.close()
     host, comm._host = comm._host, CLOSED  # every later use raises BackendUnavailableError (_closed)
-    comm._fast, comm._fast_broadcast, comm._fast_blocks, comm._runners = {}, {}, {}, {}
+    comm._fast, comm._fast_broadcast, comm._fast_blocks, comm._fast_async, comm._runners = {}, {}, {}, {}, {}
     comm._pool = _buckets.Pool()
     comm._scratch = {}
     comm._plans.clear()

@@ -22,6 +22,7 @@ from .. import _arrays, _buckets, _call, _config, _threads, _trace
 from .._backends.base import HostTransport
 from .._backends.closed import CLOSED
 from .._errors import reraise
+from .._records import _hinting
 from .._threads import collective
 from .._threads import enter as _enter, leave as _leave, refuse as _refuse_thread
 from . import call, movement, objects, p2p, record, reductions, summing, trees
@@ -76,6 +77,7 @@ class Communicator:
         self._fast: dict = {}  # op -> {array dtype: the call the general path chose} (hot path); see _fast_path
         self._fast_broadcast: dict = {}  # the same for broadcast (one look-up less)
         self._fast_blocks: dict = {}  # ("reduce_scatter", op, dtype) or ("alltoall", dtype) -> the same
+        self._fast_async: dict = {}  # op -> {array dtype: an asynchronous allreduce's steps} (call.cache_start)
         self._runners: dict = {}  # (op, DType) -> (transport, reduction call); see rules.runner
         self._pool = _buckets.Pool()  # the fused collectives' flat buffers (_buckets)
         self._scratch: dict = {}  # what -> a buffer the blocking reproducible sums reuse (summing.reused)
@@ -120,7 +122,7 @@ class Communicator:
             _timeline.install(self, self._engine)
 
     def _forget_fast_paths(self) -> None:
-        self._fast, self._fast_broadcast, self._fast_blocks, self._runners = {}, {}, {}, {}
+        self._fast, self._fast_broadcast, self._fast_blocks, self._fast_async, self._runners = {}, {}, {}, {}, {}
 
     @property
     def check(self) -> bool:
@@ -130,8 +132,8 @@ class Communicator:
     @check.setter
     def check(self, value) -> None:
         self._check = bool(value)
-        self._fast, self._fast_broadcast, self._fast_blocks = {}, {}, {}  # the hot path skips the check: empty it (unchecked
-        # calls refill it, see _fast_path)
+        self._fast, self._fast_broadcast, self._fast_blocks, self._fast_async = {}, {}, {}, {}  # the hot path skips the
+        # check: empty it (unchecked calls refill it, see _fast_path)
 
     @property
     def reproducible(self) -> bool:
@@ -143,7 +145,8 @@ class Communicator:
     @reproducible.setter
     def reproducible(self, value) -> None:
         self._reproducible = bool(value)
-        self._fast, self._fast_blocks = {}, {}  # cached ordinary calls: not for calls that are now reproducible
+        self._fast, self._fast_blocks, self._fast_async = {}, {}, {}  # cached ordinary calls: not for calls that are
+        # now reproducible
 
     # ---- identity ----
     @property
@@ -234,6 +237,18 @@ class Communicator:
     def allreduce(self, x, op: str = "sum", *, async_op: bool = False, reproducible: bool | None = None):
         """Reduce ``x`` over all ranks, result on every rank. See :func:`collectives.allreduce`."""
         if async_op:
+            cls = x.__class__  # the asynchronous hot path (call.hot_async): the cached steps, no validation
+            if (cls is _ndarray or cls is _torch_tensor) and reproducible is None:
+                try:
+                    steps = self._fast_async.get(op, _NONE).get(x.dtype)
+                except TypeError:  # an unhashable op: the general path says what is wrong with it
+                    steps = None
+                if steps is not None and not _hinting[0]:  # (a site hint: a jitted call's record keeps its site)
+                    if cls is _ndarray:
+                        if x.flags.carray:
+                            return call.hot_async(self, steps, x, x)
+                    elif _torch_plain(x):
+                        return call.hot_async(self, steps, x.detach().numpy() if x.requires_grad else x.numpy(), x)
             return self._async("allreduce", reductions.allreduce, self, x, op, reproducible)
         if _threads.settle is not None:  # a jitted JAX computation's collectives first (_threads)
             _threads.settle()
@@ -381,12 +396,14 @@ class Communicator:
         return trees.allreduce_tree(self, tree, op, bucket_bytes, reproducible)
 
     # ---- the hot path's tables ----
-    def _fast_path(self, op, x, a, view, info, run, blocks: dict | None = None) -> None:
+    def _fast_path(self, op, x, a, view, info, run, blocks: dict | None = None, starts=None) -> None:
         """Cache ``run`` (the call the general path has just chosen for a fully validated call) for later
         calls with the same (op, dtype) on contiguous writable NumPy arrays, and on contiguous CPU torch
         tensors of a real dtype (called with the tensor's NumPy view): the hot path of the four methods
         above. Here, which arrays the hot path may take (the rules: ``call.cache``, which fills the
-        tables); written in the class because it sets ``_torch_tensor``, a global the hot path reads."""
+        tables); written in the class because it sets ``_torch_tensor``, a global the hot path reads.
+        ``starts``: the transport of a completed asynchronous allreduce, whose steps the asynchronous hot
+        path may repeat (``call.cache_start``; ``run`` is then None)."""
         global _torch_tensor, _strided
         if self._check or _call.naming_now()[0] is not None:  # (a front end's own op name: not for later calls;
             return  # a bucket's layout is: each hot call reads its own, see steps.described)
@@ -399,5 +416,8 @@ class Communicator:
                 return
             _torch_tensor, _strided = torch.Tensor, torch.strided  # the hot path hands run x.numpy()
         else:
+            return
+        if starts is not None:
+            call.cache_start(self, op, x, a, info, starts)
             return
         call.cache(self, op, x, a, info, run, blocks)

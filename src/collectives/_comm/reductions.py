@@ -5,7 +5,8 @@ yields one step per transfer (a device transport's own call; a reduction under t
 ``rules.reduction``; a reproducible sum, ``summing.summing``), and returns the result. The Communicator's
 methods run them: blocking (``Communicator._blocking``) or in a Handle (``_async``). The hot-path
 entries of ``allreduce`` and ``reduce_scatter`` are in their methods themselves (no extra Python frame);
-the steps hand the call they used to ``Communicator._fast_path`` for it.
+the steps hand the call they used to ``Communicator._fast_path`` for it (an asynchronous allreduce, once
+completed, its transport: ``call.cache_start``).
 """
 
 from __future__ import annotations
@@ -36,8 +37,11 @@ def allreduce(comm, x, op, reproducible, asynchronous: bool):
                                    one_each=True)
         return place()
     used = yield rules.reduction(comm, transport, "allreduce", buf, info, op, asynchronous)
-    if used is not None and rules.cacheable(comm, info, op):
-        comm._fast_path(op, x, a, view, info, used)
+    if rules.cacheable(comm, info, op):
+        if used is not None:
+            comm._fast_path(op, x, a, view, info, used)
+        elif asynchronous:  # completed: its steps for the asynchronous hot path (call.cache_start)
+            comm._fast_path(op, x, a, view, info, None, starts=transport)
     return place()
 
 

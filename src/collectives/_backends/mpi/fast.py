@@ -12,6 +12,7 @@ from ..._dtypes import divide, wire_op
 from ..base import HostTransport
 from .library import DEFAULT_MAX_COUNT
 from .ops import OPERATIONS
+from .requests import _MPIRequest
 
 
 class HotPath(HostTransport):
@@ -27,6 +28,10 @@ class HotPath(HostTransport):
     _large_counts: bool
     _shm_threshold: int
     _shm_allreduce: Any
+    _at_start: Any
+    _fingerprint: Any
+    fingerprints: bool
+    failed: Any
 
     def _bind(self, name: str, dtype: np.dtype, op: str | None, at: float | None, slow):
         """The row ``name``'s hot-path closure on its lane (made now if it is not: collective, as the
@@ -74,6 +79,27 @@ class HotPath(HostTransport):
             return run_mean
         slow_at = min(self._shm_threshold, (max_count + 1) * dtype.itemsize)  # past max_count, or shared memory
         return self._bind("allreduce", dtype, op, slow_at, lambda x: self.allreduce(x, op))
+
+    def fast_start(self, op: str, dtype: np.dtype):
+        """The non-blocking allreduce's start (``MPITransport.start`` of ``"allreduce"``: ``Iallreduce`` in
+        place on its lane, the fingerprint beside it) bound once for ``dtype`` and the wire op ``op``: the
+        same request, without the row's dispatch per call. Any call the bound start does not take (a
+        failed transport, a count past ``COLLECTIVES_MAX_COUNT``, the shared-memory allreduce at the call)
+        goes to ``start`` itself. None until the lane is made (the general path's first call makes it)."""
+        row = OPERATIONS["allreduce"]
+        if row.lane not in self._lanes or dtype not in self._types or op not in self._ops:
+            return None
+        istart = row.method(self._lanes[row.lane], False)
+        datatype, mop, in_place, max_count = self._types[dtype], self._ops[op], self._in_place, self._max_count
+        general, fingerprint, request = self.start, self._fingerprint, _MPIRequest
+
+        def start(buf):
+            if self.failed is not None or self._at_start is not None or buf.size > max_count:
+                return general("allreduce", buf, op)
+            check = fingerprint("allreduce", buf, op) if self.size > 1 and self.fingerprints else None
+            return request(self, istart(in_place, [buf, datatype], mop), ("allreduce", (buf, op)), check)
+
+        return start
 
     def _direct(self, op: str, dtype: np.dtype) -> bool:
         """Whether :meth:`fast_call` has a direct call for ``op`` (not "broadcast": it always has) on ``dtype``,
