@@ -215,6 +215,20 @@ def _timed_run(job, engine, tags, names, run):
         run = run.__wrapped__
     extend, seq, comm = job.fast.append, engine.seq_reader(), engine.communicator  # (a tuple appended to a
     # list: a third of what array.extend takes, which converts each integer; marshal writes the list)
+    if getattr(run, "asynchronous", False):  # the asynchronous hot path's steps: from the call to completion
+        def timed_steps(buf, x):
+            t0 = _ns()
+            n, entry = engine.trace_entry(False)  # (started by the Handle: the call's own number and entry)
+            try:
+                result = yield from run(buf, x)
+            except BaseException as exc:  # (the event of a failed call: its entry, the error)
+                job.slow.append((tag, n, t0, _ns(), entry, [], f"{type(exc).__name__}: {exc}"))
+                raise
+            extend((kind, n, buf.nbytes, t0, _ns()))
+            return result
+
+        timed_steps.asynchronous = True  # type: ignore[attr-defined]
+        return timed_steps
     timed_in_place = getattr(run, "timed", None)
     if timed_in_place is not None:  # the transport's own call timed in its frame (mpi/ops.py Operation.bind):
         # a frame less than the wrappers below on the 8-byte path

@@ -117,6 +117,8 @@ def test_the_asynchronous_hot_path_keeps_the_guarantees(comm):
         assert last_path(c) == hot
         with pytest.raises(coll.MismatchError, match="count"):
             h.wait()
+        last = engine_of(c).trace_entries()[-1]  # the flight recorder's record of it: failed, with the error
+        assert last["state"] == "failed" and "MismatchError" in last["error"] and last["path"] == hot, last
     with communicator() as c:
         for op in ("sum", "mean"):
             c.allreduce(np.ones(2), op, async_op=True).wait()

@@ -57,9 +57,9 @@ def test_every_front_end_is_recorded_in_order(comm):
         assert [e["path"].split(",")[0] for e in got] == ["blocking", "hot path", "blocking", "hot path",
                                                           "asynchronous", "blocking", "blocking", "tree buckets",
                                                           "tree buckets", "asynchronous", "hot path"], got
-        # the asynchronous hot path's entry: its call and shape, started until its handle completes it
+        # the asynchronous hot path's record: the call, started until its handle completes it, without a site
         assert got[10]["path"] == "hot path, asynchronous" and pending["state"] == "started", (got, pending)
-        assert (got[10]["op"], got[10]["dtype"], got[10]["shape"]) == ("min", "int32", (2, 3)), got
+        assert (got[10]["op"], got[10]["dtype"], got[10]["shape"]) == ("min", "int32", [2, 3]), got
         assert got[10]["site"] is None and got[10]["start"] <= got[10]["end"], got  # its times, not its site
         assert got[0]["op"] == got[1]["op"] == "sum" and got[4]["op"] == "max"
         assert got[2]["root"] == got[3]["root"] == c.size - 1

@@ -82,7 +82,7 @@ WITHIN_COMM = {
     "_comm.validate": {"_comm.record"},
     "_comm.rules": {"_comm.steps"},
     "_comm.summing": {"_comm.rules", "_comm.steps"},
-    "_comm.call": {"_comm.record", "_comm.rules", "_comm.steps"},
+    "_comm.call": {"_comm.rules", "_comm.steps"},
     "_comm.reductions": {"_comm.rules", "_comm.summing", "_comm.validate", "_comm.steps"},
     "_comm.movement": {"_comm.call", "_comm.record", "_comm.validate", "_comm.steps"},
     "_comm.p2p": {"_comm.record", "_comm.validate", "_comm.steps"},

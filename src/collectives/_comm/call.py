@@ -12,14 +12,14 @@ communicator owns.
 from __future__ import annotations
 
 from .. import _arrays, _buckets, _call, _dtypes, _finite, _records, _reduction, _threads
-from .._records import _clock
+from .._records import START, _clock, _get_ident
 from .._backends import closed as _closed
 from .._backends import factory
 from .._backends.closed import CLOSED
 from .._errors import BackendUnavailableError, CollectiveError, reraise, transport_failure
 from .._handles import Handle, settle_all
 from .._threads import enter as _enter, leave as _leave, refuse as _refuse_thread
-from . import record, rules
+from . import rules
 from .steps import PLAIN, Step, described, nothing, now, started
 
 CLOSE_WAIT_S = 30.0  # how long close() waits for handles not yet waited, without COLLECTIVES_TIMEOUT
@@ -187,10 +187,10 @@ def cache_start(comm, op, x, a, info, transport) -> None:
     the general path's transfer and finish for this pair, without the validation, the record and the
     plan it has already made once.
 
-    Not where something else stands in for the asynchronous call on this communicator (an instance
-    attribute ``_async``: the timeline times every asynchronous call there, a test may count them), nor
-    where ``COLLECTIVES_CHECK_NAN`` scans this pair's inputs first (the general path's step)."""
-    if "_async" in vars(comm) or (comm._check_nan and _finite.checks(info)):
+    Not where ``COLLECTIVES_CHECK_NAN`` scans this pair's inputs first (the general path's step). The
+    entry is marked ``asynchronous`` (the timeline times it from the call to its completion:
+    ``Engine.instrument_hot``)."""
+    if comm._check_nan and _finite.checks(info):
         return
     table = comm._fast_async.setdefault(op, {})
     if x.dtype in table:
@@ -219,17 +219,22 @@ def cache_start(comm, op, x, a, info, transport) -> None:
             _arrays.bump_versions((x,))  # written behind autograd's back: as under no_grad
         return x
 
+    steps.asynchronous = True  # type: ignore[attr-defined]
     comm._hot_names.setdefault(steps, ("allreduce", op, info.name))
     table.setdefault(x.dtype, steps)
 
 
-def hot_async(comm, steps, buf, x):
+HOT_ASYNC = "hot path, asynchronous"  # the path of a record made by hot_async
+
+
+def hot_async(comm, steps, buf, x, op: str):
     """The hot path of ``allreduce(x, async_op=True)`` (``Communicator.allreduce``): a :class:`Handle`
     over the cached ``steps`` (:func:`cache_start`) of ``buf`` (``x``, or a CPU tensor's NumPy view),
     started at the call as the general path's are. What every asynchronous call has stays: the thread
     guard, dropped handles released first (:func:`sweep`), the transfer with its fingerprint, the wait's
-    bounds, the failure of the communicator on a timeout; its flight-recorder entry is the hot path's
-    (``record.Pending``: the cached call, the shape and the start, completed or failed by the handle)."""
+    bounds, the failure of the communicator on a timeout. Its flight-recorder record is a record as
+    ``record.begin`` makes them (``_records``: a list, finished by the handle), less the call site: the
+    path :data:`HOT_ASYNC`, the op as given, dtype and shape, thread and start."""
     if _threads.settle is not None:  # a jitted JAX computation's collectives first (_threads)
         _threads.settle()
     if not _enter(False):  # another thread is inside a collective: refused (_threads)
@@ -241,8 +246,9 @@ def hot_async(comm, steps, buf, x):
         rec = None
         if ring is not None:
             n = comm._seq = comm._seq + 1
-            rec = ring[n & comm._mask] = record.Pending(steps, x.shape, _clock())
-            comm._last_activity = rec.start  # (as record.begin: the stall inspector's choice of communicator)
+            rec = ring[n & comm._mask] = [n, "allreduce", op, None, x.dtype, x.shape, None, HOT_ASYNC, None, None,
+                                          None, _get_ident(), _clock(), None, None, None]  # (_records: SEQ ... ON)
+            comm._last_activity = rec[START]  # (as record.begin: the stall inspector's choice of communicator)
         return Handle("allreduce", steps(buf, x), comm._outstanding, comm._host.fail, rec)
     finally:
         _leave()

@@ -246,9 +246,10 @@ class Communicator:
                 if steps is not None and not _hinting[0]:  # (a site hint: a jitted call's record keeps its site)
                     if cls is _ndarray:
                         if x.flags.carray:
-                            return call.hot_async(self, steps, x, x)
+                            return call.hot_async(self, steps, x, x, op)
                     elif _torch_plain(x):
-                        return call.hot_async(self, steps, x.detach().numpy() if x.requires_grad else x.numpy(), x)
+                        return call.hot_async(self, steps, x.detach().numpy() if x.requires_grad else x.numpy(), x,
+                                              op)
             return self._async("allreduce", reductions.allreduce, self, x, op, reproducible)
         if _threads.settle is not None:  # a jitted JAX computation's collectives first (_threads)
             _threads.settle()

@@ -200,13 +200,15 @@ class Engine:
 
     def instrument_hot(self, make) -> None:
         """From now on, every call the hot path caches (``_fast_path``) is replaced in its table by
-        ``make((collective, op, dtype name), run)``, which the flight recorder names as ``run``."""
+        ``make((collective, op, dtype name), run)``, which the flight recorder names as ``run`` (the
+        asynchronous allreduce's steps too: marked ``asynchronous``, a generator function of a Handle's
+        steps, for which ``make`` makes one alike)."""
         c = self.communicator
         fast_path = c._fast_path
 
         def caching(*args, **kwargs):
             fast_path(*args, **kwargs)
-            for table in (*c._fast.values(), c._fast_broadcast, c._fast_blocks):
+            for table in (*c._fast.values(), c._fast_broadcast, c._fast_blocks, *c._fast_async.values()):
                 for key, run in list(table.items()):
                     if not getattr(run, "instrumented", False):
                         names = c._hot_names.get(run, (None, None, None))

@@ -126,27 +126,6 @@ def begin_p2p(comm, what: str, x, asynchronous: bool):
     return rec
 
 
-class Pending:
-    """The record's entry of an asynchronous call on the hot path (``call.hot_async``): its cached steps
-    (named in ``_hot_names``), the array's shape and the call's start (the hosts' clock, as a record's:
-    the stragglers' analysis reads it), "started" until its :class:`~collectives.Handle` finishes it (the
-    Handle calls :meth:`finish` as it does the general path's record), which sets its end."""
-
-    __slots__ = ("end", "error", "run", "shape", "start", "state")
-
-    def __init__(self, run, shape, start: float):
-        self.run, self.shape, self.start, self.state = run, shape, start, "started"
-        self.end: float | None = None
-        self.error: str | None = None
-
-    def finish(self, error: BaseException | None = None) -> None:
-        self.end = _clock()
-        if error is None:
-            self.state = "completed"
-        else:
-            self.state, self.error = "failed", f"{type(error).__name__}: {error}"
-
-
 def note_failure(comm, exc: BaseException, x) -> None:
     """A hot-path call raised (an MPI error, a timeout, a mismatch found beside it): its entry in the
     record gets the error and ``x``'s shape (which the hot path does not keep); a general-path call's
@@ -155,7 +134,7 @@ def note_failure(comm, exc: BaseException, x) -> None:
     if ring is not None:
         i = comm._seq & comm._mask
         entry = ring[i]
-        if entry is not None and not is_record(entry) and entry.__class__ is not Pending:  # a hot-path entry
+        if entry is not None and not is_record(entry):  # a hot-path entry (trace_entries)
             run, shape = entry[:2] if entry.__class__ is tuple else (entry, getattr(x, "shape", None))
             ring[i] = run, shape, f"{type(exc).__name__}: {exc}"
 
@@ -180,18 +159,13 @@ def entries(c, inside: bool = False) -> list[dict]:
         if is_record(entry):
             out.append(_records.as_dict(entry))
             continue
-        # a hot-path entry: its cached call, or (cached call, shape[, error]), or an asynchronous call's
-        # Pending; a broadcast's root is in _roots at the same index (written with the entry)
-        path, start, end = "hot path", None, None
-        if entry.__class__ is Pending:
-            run, shape, error, state = entry.run, entry.shape, entry.error, entry.state
-            path, start, end = "hot path, asynchronous", entry.start, entry.end
-        else:
-            run, shape, error = (*entry, None)[:3] if entry.__class__ is tuple else (entry, None, None)
-            state = "failed" if error is not None else "started" if inside and n == seq else "completed"
+        # a hot-path entry: its cached call, or (cached call, shape[, error]); a broadcast's root is in
+        # _roots at the same index (written with the entry)
+        run, shape, error = (*entry, None)[:3] if entry.__class__ is tuple else (entry, None, None)
         collective, op, dtype = c._hot_names.get(run, ("unknown", None, None))
         root = c._roots[n & c._mask] if collective == "broadcast" else None
         nbytes = None
+        state = "failed" if error is not None else "started" if inside and n == seq else "completed"
         if shape is None and state == "started":
             shape = shape_in_progress(c)
         if shape is not None:
@@ -201,8 +175,8 @@ def entries(c, inside: bool = False) -> list[dict]:
             except TypeError:  # a dtype NumPy does not name (bfloat16 of torch)
                 pass
         out.append({"seq": n, "collective": collective, "op": op, "root": root, "dtype": dtype, "shape": shape,
-                    "nbytes": nbytes, "path": path, "site": None, "thread": None, "start": start,
-                    "end": end, "state": state, "error": error})
+                    "nbytes": nbytes, "path": "hot path", "site": None, "thread": None, "start": None,
+                    "end": None, "state": state, "error": error})
     return out
 
 
