@@ -22,17 +22,20 @@ row             ours                                           raw mpi4py (on a 
 ==============  =============================================  ====================================================
 
 (``rscatter``, ``alltoall``, ``async``, ``reduce`` and ``allgather`` only with ``--ops``; the sizes of the first
-two are rounded down to a multiple of the ranks. ``async`` is the general path of a call, its record and the
-fingerprint beside it (one more small MPI collective at 2 ranks and more, which raw's side does not run);
-``reduce`` and ``allgather`` have no hot path either: the general path, each call. No target for these three.)
+two are rounded down to a multiple of the ranks. ``async`` is the asynchronous hot path from its second call
+(the first, the general path, fills it): its record and the fingerprint beside the transfer (one more small
+MPI collective at 2 ranks and more, which raw's side does not run); ``reduce`` and ``allgather`` have no hot
+path: the general path, each call. No target for these three.)
 
-At the smallest size the ``allreduce`` and ``broadcast`` rows of NumPy arrays also time a third side, the
-**floor**: the least Python that the library's contract needs in front of the MPI call, written as one
-function (:func:`floor_sides`): a public function call, the thread guard (``RLock.acquire(False)`` and
+At the smallest size the ``allreduce``, ``broadcast`` and ``async`` rows of NumPy arrays also time a third
+side, the **floor**: the least Python that the library's contract needs in front of the MPI call, written as
+one function (:func:`floor_sides`): a public function call, the thread guard (``RLock.acquire(False)`` and
 ``release``), the array check (``x.__class__``, ``x.flags.carray``), the cached call's look-up by op and
 dtype, and the same cached call (a closure with the large-buffer test, around ``Allreduce`` on
-``[x, datatype]``). ours/floor is what the library adds beyond that least; raw/floor is this machine's
-price of the contract itself.
+``[x, datatype]``); for ``async``, the call and its ``wait()`` each under the guard, and the contract's
+second MPI call: the fingerprint (22 int64, ``Iallreduce`` with ``MAX`` on a communicator of its own) started
+beside the data's ``Iallreduce``, waited first and compared. ours/floor is what the library adds beyond
+that least; raw/floor is this machine's price of the contract itself.
 
 How it is measured, so that the machine's noise (shared cores, frequency changes) hits both sides alike:
 
@@ -121,7 +124,39 @@ def floor_sides(raw, MPI, x: np.ndarray):
         finally:
             leave()
 
-    return {"allreduce": lambda: floor_allreduce(x, op="sum"), "broadcast": lambda: floor_broadcast(x, root=0)}
+    fingerprints = raw.Dup()  # (collective: every rank makes the floor's sides in the same order)
+    mine = np.zeros(22, np.int64)  # a call's fields and their negations, as the fingerprint carries them
+    mine[:11] = np.arange(11)
+    mine[11:] = -mine[:11]
+    expected, mpi_max = mine.tobytes(), MPI.MAX
+    istart, ifingerprint = raw.Iallreduce, fingerprints.Iallreduce
+    starts = {"sum": {x.dtype: True}}
+
+    def floor_async(b, op="sum"):
+        if not enter(False):
+            raise RuntimeError("another thread is inside a collective")
+        try:
+            if b.__class__ is np.ndarray and b.flags.carray and starts.get(op, {}).get(b.dtype):
+                v = mine.copy()
+                check = ifingerprint(in_place, v, mpi_max)
+                request = istart(in_place, [b, datatype], mpi_sum)
+            else:
+                raise AssertionError("the floor has no general path")
+        finally:
+            leave()
+        if not enter(False):  # (the handle's wait: under the guard too)
+            raise RuntimeError("another thread is inside a collective")
+        try:
+            check.Wait()
+            if v.tobytes() != expected:
+                raise AssertionError("the ranks' calls differ")
+            request.Wait()
+        finally:
+            leave()
+        return b
+
+    return {"allreduce": lambda: floor_allreduce(x, op="sum"), "broadcast": lambda: floor_broadcast(x, root=0),
+            "async": lambda: floor_async(x, op="sum")}
 
 
 def main() -> int:
@@ -243,7 +278,7 @@ def main() -> int:
         x = np.ones(count, np.float32) if op == "mean" else np.zeros(count, np.float32)
         sides = sides_for(op, x)
         with_floor = (nbytes == sizes[0] and nbytes < 1 << 18 and args.array == "numpy"  # (a small size only)
-                      and op in ("allreduce", "broadcast"))
+                      and op in ("allreduce", "broadcast", "async"))
         if with_floor:
             sides = (*sides, floor_sides(raw, MPI, x)[op])
         times = measure(raw.Barrier, sides, rounds, k)

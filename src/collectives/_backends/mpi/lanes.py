@@ -169,11 +169,13 @@ class LaneMaking(HostTransport):
     def _verify(self, check, what) -> None:
         """Raise :class:`MismatchError` (and fail this transport) unless the reduced fingerprint shows
         every rank with the same fields: this rank's fields are then the largest and the smallest of all
-        (``check``: the reduced buffer and this rank's own, as bytes)."""
+        (``check``: the reduced buffer and this rank's own, as bytes). ``what``: the call, for the message, or a
+        function that makes it (called only for a mismatch)."""
         v, mine = check
         if v.tobytes() == mine:
             return
         n = len(FIELDS)
+        what = what() if callable(what) else what
         message = _fingerprint_message(what, np.frombuffer(mine, np.int64)[:n], v[:n], -v[n:], self.rank, self.size)
         self.fail(message)
         _trace.dump(f"MismatchError: {message}")  # every rank raises (and dumps) alike

@@ -27,7 +27,7 @@ class _MPIRequest(Request):
         check = self._check[1]
         self._check = None
         try:
-            self._transport._verify(check, self._what())
+            self._transport._verify(check, self._what)  # (described only for a mismatch's message)
         except MismatchError:
             self._transport.abandon(self._req)
             self._req = None
