@@ -29,8 +29,7 @@ class HotPath(HostTransport):
     _shm_threshold: int
     _shm_allreduce: Any
     _at_start: Any
-    _fingerprint: Any
-    fingerprints: bool
+    _fingerprint_beside: Any
     failed: Any
 
     def _bind(self, name: str, dtype: np.dtype, op: str | None, at: float | None, slow):
@@ -91,12 +90,12 @@ class HotPath(HostTransport):
             return None
         istart = row.method(self._lanes[row.lane], False)
         datatype, mop, in_place, max_count = self._types[dtype], self._ops[op], self._in_place, self._max_count
-        general, fingerprint, request = self.start, self._fingerprint, _MPIRequest
+        general, beside, request = self.start, self._fingerprint_beside, _MPIRequest
 
         def start(buf):
             if self.failed is not None or self._at_start is not None or buf.size > max_count:
                 return general("allreduce", buf, op)
-            check = fingerprint("allreduce", buf, op) if self.size > 1 and self.fingerprints else None
+            check = beside("allreduce", buf, op)
             return request(self, istart(in_place, [buf, datatype], mop), ("allreduce", (buf, op)), check)
 
         return start

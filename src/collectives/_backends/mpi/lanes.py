@@ -69,6 +69,7 @@ class LaneMaking(HostTransport):
     _making: dict
     _fingerprints: dict
     _reduce_fingerprint: Any  # Iallreduce(IN_PLACE, v, MAX) on the fingerprint lane, from its row (bound once)
+    fingerprints: bool
     _wait: Any
 
     def _fingerprint(self, operation, *args):
@@ -97,6 +98,12 @@ class LaneMaking(HostTransport):
                 self._fingerprints[key] = hit
         v = hit[0].copy()
         return self._reduce_fingerprint(v), (v, hit[1])
+
+    def _fingerprint_beside(self, operation, *args):
+        """:meth:`_fingerprint` of a non-blocking call, or None where none is reduced: one rank alone, or
+        ``fingerprints`` off (benchmarks only). The one rule for every start (``MPITransport._begin``, a
+        kind's first call, the asynchronous hot path's ``fast_start``)."""
+        return self._fingerprint(operation, *args) if self.size > 1 and self.fingerprints else None
 
     def _make_lane(self, name: str, wait=None):
         """The lane ``name`` at its first use (``_Lanes``), made now: its making (:meth:`_begin_making`, or

@@ -72,8 +72,7 @@ class _FirstCall(Request):
         making = transport._making.get(operation) or transport._begin_making(operation)
         self._making = making
         making.waiting.append(self)
-        self._check = (transport._fingerprint(operation, *args) if transport.size > 1 and transport.fingerprints
-                       else None)
+        self._check = transport._fingerprint_beside(operation, *args)
         self._request: _MPIRequest | None = None
 
     def start(self) -> None:

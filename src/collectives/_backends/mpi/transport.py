@@ -245,7 +245,7 @@ class MPITransport(HotPath, SharedWindow, LaneMaking, PointToPoint, BroadcastPip
         has learnt whether every rank made the same call, and raises :class:`MismatchError` if not."""
         if operation not in self._lanes:  # its first call: started once its lane is made (never blocks here)
             return _FirstCall(self, operation, args)
-        check = self._fingerprint(operation, *args) if self.size > 1 and self.fingerprints else None
+        check = self._fingerprint_beside(operation, *args)
         return _MPIRequest(self, self._start_call(operation, *args), (operation, args), check)
 
 
