@@ -23,7 +23,7 @@ buckets, which are made through them), is timed as it happens:
   ``host`` and ``write-back`` (at completion).
 
 Methods without a hot path get an entry in place of the public method; those with one (allreduce,
-broadcast, reduce_scatter, alltoall) are timed in the blocking driver and the asynchronous call
+broadcast, reduce_scatter, alltoall, allgather) are timed in the blocking driver and the asynchronous call
 (``Engine.instrument``). A daemon thread writes what has accumulated every :data:`FLUSH_S` seconds to
 ``FILE.<rank>.raw`` (marshal, one batch per write; what each call was: its kind, named when its cached
 call was made, or the flight recorder's record of a general-path call), as does a flight-recorder dump.
@@ -59,7 +59,7 @@ _marks: list = []  # the phases of the call in progress, (name, start, end): app
 # steps below, taken by the call's entry when it returns (one thread at a time is inside a collective)
 _collect = [0]  # general-path calls under way: only they collect phases (a hot-path call is one transfer)
 _jobs: dict = {}  # path prefix -> _Timeline (one per process, normally)
-_HOT = ("allreduce", "broadcast", "reduce_scatter", "alltoall")  # the methods with a hot path
+_HOT = ("allreduce", "broadcast", "reduce_scatter", "alltoall", "allgather")  # the methods with a hot path
 _P2P = ("send", "recv")
 METHODS = ("broadcast", "allreduce", "allreduce_units", "reduce", "allgather", "gather", "reduce_scatter",
            "alltoall", "send", "recv", "split", "broadcast_object", "allgather_object", "barrier",
@@ -244,7 +244,7 @@ def _timed_run(job, engine, tags, names, run):
             extend((kind, seq(comm), root, t0, _ns()))
 
         return timed_broadcast
-    if names[0] in ("reduce_scatter", "alltoall"):
+    if names[0] in ("reduce_scatter", "alltoall", "allgather"):
         def timed_blocks(x, out):
             t0 = _ns()
             try:

@@ -583,7 +583,8 @@ def test_the_timeline_holds_every_call_with_its_phases(n):
                 ("barrier", "blocking"), ("broadcast_object", "blocking"), ("alltoall", "blocking")} <= kinds, kinds
         hot = {(e["name"], e["args"]["nbytes"], e["args"]["root"]) for e in sub if e["args"]["path"] == "hot path"}
         assert hot == {("allreduce", 8, None), ("allreduce", 24, None), ("broadcast", None, 0),
-                       ("reduce_scatter", 16 * n, None)}, hot  # (y; np.ones(3) by min; 2 * n float64)
+                       ("reduce_scatter", 16 * n, None), ("allgather", 8, None)}, hot  # (y; np.ones(3) by min;
+        # 2 * n float64; y)
         phases = {p[0] for e in sub for p in e["args"]["phases"]}
         assert {"validation", "transfer", "write-back", "start", "host reduction"} <= phases, phases
         paths = " ".join(e["args"]["path"] or "" for e in calls)

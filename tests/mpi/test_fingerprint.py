@@ -9,7 +9,8 @@ path, warmed first), the torch backend (its ``ReduceOp.AVG`` and ``PREMUL_SUM`` 
   int32), bool ``max`` against uint8 ``max``, bfloat16 against float32 ``sum`` (bfloat16 travels in
   float32);
 - dtypes whose old code collided: ``<U17`` against ``V4``, ``<i4`` against ``>i4``,
-  ``datetime64[s]`` against ``datetime64[ns]`` (broadcast: bytes on the wire).
+  ``datetime64[s]`` against ``datetime64[ns]`` (broadcast: bytes on the wire); allgather's float32
+  against int32, and ``<i4`` against ``>i4`` (bytes on the wire, its hot path included).
 
 Checked mode refuses each of these pairs too (the same description: ``collectives._call``), and calls that
 agree still pass on every path. Each scenario runs on a communicator of its own (a failed communicator
@@ -42,6 +43,8 @@ PAIRS = {
     "s-ns": ("broadcast", (None, "datetime64[s]"), (None, "datetime64[ns]")),
     "reduce-mean-sum": ("reduce", ("mean", "float32"), ("sum", "float32")),
     "reduce-scatter-mean-sum": ("reduce_scatter", ("mean", "float32"), ("sum", "float32")),
+    "allgather-f32-i32": ("allgather", (None, "float32"), (None, "int32")),  # bytes on the wire
+    "allgather-le-be-i4": ("allgather", (None, "<i4"), (None, ">i4")),
 }
 
 

@@ -76,6 +76,26 @@ def test_every_front_end_is_recorded_in_order(comm):
         c.close()
 
 
+def test_the_allgather_hot_path_is_recorded_with_its_shape(comm):
+    """allgather's hot path (a repeated call on a C-contiguous NumPy array, read-only ones too) keeps its
+    cached call and the array's shape, as reduce_scatter's and alltoall's do; the bits are the general path's."""
+    c = fresh(comm)
+    try:
+        x = np.arange(4, dtype=np.int16) + c.rank
+        first = c.allgather(x)
+        x.flags.writeable = False
+        again = c.allgather(x)
+        strided = c.allgather(np.repeat(x, 2)[::2])  # the same values, not contiguous: the general path
+        got = records(c)
+        assert [(e["collective"], e["path"].split(",")[0]) for e in got] == [
+            ("allgather", "blocking"), ("allgather", "hot path"), ("allgather", "blocking")], got
+        assert (got[1]["dtype"], got[1]["shape"], got[1]["nbytes"]) == ("int16", [4], 8), got
+        assert first.tobytes() == again.tobytes() == strided.tobytes()
+        assert again.shape == (c.size, 4) and again[-1].tolist() == list(range(c.size - 1, c.size + 3))
+    finally:
+        c.close()
+
+
 def test_failed_calls_are_recorded_as_failed(comm):
     c = fresh(comm)
     try:

@@ -146,9 +146,11 @@ class HostTransport(abc.ABC):
 
     def fast_blocks(self, operation: str, op: str | None, dtype: np.dtype, size: int):
         """A direct callable ``run(send, recv)`` for ``operation`` ``"reduce_scatter"`` (with ``op``, a
-        pair that :meth:`reduces` accepts and that needs no conversion; never ``"mean"``) or
-        ``"alltoall"`` (``op`` None) on contiguous buffers of ``dtype`` of any size, with the arguments
-        the blocking method takes; or None to use that method."""
+        pair that :meth:`reduces` accepts and that needs no conversion; never ``"mean"``), ``"alltoall"``
+        or ``"allgather"`` (``op`` None) on contiguous buffers of ``dtype`` of any size, with the arguments
+        the blocking method takes (alltoall's and allgather's in any shape of the same elements: the
+        hot path passes the caller's array and the result's, ``(size, *x.shape)`` for allgather); or None
+        to use that method."""
         return None
 
     def fast_start(self, op: str, dtype: np.dtype):

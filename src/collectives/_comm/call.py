@@ -260,8 +260,9 @@ def cache(comm, op, x, a, info, run, blocks: dict | None) -> None:
     call's description beside it where the transport checks its calls (``steps.described``), guarded by
     the NaN check where ``COLLECTIVES_CHECK_NAN`` asks for it, and named for the flight recorder.
 
-    ``blocks``: the table of reduce_scatter and alltoall, keyed ``("reduce_scatter", op, dtype)`` and
-    ``("alltoall", dtype)`` (``op`` is that key: no op of one can find an entry of the other), taking
+    ``blocks``: the table of reduce_scatter, alltoall and allgather, keyed ``("reduce_scatter", op, dtype)``,
+    ``("alltoall", dtype)`` and ``("allgather", dtype)`` (``op`` is that key: no op of one can find an entry
+    of another), taking
     ``run(x, out)``; NumPy arrays only (the block output is a new array)."""
     if blocks is not None:
         if a is _arrays.NUMPY and op not in blocks:

@@ -2,7 +2,7 @@
 
 The class holds the communicator's state (its transports, the hot path's tables, the flight recorder's
 ring, the handles in flight) and its identity, and writes out in full only what must run in the method's
-own frame: the hot path of ``allreduce``, ``broadcast``, ``reduce_scatter`` and ``alltoall`` (a cached
+own frame: the hot path of ``allreduce``, ``broadcast``, ``reduce_scatter``, ``alltoall`` and ``allgather`` (a cached
 call on a contiguous NumPy array or CPU torch tensor: two dictionary look-ups and a flag read, no further
 Python frame). Every other method is a front end of a few lines: the thread guard (``_threads``), then
 the collective's steps from the module of its job (``reductions``, ``movement``, ``p2p``, ``objects``,
@@ -76,7 +76,7 @@ class Communicator:
         self._devices: dict = {}  # (dlpack device type, id) -> device transport
         self._fast: dict = {}  # op -> {array dtype: the call the general path chose} (hot path); see _fast_path
         self._fast_broadcast: dict = {}  # the same for broadcast (one look-up less)
-        self._fast_blocks: dict = {}  # ("reduce_scatter", op, dtype) or ("alltoall", dtype) -> the same
+        self._fast_blocks: dict = {}  # ("reduce_scatter", op, dtype), ("alltoall", dtype) or ("allgather", dtype) -> the same
         self._fast_async: dict = {}  # op -> {array dtype: an asynchronous allreduce's steps} (call.cache_start)
         self._runners: dict = {}  # (op, DType) -> (transport, reduction call); see rules.runner
         self._pool = _buckets.Pool()  # the fused collectives' flat buffers (_buckets)
@@ -89,7 +89,7 @@ class Communicator:
         self._engine = Engine(self)  # what the layers built on this communicator may use of it
         # The flight recorder (_trace): the last calls, a ring indexed by the sequence number. A hot-path
         # call stores its cached call (and a broadcast its root in _roots, at the same index), or (cached
-        # call, shape) (reduce_scatter, alltoall): see record.entries; the others a record (_records: a list).
+        # call, shape) (reduce_scatter, alltoall, allgather): see record.entries; the others a record (_records: a list).
         capacity = _config.trace_buffer()
         self._ring: list | None = [None] * (1 << max(capacity - 1, 0).bit_length()) if capacity else None
         self._mask = len(self._ring) - 1 if self._ring is not None else 0
@@ -301,12 +301,25 @@ class Communicator:
             return self._async("reduce", reductions.reduce, self, x, op, root, reproducible)
         return self._blocking(reductions.reduce(self, x, op, root, reproducible, False))
 
-    @collective("allgather")
     def allgather(self, x, *, async_op: bool = False):
         """Every rank's ``x``, stacked along a new leading axis. See :func:`collectives.allgather`."""
         if async_op:
             return self._async("allgather", movement.allgather, self, x)
-        return self._blocking(movement.allgather(self, x, False))
+        if _threads.settle is not None:  # a jitted JAX computation's collectives first (_threads)
+            _threads.settle()
+        if not _enter(False):  # another thread is inside a collective: refused (_threads)
+            _refuse_thread("allgather")
+        try:
+            if x.__class__ is _ndarray:  # the hot path (see _fast_path): read only, so read-only arrays too
+                run = self._fast_blocks.get(("allgather", x.dtype))
+                if run is not None and x.flags.c_contiguous:
+                    return self._hot_blocks(run, x, _empty((self._size,) + x.shape, x.dtype))
+            return self._blocking(movement.allgather(self, x, False))
+        except Exception as exc:  # noqa: BLE001 - re-raised (MPI errors as CollectiveError)
+            record.note_failure(self, exc, x)
+            reraise(exc, "allgather")
+        finally:
+            _leave()
 
     @collective("gather")
     def gather(self, x, root: int = 0, *, async_op: bool = False):
@@ -359,7 +372,7 @@ class Communicator:
             _leave()
 
     def _hot_blocks(self, run, x, out):
-        """The hot path's call of reduce_scatter and alltoall (a cached call from ``x`` into ``out``), kept by the
+        """The hot path's call of reduce_scatter, alltoall and allgather (a cached call from ``x`` into ``out``), kept by the
         flight recorder as the cached call and ``x``'s shape (read above anyway)."""
         ring = self._ring
         if ring is not None:

@@ -2,7 +2,7 @@
 steps (validation, one step per transfer, the result), and ``Communicator.barrier``.
 
 As in ``reductions``: the Communicator's methods run the steps, blocking or in a Handle; the hot-path
-entries of ``broadcast`` and ``alltoall`` are in their methods themselves.
+entries of ``broadcast``, ``allgather`` and ``alltoall`` are in their methods themselves.
 """
 
 from __future__ import annotations
@@ -33,9 +33,19 @@ def allgather(comm, x, asynchronous: bool):
     a, transport, view, info, _, _ = validate.prepare(comm, "allgather", x, asynchronous=asynchronous)
     if transport.array_level:
         return (yield Step(transport, "allgather", (x, a), device=True))
-    out = np.empty((comm.size,) + view.shape, dtype=view.dtype)
-    yield Step(transport, "allgather", (contiguous(view), out.reshape(comm.size, -1)))
+    size = comm._size
+    out = np.empty((size,) + view.shape, dtype=view.dtype)
+    run = None if asynchronous else (transport.fast_blocks("allgather", None, view.dtype, size)
+                                     or allgather_blocks(transport, size))
+    used = yield Step(transport, "allgather", (contiguous(view), out.reshape(size, -1)), run)
+    if used is not None:
+        comm._fast_path(("allgather", view.dtype), x, a, view, info, used, comm._fast_blocks)
     return a.wrap(out, info, x)
+
+
+def allgather_blocks(transport, size: int):
+    """``transport.allgather`` on ``(send, out)`` of any shape (it takes ``out`` as ``(size, n)``)."""
+    return lambda send, out: transport.allgather(send, out.reshape(size, -1))
 
 
 def gather(comm, x, root, asynchronous: bool):

@@ -169,7 +169,7 @@ def entries(c, inside: bool = False) -> list[dict]:
         if shape is None and state == "started":
             shape = shape_in_progress(c)
         if shape is not None:
-            shape = tuple(shape)
+            shape = [int(n) for n in shape]  # as a general-path record's (_records.fields)
             try:
                 nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
             except TypeError:  # a dtype NumPy does not name (bfloat16 of torch)

@@ -96,7 +96,7 @@ def described(transport, run, collective: str, op: str | None, info):
                 transport.caller = None
 
         return described_broadcast
-    if collective in ("reduce_scatter", "alltoall"):
+    if collective in ("reduce_scatter", "alltoall", "allgather"):
 
         def described_blocks(x, out):
             transport.caller = (plain if now() is PLAIN else _call.head(collective, op, info)) + (x.size,)

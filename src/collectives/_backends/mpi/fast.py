@@ -109,11 +109,14 @@ class HotPath(HostTransport):
         return dtype.kind in "fc" if op == "mean" else not (op in ("min", "max") and dtype.kind == "f")
 
     def fast_blocks(self, operation, op, dtype, size):
-        """MPI's own ``Reduce_scatter_block`` / ``Alltoall`` on the whole buffers, the piecewise method
-        past the count one MPI call takes (``_blocks``)."""
+        """MPI's own ``Reduce_scatter_block`` / ``Alltoall`` / ``Allgather`` on the whole buffers, the
+        piecewise method past the count one MPI call takes (``_blocks``, ``allgather``'s broadcasts)."""
         max_count = self._max_count
         if operation == "alltoall":
             return self._bind("alltoall", dtype, None, max_count * size + 1, self.alltoall)
+        if operation == "allgather":  # its pieces (past max_count bytes a rank) take the (size, n) layout
+            return self._bind("allgather", dtype, None, max_count + 1,
+                              lambda send, recv: self.allgather(send, recv.reshape(size, -1)))
         if dtype not in self._types or op not in self._ops or not self.reduces(dtype, op):
             return None
         return self._bind("reduce_scatter", dtype, op, (max_count + 1) * dtype.itemsize,
