@@ -80,7 +80,7 @@ def scan(parts) -> tuple[int, int, int] | None:
 
 def guarded(transport, what: str, info, run, *, blocks: bool = False):
     """The hot path's cached call ``run`` of a reduction of ``info`` (``run(x)``; ``run(x, out)`` with
-    ``blocks``: reduce_scatter) preceded by the check of ``x`` (:func:`first`, :func:`check`): what the
+    ``blocks``: reduce_scatter, or reduce's ``run(x, root)``) preceded by the check of ``x`` (:func:`first`, :func:`check`): what the
     engine caches instead of ``run`` while the check is on, so that the hot path's own code is the same
     with the check on or off (and costs nothing more when it is off)."""
     if blocks:

@@ -220,6 +220,24 @@ def runner(transport, info: _dtypes.DType, op: str, size: int):
     return lambda buf: reduce_buffer(buf, info, op, size, allreduce, native)
 
 
+def reduce_runner(transport, info: _dtypes.DType, op: str, size: int, rank: int):
+    """A callable ``run(buf, root)`` that reduces the contiguous buffer of ``info``'s storage dtype with
+    ``op`` onto ``root`` (in place there, which needs ``buf`` writable; ``buf`` is left as it was on the
+    other ranks): the transport's direct call (:meth:`HostTransport.fast_reduce`) where the values travel as
+    they are and ``op`` is not ``mean``, else :func:`reduce_buffer` (``rank``: this rank, which receives
+    where it is the root). Build once per (transport, dtype, op) and keep it."""
+    if op != "mean" and as_is(info, op, transport.reduces):
+        run = transport.fast_reduce(op, info.storage)
+        if run is not None:
+            return run
+    reduce, native = transport.reduce, transport.reduces
+
+    def run_rules(buf, root):
+        reduce_buffer(buf, info, op, size, lambda wire, o: reduce(wire, o, root), native, receives=rank == root)
+
+    return run_rules
+
+
 def as_is(info: _dtypes.DType, op: str, native) -> bool:
     """Whether values of ``info`` reduced with ``op`` travel as they are (no widening, no ordered-integer
     mapping, no bool bytes): then a transport's direct call gives :func:`reduce_buffer`'s bits."""

@@ -23,7 +23,7 @@ buckets, which are made through them), is timed as it happens:
   ``host`` and ``write-back`` (at completion).
 
 Methods without a hot path get an entry in place of the public method; those with one (allreduce,
-broadcast, reduce_scatter, alltoall, allgather) are timed in the blocking driver and the asynchronous call
+broadcast, reduce_scatter, alltoall, allgather, reduce) are timed in the blocking driver and the asynchronous call
 (``Engine.instrument``). A daemon thread writes what has accumulated every :data:`FLUSH_S` seconds to
 ``FILE.<rank>.raw`` (marshal, one batch per write; what each call was: its kind, named when its cached
 call was made, or the flight recorder's record of a general-path call), as does a flight-recorder dump.
@@ -59,7 +59,7 @@ _marks: list = []  # the phases of the call in progress, (name, start, end): app
 # steps below, taken by the call's entry when it returns (one thread at a time is inside a collective)
 _collect = [0]  # general-path calls under way: only they collect phases (a hot-path call is one transfer)
 _jobs: dict = {}  # path prefix -> _Timeline (one per process, normally)
-_HOT = ("allreduce", "broadcast", "reduce_scatter", "alltoall", "allgather")  # the methods with a hot path
+_HOT = ("allreduce", "broadcast", "reduce_scatter", "alltoall", "allgather", "reduce")  # the methods with a hot path
 _P2P = ("send", "recv")
 METHODS = ("broadcast", "allreduce", "allreduce_units", "reduce", "allgather", "gather", "reduce_scatter",
            "alltoall", "send", "recv", "split", "broadcast_object", "allgather_object", "barrier",
@@ -233,7 +233,7 @@ def _timed_run(job, engine, tags, names, run):
     if timed_in_place is not None:  # the transport's own call timed in its frame (mpi/ops.py Operation.bind):
         # a frame less than the wrappers below on the 8-byte path
         return timed_in_place((extend, kind, seq, comm, lambda t0, exc: job.failed(engine, tag, False, t0, exc)))
-    if names[0] == "broadcast":
+    if names[0] in ("broadcast", "reduce"):  # (a rooted call: its root kept, as a broadcast's)
         def timed_broadcast(x, root):
             t0 = _ns()
             try:
@@ -358,7 +358,7 @@ class _Timeline:
             except OSError:
                 pass
         self.file = open(self.raw, "ab")  # noqa: SIM115 - open for the life of the process, closed at exit
-        self.fast: list = []  # (kind, seq, size (a broadcast: root), start, end) of each hot-path call
+        self.fast: list = []  # (kind, seq, size (a broadcast or reduce: root), start, end) of each hot-path call
         self.slow: list = []  # (tag, seq, start, end, entry, marks, error) of every other call
         self.kinds: list = []  # kind -> (tag, collective, op, dtype) of a hot-path cached call
         self.tags: list = []  # tag -> (weak reference to the communicator, method)
@@ -498,7 +498,7 @@ def read(path: str) -> dict:
                 tag, collective, op, dtype = kinds[kind]
                 info = dict.fromkeys(fields)
                 info.update(collective=collective, op=op, dtype=dtype, path="hot path", state="completed")
-                if collective == "broadcast":
+                if collective in ("broadcast", "reduce"):
                     info["root"] = aux
                 else:
                     info["nbytes"] = aux

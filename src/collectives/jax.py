@@ -132,6 +132,7 @@ class _Host:
             assert root is not None
             h = c.broadcast(x, root, async_op=True)
         elif name == "reduce_to":  # broadcast's transpose: the sum on root, zeros elsewhere
+            assert op is not None and root is not None
             h = c.reduce(x, op, root, async_op=True)
             out = h.wait()
             return np.asarray(out) if c.rank == root else np.zeros_like(x)

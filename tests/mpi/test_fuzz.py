@@ -418,7 +418,7 @@ def outcome(c, p) -> tuple:
     if c.check != mine["checked"]:  # (setting it empties the hot path's cache: only when it changes)
         c.check = mine["checked"]
     try:
-        if mine["warm"] and mine["collective"] in ("allreduce", "broadcast", "allgather") and mine["mismatch"] is None and not (
+        if mine["warm"] and mine["collective"] in ("allreduce", "broadcast", "allgather", "reduce") and mine["mismatch"] is None and not (
                 mine.get("device") or mine.get("reproducible")):
             if mine["lib"] == "torch":
                 import torch

@@ -70,9 +70,11 @@ def test_a_warm_hot_path_on_a_closed_communicator_raises(comm):
         c.allreduce(x)
         c.broadcast(x)
         c.allgather(x)
+        c.reduce(x)
     c.close()
-    for call in (c.allreduce, c.broadcast, c.allgather, lambda y: coll.allreduce(y, comm=c),
-                 lambda y: coll.broadcast(y, comm=c), lambda y: coll.allgather(y, comm=c)):
+    for call in (c.allreduce, c.broadcast, c.allgather, c.reduce, lambda y: coll.allreduce(y, comm=c),
+                 lambda y: coll.broadcast(y, comm=c), lambda y: coll.allgather(y, comm=c),
+                 lambda y: coll.reduce(y, comm=c)):
         with pytest.raises(coll.BackendUnavailableError):
             call(x)
 
@@ -447,6 +449,7 @@ def test_a_collective_from_a_second_thread_at_once_is_refused(comm, second):
     comm.allreduce(x)  # warm: the hot paths are refused too
     comm.broadcast(x)
     comm.allgather(x)
+    comm.reduce(x)
     pending = np.ones(3)
     h = comm.allreduce(pending, async_op=True)  # waiting calls MPI: refused as a collective is
     inside, go = threading.Event(), threading.Event()

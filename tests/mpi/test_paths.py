@@ -203,18 +203,24 @@ def numpy_paths(x, op, comm, comms):
                                                      async_op=True).wait()["a"]
     for root in range(comm.size):
         r = x.copy()
-        got = coll.reduce(r, op, root, comm=comm)
+        got = coll.reduce(r, op, root, comm=comm)  # fills the hot path's cache (any root) ...
         if comm.rank == root:
             out[f"reduce to {root}"] = got
+        got = coll.reduce(x.copy(), op, root, comm=comm)  # ... which this call takes
+        if comm.rank == root:
+            out[f"reduce hot to {root}"] = got
+        else:
+            assert same_bits(got, x) is None, "a non-root rank's array changed"
         r = x.copy()
         got = coll.reduce(r, op, root, comm=comm, async_op=True).wait()
         if comm.rank == root:
             out[f"async reduce to {root}"] = got
-        got = comms["deadline"].reduce(x.copy(), op, root)
-        if comm.rank == root:
-            out[f"deadline reduce to {root}"] = got
-        else:
-            assert same_bits(got, x) is None, "a non-root rank's array changed"
+        for hot in ("", " hot"):  # the deadline transport's general path, then its hot path
+            got = comms["deadline"].reduce(x.copy(), op, root)
+            if comm.rank == root:
+                out[f"deadline reduce{hot} to {root}"] = got
+            else:
+                assert same_bits(got, x) is None, "a non-root rank's array changed"
     return out
 
 

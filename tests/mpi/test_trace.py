@@ -96,6 +96,30 @@ def test_the_allgather_hot_path_is_recorded_with_its_shape(comm):
         c.close()
 
 
+def test_the_reduce_hot_path_is_recorded_with_its_root(comm):
+    """reduce's hot path (a repeated call on a C-contiguous writable NumPy array) keeps its cached call, the
+    array's shape and the call's root; one cached call serves every root; the bits are the general path's."""
+    c = fresh(comm)
+    try:
+        root = c.size - 1
+        x = np.arange(3, dtype=np.float64) + c.rank
+        first = c.reduce(x.copy(), "sum", root)
+        again = c.reduce(x.copy(), "sum", root)
+        to_0 = c.reduce(x.copy(), "sum", 0)
+        got = records(c)
+        assert [(e["collective"], e["path"].split(",")[0], e["root"]) for e in got] == [
+            ("reduce", "blocking", root), ("reduce", "hot path", root), ("reduce", "hot path", 0)], got
+        assert (got[1]["op"], got[1]["dtype"], got[1]["shape"], got[1]["nbytes"]) == ("sum", "float64", [3], 24), got
+        want = [float(sum(i + r for r in range(c.size))) for i in range(3)]
+        if c.rank == root:
+            assert first.tolist() == again.tolist() == want
+        else:
+            assert first.tolist() == again.tolist() == x.tolist()  # a non-root rank's array unchanged
+        assert to_0.tolist() == (want if c.rank == 0 else x.tolist())
+    finally:
+        c.close()
+
+
 def test_failed_calls_are_recorded_as_failed(comm):
     c = fresh(comm)
     try:

@@ -79,10 +79,17 @@ def test_the_hot_path_closure_calls_the_method_or_the_slow_path():
     scatter(big, x), scatter(np.zeros(8), big)  # counted by the receive buffer
     alltoall = OPERATIONS["alltoall"].bind(method, "BYTE", None, IN_PLACE, 32, slow)
     alltoall(x, x), alltoall(big, big)
+    allgather = OPERATIONS["allgather"].bind(method, "BYTE", None, IN_PLACE, 32, slow)
+    allgather(x, big), allgather(big, np.zeros(8))  # counted by the send buffer
+    reduce = OPERATIONS["reduce"].bind(method, "DOUBLE", MOP, IN_PLACE, 32, slow, rank=1)
+    reduce(x, 1), reduce(x, 0), reduce(big, 1)  # in place at the root (this rank), no receive elsewhere
     assert calls == [("mpi", IN_PLACE, (16, "DOUBLE"), MOP), ("slow", 32),
                      ("mpi", (16, "BYTE"), 1), ("slow", 32, 1), ("mpi", (32, "BYTE"), 0),
                      ("mpi", (32, "DOUBLE"), (16, "DOUBLE"), MOP), ("slow", 64, 32),
-                     ("mpi", (16, "BYTE"), (16, "BYTE")), ("slow", 32, 32)]
+                     ("mpi", (16, "BYTE"), (16, "BYTE")), ("slow", 32, 32),
+                     ("mpi", (16, "BYTE"), (32, "BYTE")), ("slow", 32, 64),
+                     ("mpi", IN_PLACE, (16, "DOUBLE"), MOP, 1), ("mpi", (16, "DOUBLE"), None, MOP, 0),
+                     ("slow", 32, 1)]
     with pytest.raises(ValueError, match="no form for the MPI operation gather"):
         OPERATIONS["gather"].bind(method, "BYTE", None, IN_PLACE, 32, slow)
 

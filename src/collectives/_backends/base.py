@@ -153,6 +153,13 @@ class HostTransport(abc.ABC):
         to use that method."""
         return None
 
+    def fast_reduce(self, op: str, dtype: np.dtype):
+        """A direct callable ``run(buf, root)`` that reduces the contiguous writable ``buf`` of ``dtype`` with
+        ``op`` onto ``root`` (in place there; ``buf`` left as it was elsewhere), as :meth:`reduce` does, or
+        None to use that method. Only asked for pairs that :meth:`reduces` accepts and that need no
+        conversion."""
+        return None
+
     def fast_start(self, op: str, dtype: np.dtype):
         """A direct start of the non-blocking allreduce of contiguous buffers of ``dtype`` with the wire op
         ``op`` (sum, prod, min, max): ``start(buf)`` returning the :class:`Request` that

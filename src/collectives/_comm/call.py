@@ -260,13 +260,13 @@ def cache(comm, op, x, a, info, run, blocks: dict | None) -> None:
     call's description beside it where the transport checks its calls (``steps.described``), guarded by
     the NaN check where ``COLLECTIVES_CHECK_NAN`` asks for it, and named for the flight recorder.
 
-    ``blocks``: the table of reduce_scatter, alltoall and allgather, keyed ``("reduce_scatter", op, dtype)``,
-    ``("alltoall", dtype)`` and ``("allgather", dtype)`` (``op`` is that key: no op of one can find an entry
-    of another), taking
-    ``run(x, out)``; NumPy arrays only (the block output is a new array)."""
+    ``blocks``: the table of reduce_scatter, alltoall, allgather and reduce, keyed ``("reduce_scatter", op,
+    dtype)``, ``("alltoall", dtype)``, ``("allgather", dtype)`` and ``("reduce", op, dtype)`` (``op`` is that
+    key: no op of one can find an entry of another), taking ``run(x, out)`` (reduce: ``run(x, root)``); NumPy
+    arrays only (the first three's output is a new array)."""
     if blocks is not None:
         if a is _arrays.NUMPY and op not in blocks:
-            reduced = op[1] if op[0] == "reduce_scatter" else None
+            reduced = op[1] if op[0] in ("reduce_scatter", "reduce") else None
             run = described(comm._host, run, op[0], reduced, info)
             if reduced is not None and comm._check_nan and _finite.checks(info):  # COLLECTIVES_CHECK_NAN
                 run = _finite.guarded(comm._host, op[0], info, run, blocks=True)

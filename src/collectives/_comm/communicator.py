@@ -2,7 +2,7 @@
 
 The class holds the communicator's state (its transports, the hot path's tables, the flight recorder's
 ring, the handles in flight) and its identity, and writes out in full only what must run in the method's
-own frame: the hot path of ``allreduce``, ``broadcast``, ``reduce_scatter``, ``alltoall`` and ``allgather`` (a cached
+own frame: the hot path of ``allreduce``, ``broadcast``, ``reduce``, ``reduce_scatter``, ``alltoall`` and ``allgather`` (a cached
 call on a contiguous NumPy array or CPU torch tensor: two dictionary look-ups and a flag read, no further
 Python frame). Every other method is a front end of a few lines: the thread guard (``_threads``), then
 the collective's steps from the module of its job (``reductions``, ``movement``, ``p2p``, ``objects``,
@@ -76,7 +76,8 @@ class Communicator:
         self._devices: dict = {}  # (dlpack device type, id) -> device transport
         self._fast: dict = {}  # op -> {array dtype: the call the general path chose} (hot path); see _fast_path
         self._fast_broadcast: dict = {}  # the same for broadcast (one look-up less)
-        self._fast_blocks: dict = {}  # ("reduce_scatter", op, dtype), ("alltoall", dtype) or ("allgather", dtype) -> the same
+        self._fast_blocks: dict = {}  # ("reduce_scatter", op, dtype), ("alltoall", dtype), ("allgather", dtype) or
+        # ("reduce", op, dtype) -> the same
         self._fast_async: dict = {}  # op -> {array dtype: an asynchronous allreduce's steps} (call.cache_start)
         self._runners: dict = {}  # (op, DType) -> (transport, reduction call); see rules.runner
         self._pool = _buckets.Pool()  # the fused collectives' flat buffers (_buckets)
@@ -89,7 +90,8 @@ class Communicator:
         self._engine = Engine(self)  # what the layers built on this communicator may use of it
         # The flight recorder (_trace): the last calls, a ring indexed by the sequence number. A hot-path
         # call stores its cached call (and a broadcast its root in _roots, at the same index), or (cached
-        # call, shape) (reduce_scatter, alltoall, allgather): see record.entries; the others a record (_records: a list).
+        # call, shape) (reduce_scatter, alltoall, allgather, reduce: its root in _roots too): see record.entries; the
+        # others a record (_records: a list).
         capacity = _config.trace_buffer()
         self._ring: list | None = [None] * (1 << max(capacity - 1, 0).bit_length()) if capacity else None
         self._mask = len(self._ring) - 1 if self._ring is not None else 0
@@ -294,12 +296,35 @@ class Communicator:
             return self._async("allreduce", reductions.allreduce_units, self, units, op)
         return self._blocking(reductions.allreduce_units(self, units, op, False))
 
-    @collective("reduce")
     def reduce(self, x, op: str = "sum", root: int = 0, *, async_op: bool = False, reproducible: bool | None = None):
         """Reduce ``x`` over all ranks, result on ``root``. See :func:`collectives.reduce`."""
         if async_op:
             return self._async("reduce", reductions.reduce, self, x, op, root, reproducible)
-        return self._blocking(reductions.reduce(self, x, op, root, reproducible, False))
+        if _threads.settle is not None:  # a jitted JAX computation's collectives first (_threads)
+            _threads.settle()
+        if not _enter(False):  # another thread is inside a collective: refused (_threads)
+            _refuse_thread("reduce")
+        try:
+            if x.__class__ is _ndarray and reproducible is None:  # the hot path (see _fast_path)
+                try:
+                    run = self._fast_blocks.get(("reduce", op, x.dtype))
+                except TypeError:  # an unhashable op: the general path says what is wrong with it
+                    run = None
+                if run is not None and root.__class__ is int and 0 <= root < self._size and x.flags.carray:
+                    ring = self._ring
+                    if ring is not None:  # the flight recorder (_trace): the cached call and the shape; the root
+                        n = self._seq = self._seq + 1
+                        i = n & self._mask
+                        ring[i] = run, x.shape
+                        self._roots[i] = root
+                    run(x, root)  # written at the root, read elsewhere
+                    return x
+            return self._blocking(reductions.reduce(self, x, op, root, reproducible, False))
+        except Exception as exc:  # noqa: BLE001 - re-raised (MPI errors as CollectiveError)
+            record.note_failure(self, exc, x)
+            reraise(exc, "reduce")
+        finally:
+            _leave()
 
     def allgather(self, x, *, async_op: bool = False):
         """Every rank's ``x``, stacked along a new leading axis. See :func:`collectives.allgather`."""

@@ -159,11 +159,11 @@ def entries(c, inside: bool = False) -> list[dict]:
         if is_record(entry):
             out.append(_records.as_dict(entry))
             continue
-        # a hot-path entry: its cached call, or (cached call, shape[, error]); a broadcast's root is in
-        # _roots at the same index (written with the entry)
+        # a hot-path entry: its cached call, or (cached call, shape[, error]); a broadcast's or a reduce's
+        # root is in _roots at the same index (written with the entry)
         run, shape, error = (*entry, None)[:3] if entry.__class__ is tuple else (entry, None, None)
         collective, op, dtype = c._hot_names.get(run, ("unknown", None, None))
-        root = c._roots[n & c._mask] if collective == "broadcast" else None
+        root = c._roots[n & c._mask] if collective in ("broadcast", "reduce") else None
         nbytes = None
         state = "failed" if error is not None else "started" if inside and n == seq else "completed"
         if shape is None and state == "started":

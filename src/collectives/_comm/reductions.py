@@ -69,11 +69,15 @@ def reduce(comm, x, op, root, reproducible, asynchronous: bool):
                                    receives=receives, out=buf)
         return place() if receives else x  # type: ignore[misc]
     if comm.rank != root:  # non-root ranks contribute x and get it back unchanged
-        yield rules.reduction(comm, transport, "reduce", contiguous(view), info, op, asynchronous, (root,),
-                              receives=False)
+        used = yield rules.reduction(comm, transport, "reduce", contiguous(view), info, op, asynchronous, (root,),
+                                     receives=False)
+        if used is not None and rules.cacheable(comm, info, op):  # (the same call as the root's: any root)
+            comm._fast_path(("reduce", op, view.dtype), x, a, view, info, used, comm._fast_blocks)
         return x
     buf, place = placing(x, a, view, info)
-    yield rules.reduction(comm, transport, "reduce", buf, info, op, asynchronous, (root,))
+    used = yield rules.reduction(comm, transport, "reduce", buf, info, op, asynchronous, (root,))
+    if used is not None and rules.cacheable(comm, info, op):  # (the root's call: it takes any root)
+        comm._fast_path(("reduce", op, view.dtype), x, a, view, info, used, comm._fast_blocks)
     return place()
 
 

@@ -16,9 +16,10 @@ from . import steps
 
 def reduction(comm, transport, operation: str, buf, info, op: str, asynchronous: bool, extra: tuple = (), *,
               receives: bool = True, out=None) -> steps.Step:
-    """The step of a reduction of ``buf`` under the host rules (``_reduction``). Blocking: the call the
-    general path chose (:func:`runner`, :func:`scatter_runner`: a transport's direct call where the values
-    travel as they are, else ``reduce_buffer``), which the hot path caches. Asynchronous: the same
+    """The step of a reduction of ``buf`` under the host rules (``_reduction``): ``operation`` "allreduce",
+    "reduce_scatter" or "reduce" (``extra``: its root). Blocking: the call the general path chose
+    (:func:`runner`, :func:`scatter_runner`, :func:`reduce_runner`: a transport's direct call where the
+    values travel as they are, else ``reduce_buffer``), which the hot path caches. Asynchronous: the same
     rules in steps (:func:`reducing`)."""
     rules = (info, op, extra, receives, out)
     args = (buf,) if out is None else (buf, out)
@@ -28,12 +29,8 @@ def reduction(comm, transport, operation: str, buf, info, op: str, asynchronous:
         run = runner(comm, transport, info, op)
     elif operation == "reduce_scatter":
         run = scatter_runner(comm, transport, info, op)
-    else:
-        call = getattr(transport, operation)
-
-        def run(b):
-            _reduction.reduce_buffer(b, info, op, comm._size, lambda wire, o: call(wire, o, *extra),
-                                     transport.reduces, receives=receives)
+    else:  # "reduce": run(buf, root), the root the call's (extra); the runner serves any root
+        run, args = reduce_runner(comm, transport, info, op), (buf, *extra)
     return steps.Step(transport, operation, args, run)
 
 
@@ -50,6 +47,17 @@ def runner(comm, transport, info, op: str):
     hit = comm._runners.get(key)
     if hit is None or hit[0] is not transport:
         hit = comm._runners[key] = (transport, _reduction.runner(transport, info, op, comm._size))
+    return hit[1]
+
+
+def reduce_runner(comm, transport, info, op: str):
+    """The call that reduces a contiguous buffer of ``info``'s dtype with ``op`` onto a root, ``run(buf,
+    root)`` (:func:`collectives._reduction.reduce_runner`), made once per (transport, dtype, op)."""
+    key = ("reduce", op, info)
+    hit = comm._runners.get(key)
+    if hit is None or hit[0] is not transport:
+        hit = comm._runners[key] = (transport, _reduction.reduce_runner(transport, info, op, comm._size,
+                                                                        comm.rank))
     return hit[1]
 
 

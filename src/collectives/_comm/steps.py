@@ -85,9 +85,9 @@ def described(transport, run, collective: str, op: str | None, info):
         plain = _call.head(collective, op, info)
     now = _call.naming_now
 
-    if collective == "broadcast":
+    if collective in ("broadcast", "reduce"):
 
-        def described_broadcast(x, root):
+        def described_rooted(x, root):
             head = plain if now() is PLAIN else _call.head(collective, op, info)
             transport.caller = head[:-1] + (root, x.size)  # the root is the call's
             try:
@@ -95,7 +95,7 @@ def described(transport, run, collective: str, op: str | None, info):
             finally:
                 transport.caller = None
 
-        return described_broadcast
+        return described_rooted
     if collective in ("reduce_scatter", "alltoall", "allgather"):
 
         def described_blocks(x, out):

@@ -80,6 +80,9 @@ class DeadlineMPITransport(MPITransport):
     def fast_blocks(self, operation, op, dtype, size):
         return None  # the same
 
+    def fast_reduce(self, op, dtype):
+        return None  # the same (the hot path's call is this transport's polled reduce)
+
     # ---- waiting ----
     def _wait(self, what, req) -> None:
         """Wait for ``req`` under the deadline (:meth:`MPITransport._wait_within`)."""

@@ -122,6 +122,17 @@ class HotPath(HostTransport):
         return self._bind("reduce_scatter", dtype, op, (max_count + 1) * dtype.itemsize,
                           lambda send, recv: self.reduce_scatter(send, recv, op))
 
+    def fast_reduce(self, op: str, dtype: np.dtype):
+        """MPI's own ``Reduce`` on the whole buffer (in place at the root), the pieces of :meth:`reduce`
+        past the count one MPI call takes; None where :meth:`_direct` has no direct call or for ``mean``
+        (the general rules divide at the root)."""
+        if op == "mean" or not self._direct(op, dtype):
+            return None
+        row = OPERATIONS["reduce"]
+        return row.bind(row.method(self._lanes[row.lane]), self._types[dtype], self._ops[op], self._in_place,
+                        (self._max_count + 1) * dtype.itemsize, lambda x, root: self.reduce(x, op, root),
+                        rank=self.rank)
+
     def _typed_from_buffer(self, dtype: np.dtype) -> bool:
         """Whether ``comm.Bcast(x, root)`` on a bare array of ``dtype`` is right at any size: mpi4py 4 or
         later (counts past 2**31-1 in one call) and a buffer format it maps to an MPI type of the same

@@ -114,11 +114,12 @@ class Operation(_Methods):
             raise ValueError(f"the MPI operation {self.name} is not one buffer reduced in place")
         return lambda buf: method(in_place, buf, mop)
 
-    def bind(self, method, datatype, mop, in_place, at: float | None, slow) -> Callable:
+    def bind(self, method, datatype, mop, in_place, at: float | None, slow, rank: int = 0) -> Callable:
         """The hot path's call of this row (``fast_call``, ``fast_blocks``), made once per key: a closure
         that calls ``method`` (the lane's bound mpi4py method) on the whole buffers, typed ``datatype``,
         or ``slow`` with the same arguments where the counted buffer holds ``at`` bytes or more (None: no
-        test). For the rows the hot path takes: one buffer in place, one rooted buffer, two buffers counted
+        test). For the rows the hot path takes: one buffer in place, one rooted buffer, one rooted buffer
+        reduced in place at the root (``rank``: this rank; elsewhere nothing is received), two buffers counted
         by the receive buffer with an op, or by the send buffer without.
 
         The closure of one buffer (the allreduce's and the broadcast's) has an attribute ``timed(stamp)``
@@ -180,6 +181,16 @@ class Operation(_Methods):
 
             run_rooted.timed = timed_rooted  # type: ignore[attr-defined]
             return run_rooted
+        if self.buffers == 1 and self.in_place == AT_ROOT and self.rooted and self.reduces:
+            def run_reduce(x, root):
+                if x.nbytes >= at:
+                    return slow(x, root)
+                if root == rank:
+                    method(in_place, [x, datatype], mop, root)
+                else:
+                    method([x, datatype], None, mop, root)
+
+            return run_reduce
         if self.buffers == 2 and self.in_place == NEVER and not self.rooted and self.reduces and self.counted == 1:
             def run_reducing(send, recv):
                 if recv.nbytes >= at:
