@@ -24,9 +24,9 @@ row             ours                                           raw mpi4py (on a 
 (``rscatter``, ``alltoall``, ``async``, ``reduce`` and ``allgather`` only with ``--ops``; the sizes of the first
 two are rounded down to a multiple of the ranks. ``async`` is the asynchronous hot path from its second call
 (the first, the general path, fills it): its record and the fingerprint beside the transfer (one more small
-MPI collective at 2 ranks and more, which raw's side does not run); ``allgather`` is its hot path from the
-second call too (a new array each call, as raw's side makes one); ``reduce`` has no hot path: the general
-path, each call. No target for these three.)
+MPI collective at 2 ranks and more, which raw's side does not run); ``reduce`` and ``allgather`` are their
+hot paths from the second call too (allgather: a new array each call, as raw's side makes one). No target
+for these three.)
 
 At the smallest size the ``allreduce``, ``broadcast`` and ``async`` rows of NumPy arrays also time a third
 side, the **floor**: the least Python that the library's contract needs in front of the MPI call, written as
@@ -81,7 +81,7 @@ TARGET_MEAN = {2**20: 0.6, 2**26: 0.5}  # allreduce mean, ours/raw (issue 34: th
 LARGE = 2**20
 ROWS = ("allreduce", "broadcast", "mean", "rscatter", "alltoall", "async", "reduce", "allgather")
 GENERAL = ("async", "reduce", "allgather")  # rows without a target: async runs a second collective that raw's
-# side does not (the fingerprint; its floor has it), reduce has no hot path, allgather had none until stop 54
+# side does not (the fingerprint; its floor has it); reduce and allgather had no hot path before stop 54
 
 
 def floor_sides(raw, MPI, x: np.ndarray):
