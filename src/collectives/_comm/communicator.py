@@ -44,6 +44,34 @@ def _torch_plain(t) -> bool:
 _strided = None  # torch.strided, set with _torch_tensor
 
 
+def _fast_path(self, op, x, a, view, info, run, blocks: dict | None = None, starts=None) -> None:
+    """Cache ``run`` (the call the general path has just chosen for a fully validated call) for later
+    calls with the same (op, dtype) on contiguous writable NumPy arrays, and on contiguous CPU torch
+    tensors of a real dtype (called with the tensor's NumPy view): the hot path of the Communicator's
+    methods (``Communicator._fast_path``, bound from here). Here, which arrays the hot path may take (the
+    rules: ``call.cache``, which fills the tables); written in this module because it sets
+    ``_torch_tensor``, a global the hot path reads.
+    ``starts``: the transport of a completed asynchronous allreduce, whose steps the asynchronous hot
+    path may repeat (``call.cache_start``; ``run`` is then None)."""
+    global _torch_tensor, _strided
+    if self._check or _call.naming_now()[0] is not None:  # (a front end's own op name: not for later calls;
+        return  # a bucket's layout is: each hot call reads its own, see steps.described)
+    if a is _arrays.NUMPY and x.__class__ is _ndarray:
+        if view.dtype != x.dtype:  # the hot path hands run x itself: not for a reinterpreted view
+            return  # (ml_dtypes' bfloat16 and float8 from JAX travel as their storage integers)
+    elif a is _arrays.TORCH and info.name == view.dtype.name and view.dtype.kind in "biuf":
+        torch = sys.modules["torch"]
+        if x.__class__ is not torch.Tensor:
+            return
+        _torch_tensor, _strided = torch.Tensor, torch.strided  # the hot path hands run x.numpy()
+    else:
+        return
+    if starts is not None:
+        call.cache_start(self, op, x, a, info, starts)
+        return
+    call.cache(self, op, x, a, info, run, blocks)
+
+
 class Communicator:
     """A group of processes that call collectives together.
 
@@ -435,28 +463,4 @@ class Communicator:
         return trees.allreduce_tree(self, tree, op, bucket_bytes, reproducible)
 
     # ---- the hot path's tables ----
-    def _fast_path(self, op, x, a, view, info, run, blocks: dict | None = None, starts=None) -> None:
-        """Cache ``run`` (the call the general path has just chosen for a fully validated call) for later
-        calls with the same (op, dtype) on contiguous writable NumPy arrays, and on contiguous CPU torch
-        tensors of a real dtype (called with the tensor's NumPy view): the hot path of the four methods
-        above. Here, which arrays the hot path may take (the rules: ``call.cache``, which fills the
-        tables); written in the class because it sets ``_torch_tensor``, a global the hot path reads.
-        ``starts``: the transport of a completed asynchronous allreduce, whose steps the asynchronous hot
-        path may repeat (``call.cache_start``; ``run`` is then None)."""
-        global _torch_tensor, _strided
-        if self._check or _call.naming_now()[0] is not None:  # (a front end's own op name: not for later calls;
-            return  # a bucket's layout is: each hot call reads its own, see steps.described)
-        if a is _arrays.NUMPY and x.__class__ is _ndarray:
-            if view.dtype != x.dtype:  # the hot path hands run x itself: not for a reinterpreted view
-                return  # (ml_dtypes' bfloat16 and float8 from JAX travel as their storage integers)
-        elif a is _arrays.TORCH and info.name == view.dtype.name and view.dtype.kind in "biuf":
-            torch = sys.modules["torch"]
-            if x.__class__ is not torch.Tensor:
-                return
-            _torch_tensor, _strided = torch.Tensor, torch.strided  # the hot path hands run x.numpy()
-        else:
-            return
-        if starts is not None:
-            call.cache_start(self, op, x, a, info, starts)
-            return
-        call.cache(self, op, x, a, info, run, blocks)
+    _fast_path = _fast_path  # (a function of this module: the class stays within its size)
