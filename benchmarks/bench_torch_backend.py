@@ -7,7 +7,12 @@ Both measured with torch's own calls on the same tensors:
 - ``dist.all_reduce`` (SUM, float32 CPU tensors) from 8 B to 64 MiB, and as a third side the library's own
   blocking ``allreduce`` on the backend's communicator (what the backend's async path costs on top);
 - one training step of an MLP under ``DistributedDataParallel`` (forward, backward with DDP's bucketed
-  allreduces, SGD step), one DDP model per group, the same parameters and batch.
+  allreduces, SGD step), one DDP model per group, the same parameters and batch; beside them, in the same
+  rounds, two floors: the same model without DDP (``local``: forward, backward, SGD step, no communication
+  at all), and DDP with no communication (``no comm``: a comm hook that hands each bucket back as it is,
+  so DDP's own work stays: its hooks, the copies into and out of its buckets). ``no comm/gloo`` is the
+  least ratio to gloo that any backend of DDP could reach in that job; ``collectives/no comm`` what ours
+  adds to DDP's own step.
 
 The sides alternate within each round (the first side changes every round), each block after an MPI
 barrier, each block about ``--round-ms`` of calls (at least one); a block's time is the slowest rank's. Quoted:
@@ -130,16 +135,32 @@ def main() -> int:
                 opts[n].step()
         return f
 
-    times = timed(world, [step_side(n) for n in names], args.rounds, max(args.round_ms, 1) / 1e3)
+    local = mlp()  # the floors: the same step without DDP, and DDP without communication
+
+    def no_comm(state, bucket):  # a comm hook that reduces nothing: DDP's own work only
+        done = torch.futures.Future()
+        done.set_result(bucket.buffer())
+        return done
+
+    floor = DDP(mlp(), process_group=groups["collectives"])
+    floor.register_comm_hook(None, no_comm)
+    models.update({"local": local, "no comm": floor})
+    opts.update({n: torch.optim.SGD(models[n].parameters(), lr=1e-3) for n in ("local", "no comm")})
+    sides = [*names, "local", "no comm"]
+    times = timed(world, [step_side(n) for n in sides], args.rounds, max(args.round_ms, 1) / 1e3)
     params = sum(p.numel() for p in models["gloo"].parameters())
+    col = {n: times[:, i] for i, n in enumerate(sides)}
     results["ddp_step"] = {"params": params, "grad_bytes": 4 * params, "batch_per_rank": args.batch,
-                           **{n: float(np.median(times[:, i])) for i, n in enumerate(names)},
-                           "ratio": float(np.median(times[:, 0] / times[:, 1]))}
+                           **{n: float(np.median(col[n])) for n in sides},
+                           "ratio": float(np.median(col["collectives"] / col["gloo"])),
+                           "floor_ratio": float(np.median(col["no comm"] / col["gloo"])),
+                           "over_floor": float(np.median(col["collectives"] / col["no comm"]))}
     if rank == 0:
         d = results["ddp_step"]
         print(f"DDP MLP step ({params} params, {args.batch} rows/rank): collectives {fmt_time(d['collectives']).strip()}"
-              f"  gloo {fmt_time(d['gloo']).strip()}  ratio {d['ratio']:.2f}",
-              file=sys.stderr, flush=True)
+              f"  gloo {fmt_time(d['gloo']).strip()}  ratio {d['ratio']:.2f}   (no DDP: {fmt_time(d['local']).strip()};"
+              f" DDP without communication: {fmt_time(d['no comm']).strip()}, {d['floor_ratio']:.2f} of gloo;"
+              f" collectives / it {d['over_floor']:.2f})", file=sys.stderr, flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps({"header": header, "results": results}, indent=1))
     dist.destroy_process_group()
