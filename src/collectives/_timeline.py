@@ -234,7 +234,7 @@ def _timed_run(job, engine, tags, names, run):
         # a frame less than the wrappers below on the 8-byte path
         return timed_in_place((extend, kind, seq, comm, lambda t0, exc: job.failed(engine, tag, False, t0, exc)))
     if names[0] in ("broadcast", "reduce"):  # (a rooted call: its root kept, as a broadcast's)
-        def timed_broadcast(x, root):
+        def timed_rooted(x, root):
             t0 = _ns()
             try:
                 run(x, root)
@@ -243,7 +243,7 @@ def _timed_run(job, engine, tags, names, run):
                 raise
             extend((kind, seq(comm), root, t0, _ns()))
 
-        return timed_broadcast
+        return timed_rooted
     if names[0] in ("reduce_scatter", "alltoall", "allgather"):
         def timed_blocks(x, out):
             t0 = _ns()

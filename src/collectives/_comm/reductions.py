@@ -62,23 +62,17 @@ def reduce(comm, x, op, root, reproducible, asynchronous: bool):
     if transport.array_level:
         out = yield on_device(comm, transport, "reduce", x, a, op, root)
         return a.written(x, out) if comm.rank == root else x
+    receives = comm.rank == root  # the others contribute x and get it back unchanged
+    buf, place = placing(x, a, view, info) if receives else (contiguous(view), None)
     if comm._repro:
-        receives = comm.rank == root
-        buf, place = placing(x, a, view, info) if receives else (contiguous(view), None)
         yield from summing.summing(comm, transport, "reduce", buf.reshape(1, -1), info, op, asynchronous, (root,),
                                    receives=receives, out=buf)
-        return place() if receives else x  # type: ignore[misc]
-    if comm.rank != root:  # non-root ranks contribute x and get it back unchanged
-        used = yield rules.reduction(comm, transport, "reduce", contiguous(view), info, op, asynchronous, (root,),
-                                     receives=False)
-        if used is not None and rules.cacheable(comm, info, op):  # (the same call as the root's: any root)
+    else:
+        used = yield rules.reduction(comm, transport, "reduce", buf, info, op, asynchronous, (root,),
+                                     receives=receives)
+        if used is not None and rules.cacheable(comm, info, op):  # (one call for every rank and every root)
             comm._fast_path(("reduce", op, view.dtype), x, a, view, info, used, comm._fast_blocks)
-        return x
-    buf, place = placing(x, a, view, info)
-    used = yield rules.reduction(comm, transport, "reduce", buf, info, op, asynchronous, (root,))
-    if used is not None and rules.cacheable(comm, info, op):  # (the root's call: it takes any root)
-        comm._fast_path(("reduce", op, view.dtype), x, a, view, info, used, comm._fast_blocks)
-    return place()
+    return place() if receives else x  # type: ignore[misc]
 
 
 def reduce_scatter(comm, x, op, reproducible, asynchronous: bool):
