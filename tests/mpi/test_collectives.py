@@ -68,7 +68,7 @@ def test_reduce_every_root(comm, lib, dtype, op):
             assert same_bits(before, to_numpy(x))
             continue
         want = reduce_reference([rank_values(r, shape, dtype, op) for r in range(comm.size)], op, dtype)
-        for _ in range(2):  # the second call to a root: the hot path, where it has one (NumPy)
+        for _ in range(2):  # the second call to a root: the hot path, where it has one (NumPy, CPU tensors)
             x = make(lib, mine, dtype)
             y = coll.reduce(x, op=op, root=root, comm=comm)
             if comm.rank == root:
@@ -93,7 +93,7 @@ def test_allgather_every_dtype(comm, lib, dtype, op):
     for shape in SHAPES:
         x = make(lib, rank_values(comm.rank, shape, dtype), dtype)
         before = to_numpy(x).copy()
-        for _ in range(2):  # the second call of a shape: the hot path, where it has one (NumPy)
+        for _ in range(2):  # the second call of a shape: the hot path, where it has one (NumPy, CPU tensors)
             g = coll.allgather(x, comm=comm)
             assert type(g) is type(x)
             got = to_numpy(g)
@@ -413,6 +413,42 @@ def test_zero_d_bfloat16_reductions(comm):
         x = torch.tensor(float(comm.rank + 1), dtype=torch.bfloat16)
         assert coll.allreduce(x, op=op, comm=comm) is x
         assert float(x) == torch.tensor(want, dtype=torch.bfloat16).item(), (op, float(x))
+
+
+def test_torch_tensors_take_the_hot_paths_of_reduce_allgather_reduce_scatter_alltoall(comm, monkeypatch):
+    """Plain CPU tensors of a real dtype get the cached calls of reduce, allgather, reduce_scatter and
+    alltoall from their second call on (keyed by the tensor's dtype), with the general path's results: a
+    new tensor of its dtype, the root's tensor written in place with a new version, the others' untouched;
+    bfloat16 and strided views keep the general path and give the right results too."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(comm, "_fast_blocks", {})  # the calls cached so far (internal: no public view of it)
+    n, root = comm.size, comm.size - 1
+    ranks = torch.arange(n, dtype=torch.float64)
+    for _ in range(2):  # the first call fills the cache, the second uses it
+        g = comm.allgather(torch.full((2,), float(comm.rank), requires_grad=True))  # read only: a leaf is fine
+        assert type(g) is torch.Tensor and g.dtype == torch.float32 and not g.requires_grad
+        assert torch.equal(g, ranks.float()[:, None].expand(n, 2))
+        i = torch.arange(2 * n, dtype=torch.int64).reshape(n, 2) * (comm.rank + 1)
+        mine = comm.reduce_scatter(i, "sum")
+        assert mine.dtype == torch.int64 and torch.equal(mine, torch.arange(2 * n).reshape(n, 2)[comm.rank:comm.rank + 1]
+                                                         * (n * (n + 1) // 2))
+        a = comm.alltoall(torch.full((n, 3), float(comm.rank), dtype=torch.float64) + torch.arange(n)[:, None])
+        assert a.dtype == torch.float64 and torch.equal(a, ranks[:, None].expand(n, 3) + comm.rank)
+        r = torch.full((3,), float(comm.rank + 1))
+        before = r._version  # torch's public read of the counter
+        assert comm.reduce(r, "sum", root) is r
+        if comm.rank == root:
+            assert torch.equal(r, torch.full((3,), n * (n + 1) / 2)) and r._version > before
+        else:
+            assert torch.equal(r, torch.full((3,), float(comm.rank + 1))) and r._version == before
+        b = comm.allgather(torch.full((2,), float(comm.rank), dtype=torch.bfloat16))
+        assert b.dtype == torch.bfloat16 and torch.equal(b.float(), ranks.float()[:, None].expand(n, 2))
+        wide = torch.zeros(n, 4)
+        wide[:, ::2] = float(comm.rank)
+        assert torch.equal(comm.alltoall(wide[:, ::2]), ranks.float()[:, None].expand(n, 2))  # a strided view
+    assert {("allgather", torch.float32), ("reduce_scatter", "sum", torch.int64), ("alltoall", torch.float64),
+            ("reduce", "sum", torch.float32)} <= set(comm._fast_blocks)
+    assert not any(torch.bfloat16 in key for key in comm._fast_blocks)
 
 
 def test_torch_hot_path_cached_only_where_it_is_exact(comm, monkeypatch):

@@ -6,7 +6,8 @@ small-leaf buckets and the solo leaves of ``allreduce_tree`` (several solo leave
 for all, ``allreduce_fused``), the shared-memory allreduce forced on (a tiny threshold) and off, the deadline transport, ``reduce``, torch tensors (hot and general path), and the two
 CUDA transports that do not need a GPU for their logic (host staging, CUDA-aware MPI), with CPU tensors
 standing in for device tensors; the asynchronous calls (``async_op=True``, trees too) on those host paths,
-the asynchronous hot path (a second asynchronous call) among them; the
+the asynchronous hot path (a second asynchronous call) among them; ``reduce`` of tensors (general and hot
+path, every root); the
 torch.distributed backend (``collectives.torch_backend``, torch's ReduceOp on CPU tensors; asynchronous, and
 made at the call as ``async_op=False`` makes it on a bounded group);
 ``reduce_scatter`` through the same host paths (its hot path too) and stand-ins (its block must hold the
@@ -238,6 +239,13 @@ def torch_paths(x, dtype, op, comm, comms):
     out["torch async"] = to_numpy(comm.allreduce(as_lib(x, dtype, "torch"), op, async_op=True).wait(), dtype)
     out["torch async hot"] = to_numpy(comm.allreduce(as_lib(x, dtype, "torch"), op, async_op=True).wait(), dtype)
     out["torch tree"] = to_numpy(coll.allreduce_tree({"a": as_lib(x, dtype, "torch")}, op, comm=comm)["a"], dtype)
+    for root in range(comm.size):  # reduce of a tensor: the general path fills the cache (any root), then hot
+        for hot in ("", " hot"):
+            got = to_numpy(coll.reduce(as_lib(x, dtype, "torch"), op, root, comm=comm), dtype)
+            if comm.rank == root:
+                out[f"torch reduce{hot} to {root}"] = got
+            else:
+                assert same_bits(got, to_numpy(as_lib(x, dtype, "torch"), dtype)) is None, "a non-root's tensor changed"
     for transport in device_stand_ins(comm):
         t = as_lib(x, dtype, "torch")
         transport.allreduce(t, None, op)
@@ -377,6 +385,8 @@ def reduce_scatter_paths(x, dtype, op, comm, comms):
     if dtype != "longdouble":
         out["reduce_scatter torch"] = to_numpy(coll.reduce_scatter(as_lib(xs, dtype, "torch"), op, comm=comm)[0],
                                                dtype)
+        out["reduce_scatter torch hot"] = to_numpy(coll.reduce_scatter(as_lib(xs, dtype, "torch"), op,
+                                                                       comm=comm)[0], dtype)
         for transport in device_stand_ins(comm):
             got = transport.reduce_scatter(as_lib(xs, dtype, "torch"), None, op)
             out[f"reduce_scatter {transport.name} (CPU tensors standing in)"] = to_numpy(got[0], dtype)

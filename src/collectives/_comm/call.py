@@ -262,16 +262,17 @@ def cache(comm, op, x, a, info, run, blocks: dict | None) -> None:
 
     ``blocks``: the table of reduce_scatter, alltoall, allgather and reduce, keyed ``("reduce_scatter", op,
     dtype)``, ``("alltoall", dtype)``, ``("allgather", dtype)`` and ``("reduce", op, dtype)`` (``op`` is that
-    key: no op of one can find an entry of another), taking ``run(x, out)`` (reduce: ``run(x, root)``); NumPy
-    arrays only (the first three's output is a new array)."""
+    key with the NumPy dtype: no op of one can find an entry of another; a torch tensor's entry has the
+    tensor's dtype), taking ``run(x, out)`` (reduce: ``run(x, root)``) on NumPy arrays (a tensor's view)."""
     if blocks is not None:
-        if a is _arrays.NUMPY and op not in blocks:
+        key = op if a is _arrays.NUMPY else (*op[:-1], x.dtype)  # (a torch tensor's: its own dtype)
+        if key not in blocks:
             reduced = op[1] if op[0] in ("reduce_scatter", "reduce") else None
             run = described(comm._host, run, op[0], reduced, info)
             if reduced is not None and comm._check_nan and _finite.checks(info):  # COLLECTIVES_CHECK_NAN
                 run = _finite.guarded(comm._host, op[0], info, run, blocks=True)
             comm._hot_names.setdefault(run, (op[0], reduced, info.name))
-            blocks[op] = run
+            blocks[key] = run
         return
     table = comm._fast_broadcast if op == "broadcast" else comm._fast.setdefault(op, {})
     if x.dtype in table:

@@ -42,6 +42,67 @@ def _torch_plain(t) -> bool:
 
 
 _strided = None  # torch.strided, set with _torch_tensor
+_from_numpy = None  # torch.from_numpy, set with _torch_tensor
+
+
+def _hot_blocks(self, run, x, out):
+    """The hot path's call of reduce_scatter, alltoall and allgather (a cached call from ``x`` into ``out``),
+    kept by the flight recorder as the cached call and ``x``'s shape (read anyway)
+    (``Communicator._hot_blocks``, bound from here)."""
+    ring = self._ring
+    if ring is not None:
+        n = self._seq = self._seq + 1
+        ring[n & self._mask] = run, x.shape
+    run(x, out)
+    return out
+
+
+def _torch_blocks(self, kind: str, op, x):
+    """The hot path of reduce_scatter, alltoall and allgather (``kind``; ``op``: reduce_scatter's, else None)
+    for a plain CPU tensor ``x`` (``_torch_plain``) of a cached (op, dtype): the NumPy arrays' hot path on
+    its NumPy view, the result wrapped as the general path wraps it (``torch.from_numpy``: the caching took
+    only dtypes whose view is their own, ``_fast_path``); None where it does not apply (the general path)."""
+    try:
+        run = self._fast_blocks.get((kind, x.dtype) if op is None else (kind, op, x.dtype))
+    except TypeError:  # an unhashable op: the general path says what is wrong with it
+        return None
+    if run is None or not _torch_plain(x):
+        return None
+    v, size = x.detach().numpy() if x.requires_grad else x.numpy(), self._size
+    if kind == "allgather":
+        return _from_numpy(_hot_blocks(self, run, v, _empty((size,) + v.shape, v.dtype)))
+    if not v.ndim or v.shape[0] % size:  # (the general path's error)
+        return None
+    shape = v.shape if kind == "alltoall" else (v.shape[0] // size,) + v.shape[1:]
+    return _from_numpy(_hot_blocks(self, run, v, _empty(shape, v.dtype)))
+
+
+def _hot_reduce(self, run, x, v, root) -> None:
+    """The hot path's call of reduce: ``run(v, root)`` (``v``: ``x`` or a tensor's NumPy view), kept by the
+    flight recorder as the cached call and ``x``'s shape, the root beside it."""
+    ring = self._ring
+    if ring is not None:
+        n = self._seq = self._seq + 1
+        i = n & self._mask
+        ring[i] = run, x.shape
+        self._roots[i] = root
+    run(v, root)  # written at the root, read elsewhere
+
+
+def _torch_reduce(self, op, root, x) -> bool:
+    """The hot path of ``reduce`` for a plain CPU tensor ``x`` of a cached (op, dtype), as for a NumPy array
+    (its NumPy view written at the root, read elsewhere; the root's tensor then has a new version, as the
+    general path gives it); False where it does not apply (the general path)."""
+    try:
+        run = self._fast_blocks.get(("reduce", op, x.dtype))
+    except TypeError:  # an unhashable op: the general path says what is wrong with it
+        return False
+    if run is None or root.__class__ is not int or not 0 <= root < self._size or not _torch_plain(x):
+        return False
+    _hot_reduce(self, run, x, x.detach().numpy() if x.requires_grad else x.numpy(), root)
+    if root == self._host.rank:
+        _arrays.bump_versions((x,))  # written behind autograd's back: as under no_grad
+    return True
 
 
 def _fast_path(self, op, x, a, view, info, run, blocks: dict | None = None, starts=None) -> None:
@@ -53,7 +114,7 @@ def _fast_path(self, op, x, a, view, info, run, blocks: dict | None = None, star
     ``_torch_tensor``, a global the hot path reads.
     ``starts``: the transport of a completed asynchronous allreduce, whose steps the asynchronous hot
     path may repeat (``call.cache_start``; ``run`` is then None)."""
-    global _torch_tensor, _strided
+    global _torch_tensor, _strided, _from_numpy
     if self._check or _call.naming_now()[0] is not None:  # (a front end's own op name: not for later calls;
         return  # a bucket's layout is: each hot call reads its own, see steps.described)
     if a is _arrays.NUMPY and x.__class__ is _ndarray:
@@ -63,7 +124,8 @@ def _fast_path(self, op, x, a, view, info, run, blocks: dict | None = None, star
         torch = sys.modules["torch"]
         if x.__class__ is not torch.Tensor:
             return
-        _torch_tensor, _strided = torch.Tensor, torch.strided  # the hot path hands run x.numpy()
+        _torch_tensor, _strided, _from_numpy = torch.Tensor, torch.strided, torch.from_numpy  # the hot path
+        # hands run x.numpy()
     else:
         return
     if starts is not None:
@@ -339,14 +401,10 @@ class Communicator:
                 except TypeError:  # an unhashable op: the general path says what is wrong with it
                     run = None
                 if run is not None and root.__class__ is int and 0 <= root < self._size and x.flags.carray:
-                    ring = self._ring
-                    if ring is not None:  # the flight recorder (_trace): the cached call and the shape; the root
-                        n = self._seq = self._seq + 1
-                        i = n & self._mask
-                        ring[i] = run, x.shape
-                        self._roots[i] = root
-                    run(x, root)  # written at the root, read elsewhere
+                    _hot_reduce(self, run, x, x, root)
                     return x
+            elif x.__class__ is _torch_tensor and reproducible is None and _torch_reduce(self, op, root, x):
+                return x
             return self._blocking(reductions.reduce(self, x, op, root, reproducible, False))
         except Exception as exc:  # noqa: BLE001 - re-raised (MPI errors as CollectiveError)
             record.note_failure(self, exc, x)
@@ -367,6 +425,8 @@ class Communicator:
                 run = self._fast_blocks.get(("allgather", x.dtype))
                 if run is not None and x.flags.c_contiguous:
                     return self._hot_blocks(run, x, _empty((self._size,) + x.shape, x.dtype))
+            elif x.__class__ is _torch_tensor and (out := _torch_blocks(self, "allgather", None, x)) is not None:
+                return out
             return self._blocking(movement.allgather(self, x, False))
         except Exception as exc:  # noqa: BLE001 - re-raised (MPI errors as CollectiveError)
             record.note_failure(self, exc, x)
@@ -397,6 +457,9 @@ class Communicator:
                     run = None
                 if run is not None and x.flags.c_contiguous and x.ndim and not x.shape[0] % self._size:
                     return self._hot_blocks(run, x, _empty((x.shape[0] // self._size,) + x.shape[1:], x.dtype))
+            elif x.__class__ is _torch_tensor and reproducible is None and (
+                    out := _torch_blocks(self, "reduce_scatter", op, x)) is not None:
+                return out
             return self._blocking(reductions.reduce_scatter(self, x, op, reproducible, False))
         except Exception as exc:  # noqa: BLE001 - re-raised (MPI errors as CollectiveError)
             record.note_failure(self, exc, x)
@@ -417,6 +480,8 @@ class Communicator:
                 run = self._fast_blocks.get(("alltoall", x.dtype))
                 if run is not None and x.flags.c_contiguous and x.ndim and not x.shape[0] % self._size:
                     return self._hot_blocks(run, x, _empty(x.shape, x.dtype))
+            elif x.__class__ is _torch_tensor and (out := _torch_blocks(self, "alltoall", None, x)) is not None:
+                return out
             return self._blocking(movement.alltoall(self, x, False))
         except Exception as exc:  # noqa: BLE001 - re-raised (MPI errors as CollectiveError)
             record.note_failure(self, exc, x)
@@ -424,15 +489,7 @@ class Communicator:
         finally:
             _leave()
 
-    def _hot_blocks(self, run, x, out):
-        """The hot path's call of reduce_scatter, alltoall and allgather (a cached call from ``x`` into ``out``), kept by the
-        flight recorder as the cached call and ``x``'s shape (read above anyway)."""
-        ring = self._ring
-        if ring is not None:
-            n = self._seq = self._seq + 1
-            ring[n & self._mask] = run, x.shape
-        run(x, out)
-        return out
+    _hot_blocks = _hot_blocks
 
     # ---- point-to-point: send and recv (only the two ranks concerned call them) ----
     @collective("send")
