@@ -166,9 +166,9 @@ def calls(draw, size):
         "errstate": draw(st.sampled_from(["default", "raise", "warnings-as-errors"])),
         "checked": mismatch is not None or draw(st.booleans()),
         "mismatch": mismatch,
-        # the same call on a plain array of the dtype first (a torch tensor for the views), twice, in the
+        # the same call on a plain array of the dtype first (a plain tensor for torch), twice, in the
         # draw's own mode: it fills the hot path (blocking or asynchronous) that the call may then take
-        "warm": (family == "views" or lib == "numpy") and draw(st.booleans()),
+        "warm": draw(st.booleans()),  # (NumPy arrays and torch tensors alike)
         "seed": draw(st.integers(0, 2**32 - 1)),
     }
     # a reproducible sum or mean (reproducible=True): its values are quarters, so the exact sum is the

@@ -79,6 +79,22 @@ def test_a_warm_hot_path_on_a_closed_communicator_raises(comm):
             call(x)
 
 
+def test_a_warm_torch_hot_path_on_a_closed_communicator_raises(comm):
+    torch = pytest.importorskip("torch")
+    c = coll.init(comm=MPI.COMM_WORLD.Dup())
+    t = torch.ones(2 * comm.size)
+    calls = (c.allreduce, c.broadcast, c.allgather, c.reduce, c.reduce_scatter, c.alltoall)
+    for _ in range(3):  # warm: the cached direct calls are filled for the tensor's dtype
+        for call in calls:
+            call(t)
+    c.close()
+    before = t.clone()
+    for call in calls:
+        with pytest.raises(coll.BackendUnavailableError):
+            call(t)
+    assert torch.equal(t, before)
+
+
 # ---- item 8: communicators are looked up by the MPI communicator, not by the Python wrapper ----
 
 def test_a_new_wrapper_of_the_same_communicator_finds_the_same_communicator(comm):
@@ -441,7 +457,8 @@ class _BlockingLeaf:
 
 @pytest.mark.parametrize("second", ["allreduce", "coll.allreduce", "broadcast", "coll.broadcast", "reduce",
                                     "allgather", "barrier", "synchronize", "allreduce_tree", "handle.wait",
-                                    "handle.done"])
+                                    "handle.done", "torch reduce", "torch allgather", "torch reduce_scatter",
+                                    "torch alltoall"])
 def test_a_collective_from_a_second_thread_at_once_is_refused(comm, second):
     import threading
 
@@ -450,6 +467,12 @@ def test_a_collective_from_a_second_thread_at_once_is_refused(comm, second):
     comm.broadcast(x)
     comm.allgather(x)
     comm.reduce(x)
+    tensors = {}
+    if second.startswith("torch"):
+        torch = pytest.importorskip("torch")
+        t = tensors["t"] = torch.ones(2 * comm.size)
+        for name in ("reduce", "allgather", "reduce_scatter", "alltoall"):  # warm for the tensor's dtype
+            getattr(comm, name)(t)
     pending = np.ones(3)
     h = comm.allreduce(pending, async_op=True)  # waiting calls MPI: refused as a collective is
     inside, go = threading.Event(), threading.Event()
@@ -471,6 +494,9 @@ def test_a_collective_from_a_second_thread_at_once_is_refused(comm, second):
                  "barrier": comm.barrier, "synchronize": lambda: comm.synchronize({"x": x}),
                  "allreduce_tree": lambda: comm.allreduce_tree({"x": x}), "handle.wait": h.wait,
                  "handle.done": h.done}
+        if tensors:
+            name = second.split()[1]
+            calls[second] = lambda: getattr(comm, name)(tensors["t"])
         before = x.copy()
         with pytest.raises(coll.CollectiveError, match="another thread of this process is inside a collective"):
             calls[second]()
