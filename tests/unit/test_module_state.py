@@ -40,6 +40,7 @@ PROCESS_WIDE = {  # "module:name" -> why the process holds it, not a communicato
     "_call:_names": LOADED + ": the name of each dtype code met, for messages",
     "_comm.communicator:_strided": "NumPy's strided-array check, bound once a hot path is first cached",
     "_comm.communicator:_torch_tensor": "torch.Tensor once torch is imported (the hot path compares classes)",
+    "_comm.communicator:_from_numpy": "torch.from_numpy, bound with _torch_tensor (the tensors' hot paths wrap results)",
     "_comm.functions:_atexit_registered": "the world communicator's finalize at exit, registered once",
     "_comm.functions:_named": "the counter that names the process's communicators (world.0, world.1, ...)",
     "_comm.functions:_world": "the world communicator: one per process",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import sys
 from collections import OrderedDict, deque
+from typing import Any
 
 import numpy as np
 
@@ -42,7 +43,7 @@ def _torch_plain(t) -> bool:
 
 
 _strided = None  # torch.strided, set with _torch_tensor
-_from_numpy = None  # torch.from_numpy, set with _torch_tensor
+_from_numpy: Any = None  # torch.from_numpy, set with _torch_tensor
 
 
 def _hot_blocks(self, run, x, out):
