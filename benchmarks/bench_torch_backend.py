@@ -6,6 +6,9 @@ Both measured with torch's own calls on the same tensors:
 
 - ``dist.all_reduce`` (SUM, float32 CPU tensors) from 8 B to 64 MiB, and as a third side the library's own
   blocking ``allreduce`` on the backend's communicator (what the backend's async path costs on top);
+  with ``--ops``, the same three sides for ``dist.all_gather_into_tensor`` (the library's ``allgather``),
+  ``dist.reduce_scatter_tensor`` (SUM; ``reduce_scatter``; the input's size rounded down to a multiple of
+  the ranks) and ``dist.reduce`` (SUM to rank 0; ``reduce``), the size being the input's;
 - one training step of an MLP under ``DistributedDataParallel`` (forward, backward with DDP's bucketed
   allreduces, SGD step), one DDP model per group, the same parameters and batch; beside them, in the same
   rounds, two floors: the same model without DDP (``local``: forward, backward, SGD step, no communication
@@ -20,6 +23,8 @@ the median per call over the rounds and the median of the per-round ratios colle
 collectives faster).
 
     mpiexec -n 2 python benchmarks/bench_torch_backend.py [--sizes 8B..64MiB] [--rounds 15] [--json out]
+    mpiexec -n 2 python benchmarks/bench_torch_backend.py --sizes 8B,1MiB --no-step \
+        --ops all_reduce,all_gather_into_tensor,reduce_scatter_tensor,reduce
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import os
 import platform
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -69,6 +75,9 @@ def main() -> int:
     ap.add_argument("--round-ms", type=float, default=30.0)
     ap.add_argument("--hidden", type=int, default=1024, help="MLP width (3 hidden layers)")
     ap.add_argument("--batch", type=int, default=32, help="rows per rank")
+    ap.add_argument("--ops", default="all_reduce", help="comma list of all_reduce, all_gather_into_tensor, "
+                    "reduce_scatter_tensor, reduce (default all_reduce)")
+    ap.add_argument("--no-step", action="store_true", help="leave out the DDP step")
     ap.add_argument("--json")
     args = ap.parse_args()
 
@@ -89,31 +98,60 @@ def main() -> int:
               "load_average_at_start": [round(v, 2) for v in os.getloadavg()], "torch": torch.__version__,
               "collectives": collectives.__version__, "mpi_library": MPI.Get_library_version().split("\n")[0],
               "rounds": args.rounds, "round_ms": args.round_ms, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-    results = {"all_reduce": [], "ddp_step": None}
+    ops = [o for o in args.ops.split(",") if o]
+    results: dict = {**{o: [] for o in ops}, "ddp_step": None}
+    comm = groups["collectives"].communicator
+    calls = {  # op -> (torch's call on group g, the library's blocking call): t the input, o the output
+        "all_reduce": (lambda g, t, o: dist.all_reduce(t, group=g), lambda t, o: comm.allreduce(t)),
+        "all_gather_into_tensor": (lambda g, t, o: dist.all_gather_into_tensor(o, t, group=g),
+                                   lambda t, o: comm.allgather(t)),
+        "reduce_scatter_tensor": (lambda g, t, o: dist.reduce_scatter_tensor(o, t, group=g),
+                                  lambda t, o: comm.reduce_scatter(t)),
+        "reduce": (lambda g, t, o: dist.reduce(t, 0, group=g), lambda t, o: comm.reduce(t, root=0)),
+    }
+    # torch 2.13 names all_gather_single and reduce_scatter_single as the successors of these two (the same
+    # backend operations): the benchmark keeps the names its figures were published under
+    warnings.filterwarnings("ignore", message=".*is deprecated. Please use", category=FutureWarning)
+    unknown = set(ops) - set(calls)
+    if unknown:
+        ap.error(f"--ops: unknown {sorted(unknown)}; choose from {list(calls)}")
 
-    for nbytes in parse_sizes(args.sizes, args.factor):
-        t = torch.zeros(nbytes // 4, dtype=torch.float32)  # zeros: sums stay finite
+    for op in ops:
+        theirs, ours = calls[op]
+        for nbytes in parse_sizes(args.sizes, args.factor):
+            count = nbytes // 4 // size * size if op == "reduce_scatter_tensor" else nbytes // 4
+            if count == 0:
+                continue
+            t = torch.zeros(count, dtype=torch.float32)  # zeros: sums stay finite
+            o = torch.zeros(count * size if op == "all_gather_into_tensor" else count // size)
 
-        def side(g, t=t):
-            def f(k, g=g, t=t):
+            def side(g, t=t, o=o, theirs=theirs):
+                def f(k, g=g, t=t, o=o):
+                    for _ in range(k):
+                        theirs(g, t, o)
+                return f
+
+            def library(k, t=t, o=o, ours=ours):
                 for _ in range(k):
-                    dist.all_reduce(t, group=g)
-            return f
+                    ours(t, o)  # the library's blocking call on the same communicator: the backend's cost
 
-        def library(k, t=t, c=groups["collectives"].communicator):
-            for _ in range(k):
-                c.allreduce(t)  # the library's blocking call on the same communicator: the backend's cost
-
-        times = timed(world, [side(groups[n]) for n in names] + [library], args.rounds, args.round_ms / 1e3)
-        row = {"bytes": nbytes, **{n: float(np.median(times[:, i])) for i, n in enumerate(names)},
-               "library": float(np.median(times[:, 2])),
-               "ratio": float(np.median(times[:, 0] / times[:, 1])),
-               "library_ratio": float(np.median(times[:, 2] / times[:, 1]))}
-        results["all_reduce"].append(row)
-        if rank == 0:
-            print(f"all_reduce {human(nbytes):>8}: collectives {fmt_time(row['collectives']).strip()}  "
-                  f"gloo {fmt_time(row['gloo']).strip()}  ratio {row['ratio']:.2f}   (coll.allreduce "
-                  f"{fmt_time(row['library']).strip()}, {row['library_ratio']:.2f} of gloo)", file=sys.stderr, flush=True)
+            times = timed(world, [side(groups[n]) for n in names] + [library], args.rounds, args.round_ms / 1e3)
+            row = {"bytes": 4 * count, **{n: float(np.median(times[:, i])) for i, n in enumerate(names)},
+                   "library": float(np.median(times[:, 2])),
+                   "ratio": float(np.median(times[:, 0] / times[:, 1])),
+                   "library_ratio": float(np.median(times[:, 2] / times[:, 1]))}
+            results[op].append(row)
+            if rank == 0:
+                print(f"{op} {human(4 * count):>8}: collectives {fmt_time(row['collectives']).strip()}  "
+                      f"gloo {fmt_time(row['gloo']).strip()}  ratio {row['ratio']:.2f}   (the library's call "
+                      f"{fmt_time(row['library']).strip()}, {row['library_ratio']:.2f} of gloo)",
+                      file=sys.stderr, flush=True)
+    if args.no_step:
+        if rank == 0 and args.json:
+            Path(args.json).write_text(json.dumps({"header": header, "results": results}, indent=1))
+        dist.destroy_process_group()
+        world.Free()
+        return 0
 
     h = args.hidden
 

@@ -17,7 +17,7 @@ variable                        meaning                                         
 ``COLLECTIVES_ABORT_ON_ERROR``  ``0``: do not abort the job on an uncaught exception         ``1``
 ``COLLECTIVES_SHM``             ``0``: never reduce through node-shared memory, MPI only     ``1``
 ``COLLECTIVES_SHM_THRESHOLD``   host allreduces of this many bytes and up use shared memory  256 KiB
-``COLLECTIVES_SHM_SLOT_BYTES``  shared-memory window bytes per rank (the piece size)         8 MiB
+``COLLECTIVES_SHM_SLOT_BYTES``  shared-memory window bytes per rank (the piece size)         1 MiB
 ``COLLECTIVES_SYNC_PIPELINE``   ``0``: synchronize through MPI_Bcast of packed buckets        ``1``
 ``COLLECTIVES_SIMULATE_NODES``  N: every N consecutive ranks of a node act as one node (tests)  unset
 ``COLLECTIVES_TRACE_BUFFER``    calls each communicator keeps in its record (``0``: none)    2000
@@ -147,8 +147,10 @@ def shm_threshold() -> int:
 
 
 def shm_slot_bytes() -> int:
-    """Shared-window bytes per rank; larger messages go through in pieces of about this size."""
-    return integer("COLLECTIVES_SHM_SLOT_BYTES", 8 * 2**20)
+    """Shared-window bytes per rank; larger messages go through in pieces of about this size (1 MiB: a
+    piece's data stays in the caches between the copy in, the reduction and the copy out; see
+    docs/performance.md, "The slot size")."""
+    return integer("COLLECTIVES_SHM_SLOT_BYTES", 2**20)
 
 
 # Variables set by process launchers, giving the number of processes they started. If one of these says

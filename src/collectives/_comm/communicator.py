@@ -48,8 +48,7 @@ _from_numpy: Any = None  # torch.from_numpy, set with _torch_tensor
 
 def _hot_blocks(self, run, x, out):
     """The hot path's call of reduce_scatter, alltoall and allgather (a cached call from ``x`` into ``out``),
-    kept by the flight recorder as the cached call and ``x``'s shape (read anyway)
-    (``Communicator._hot_blocks``, bound from here)."""
+    kept by the flight recorder as the cached call and ``x``'s shape (read anyway)."""
     ring = self._ring
     if ring is not None:
         n = self._seq = self._seq + 1
@@ -425,7 +424,7 @@ class Communicator:
             if x.__class__ is _ndarray:  # the hot path (see _fast_path): read only, so read-only arrays too
                 run = self._fast_blocks.get(("allgather", x.dtype))
                 if run is not None and x.flags.c_contiguous:
-                    return self._hot_blocks(run, x, _empty((self._size,) + x.shape, x.dtype))
+                    return _hot_blocks(self, run, x, _empty((self._size,) + x.shape, x.dtype))
             elif x.__class__ is _torch_tensor and (out := _torch_blocks(self, "allgather", None, x)) is not None:
                 return out
             return self._blocking(movement.allgather(self, x, False))
@@ -457,7 +456,7 @@ class Communicator:
                 except TypeError:  # an unhashable op: the general path says what is wrong with it
                     run = None
                 if run is not None and x.flags.c_contiguous and x.ndim and not x.shape[0] % self._size:
-                    return self._hot_blocks(run, x, _empty((x.shape[0] // self._size,) + x.shape[1:], x.dtype))
+                    return _hot_blocks(self, run, x, _empty((x.shape[0] // self._size,) + x.shape[1:], x.dtype))
             elif x.__class__ is _torch_tensor and reproducible is None and (
                     out := _torch_blocks(self, "reduce_scatter", op, x)) is not None:
                 return out
@@ -480,7 +479,7 @@ class Communicator:
             if x.__class__ is _ndarray:  # the hot path (see _fast_path)
                 run = self._fast_blocks.get(("alltoall", x.dtype))
                 if run is not None and x.flags.c_contiguous and x.ndim and not x.shape[0] % self._size:
-                    return self._hot_blocks(run, x, _empty(x.shape, x.dtype))
+                    return _hot_blocks(self, run, x, _empty(x.shape, x.dtype))
             elif x.__class__ is _torch_tensor and (out := _torch_blocks(self, "alltoall", None, x)) is not None:
                 return out
             return self._blocking(movement.alltoall(self, x, False))
@@ -489,8 +488,6 @@ class Communicator:
             reraise(exc, "alltoall")
         finally:
             _leave()
-
-    _hot_blocks = _hot_blocks
 
     # ---- point-to-point: send and recv (only the two ranks concerned call them) ----
     @collective("send")
