@@ -67,6 +67,60 @@ def timed(world, sides, rounds: int, round_s: float) -> np.ndarray:
     return times
 
 
+def ddp_step(args, world, groups: dict, names: list, rank: int) -> dict:
+    """One DDP training step per group in ``names`` and the two floors beside them (see the module's
+    docstring), timed in the same rounds; printed on rank 0, returned as a dict."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    h = args.hidden
+
+    def mlp():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(256, h), torch.nn.ReLU(), torch.nn.Linear(h, h), torch.nn.ReLU(),
+                                   torch.nn.Linear(h, h), torch.nn.ReLU(), torch.nn.Linear(h, 10))
+
+    models = {n: DDP(mlp(), process_group=groups[n]) for n in names}
+    opts = {n: torch.optim.SGD(models[n].parameters(), lr=1e-3) for n in names}
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(args.batch, 256, generator=g), torch.randint(0, 10, (args.batch,), generator=g)
+
+    def step_side(n):
+        def f(k, n=n):
+            for _ in range(k):
+                opts[n].zero_grad()
+                torch.nn.functional.cross_entropy(models[n](x), y).backward()
+                opts[n].step()
+        return f
+
+    local = mlp()  # the floors: the same step without DDP, and DDP without communication
+
+    def no_comm(state, bucket):  # a comm hook that reduces nothing: DDP's own work only
+        done = torch.futures.Future()
+        done.set_result(bucket.buffer())
+        return done
+
+    floor = DDP(mlp(), process_group=groups["collectives"])
+    floor.register_comm_hook(None, no_comm)
+    models.update({"local": local, "no comm": floor})
+    opts.update({n: torch.optim.SGD(models[n].parameters(), lr=1e-3) for n in ("local", "no comm")})
+    sides = [*names, "local", "no comm"]
+    times = timed(world, [step_side(n) for n in sides], args.rounds, max(args.round_ms, 1) / 1e3)
+    params = sum(p.numel() for p in models["gloo"].parameters())
+    col = {n: times[:, i] for i, n in enumerate(sides)}
+    d = {"params": params, "grad_bytes": 4 * params, "batch_per_rank": args.batch,
+         **{n: float(np.median(col[n])) for n in sides},
+         "ratio": float(np.median(col["collectives"] / col["gloo"])),
+         "floor_ratio": float(np.median(col["no comm"] / col["gloo"])),
+         "over_floor": float(np.median(col["collectives"] / col["no comm"]))}
+    if rank == 0:
+        print(f"DDP MLP step ({params} params, {args.batch} rows/rank): collectives {fmt_time(d['collectives']).strip()}"
+              f"  gloo {fmt_time(d['gloo']).strip()}  ratio {d['ratio']:.2f}   (no DDP: {fmt_time(d['local']).strip()};"
+              f" DDP without communication: {fmt_time(d['no comm']).strip()}, {d['floor_ratio']:.2f} of gloo;"
+              f" collectives / it {d['over_floor']:.2f})", file=sys.stderr, flush=True)
+    return d
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="8B..64MiB")
@@ -83,7 +137,6 @@ def main() -> int:
 
     import torch
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     import collectives
     import collectives.torch_backend  # registers "collectives" (also binds the name used below)
@@ -146,61 +199,10 @@ def main() -> int:
                       f"gloo {fmt_time(row['gloo']).strip()}  ratio {row['ratio']:.2f}   (the library's call "
                       f"{fmt_time(row['library']).strip()}, {row['library_ratio']:.2f} of gloo)",
                       file=sys.stderr, flush=True)
-    if args.no_step:
-        if rank == 0 and args.json:
-            Path(args.json).write_text(json.dumps({"header": header, "results": results}, indent=1))
-        dist.destroy_process_group()
-        world.Free()
-        return 0
-
-    h = args.hidden
-
-    def mlp():
-        torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Linear(256, h), torch.nn.ReLU(), torch.nn.Linear(h, h), torch.nn.ReLU(),
-                                   torch.nn.Linear(h, h), torch.nn.ReLU(), torch.nn.Linear(h, 10))
-
-    models = {n: DDP(mlp(), process_group=groups[n]) for n in names}
-    opts = {n: torch.optim.SGD(models[n].parameters(), lr=1e-3) for n in names}
-    g = torch.Generator().manual_seed(rank)
-    x, y = torch.randn(args.batch, 256, generator=g), torch.randint(0, 10, (args.batch,), generator=g)
-
-    def step_side(n):
-        def f(k, n=n):
-            for _ in range(k):
-                opts[n].zero_grad()
-                torch.nn.functional.cross_entropy(models[n](x), y).backward()
-                opts[n].step()
-        return f
-
-    local = mlp()  # the floors: the same step without DDP, and DDP without communication
-
-    def no_comm(state, bucket):  # a comm hook that reduces nothing: DDP's own work only
-        done = torch.futures.Future()
-        done.set_result(bucket.buffer())
-        return done
-
-    floor = DDP(mlp(), process_group=groups["collectives"])
-    floor.register_comm_hook(None, no_comm)
-    models.update({"local": local, "no comm": floor})
-    opts.update({n: torch.optim.SGD(models[n].parameters(), lr=1e-3) for n in ("local", "no comm")})
-    sides = [*names, "local", "no comm"]
-    times = timed(world, [step_side(n) for n in sides], args.rounds, max(args.round_ms, 1) / 1e3)
-    params = sum(p.numel() for p in models["gloo"].parameters())
-    col = {n: times[:, i] for i, n in enumerate(sides)}
-    results["ddp_step"] = {"params": params, "grad_bytes": 4 * params, "batch_per_rank": args.batch,
-                           **{n: float(np.median(col[n])) for n in sides},
-                           "ratio": float(np.median(col["collectives"] / col["gloo"])),
-                           "floor_ratio": float(np.median(col["no comm"] / col["gloo"])),
-                           "over_floor": float(np.median(col["collectives"] / col["no comm"]))}
-    if rank == 0:
-        d = results["ddp_step"]
-        print(f"DDP MLP step ({params} params, {args.batch} rows/rank): collectives {fmt_time(d['collectives']).strip()}"
-              f"  gloo {fmt_time(d['gloo']).strip()}  ratio {d['ratio']:.2f}   (no DDP: {fmt_time(d['local']).strip()};"
-              f" DDP without communication: {fmt_time(d['no comm']).strip()}, {d['floor_ratio']:.2f} of gloo;"
-              f" collectives / it {d['over_floor']:.2f})", file=sys.stderr, flush=True)
-        if args.json:
-            Path(args.json).write_text(json.dumps({"header": header, "results": results}, indent=1))
+    if not args.no_step:
+        results["ddp_step"] = ddp_step(args, world, groups, names, rank)
+    if rank == 0 and args.json:
+        Path(args.json).write_text(json.dumps({"header": header, "results": results}, indent=1))
     dist.destroy_process_group()
     world.Free()
     return 0

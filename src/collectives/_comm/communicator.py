@@ -124,8 +124,8 @@ def _fast_path(self, op, x, a, view, info, run, blocks: dict | None = None, star
         torch = sys.modules["torch"]
         if x.__class__ is not torch.Tensor:
             return
-        _torch_tensor, _strided, _from_numpy = torch.Tensor, torch.strided, torch.from_numpy  # the hot path
-        # hands run x.numpy()
+        # the hot path hands run x.numpy() (and wraps a new result with torch.from_numpy)
+        _torch_tensor, _strided, _from_numpy = torch.Tensor, torch.strided, torch.from_numpy
     else:
         return
     if starts is not None:
