@@ -64,6 +64,12 @@ class Adapter:
         counter); return ``result``."""
         return result
 
+    def assign(self, out, result):
+        """Copy ``result`` (an array of out's library, shape and device: a device transport's) into
+        ``out``; return ``out``."""
+        out[...] = result
+        return out
+
     def wrap(self, result: np.ndarray, info: _dtypes.DType, like) -> Any:
         """A new array of like's library, on like's device, holding ``result`` (storage dtype)."""
         from array_api_compat import array_namespace, device as device_of
@@ -164,6 +170,11 @@ class TorchAdapter(Adapter):
             bump_versions((x,))
         return result
 
+    def assign(self, out, result):
+        with sys.modules["torch"].no_grad():  # written in place, as under no_grad (a new version)
+            out.copy_(result)
+        return out
+
     def write_back(self, x, view, result):
         if view.flags.writeable:
             view[...] = result
@@ -207,7 +218,7 @@ bump_versions = _first_bump
 
 NUMPY = _NUMPY = NumpyAdapter()
 TORCH = _TORCH = TorchAdapter()
-_GENERIC = Adapter()
+GENERIC = _GENERIC = Adapter()
 _BY_TYPE: dict[type, Adapter] = {np.ndarray: _NUMPY}
 
 

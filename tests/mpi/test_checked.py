@@ -139,6 +139,8 @@ INVALID = {
     "object-array": (lambda c, x: c.allgather(np.array([None] * 4, dtype=object)), TypeError, "object arrays"),
     "structured-sum": (lambda c, x: c.allreduce(np.zeros(4, dtype=[("a", "i4")])), TypeError, "numeric dtype"),
     "unknown-op": (lambda c, x: c.reduce(x, op="avg"), ValueError, "unknown op"),
+    "out-shape": (lambda c, x: c.allgather(x, out=np.empty((c.size + 1, 4))), ValueError, "out must have shape"),
+    "out-dtype": (lambda c, x: c.allgather(x, out=np.empty((c.size, 4), np.float32)), TypeError, "out must have x's dtype"),
 }
 VALID = {  # what the other ranks call meanwhile (the same collective, with valid arguments)
     "int-mean": lambda c, x: c.allreduce(x, op="mean"),
@@ -150,6 +152,8 @@ VALID = {  # what the other ranks call meanwhile (the same collective, with vali
     "object-array": lambda c, x: c.allgather(x),
     "structured-sum": lambda c, x: c.allreduce(x),
     "unknown-op": lambda c, x: c.reduce(x, op="sum"),
+    "out-shape": lambda c, x: c.allgather(x, out=np.empty((c.size, 4))),
+    "out-dtype": lambda c, x: c.allgather(x, out=np.empty((c.size, 4))),
 }
 
 
@@ -161,7 +165,7 @@ def test_invalid_arguments_on_one_rank_raise_everywhere(checked, case):
     x = np.arange(4.0) + c.rank
     call = (lambda: bad_call(c, x)) if c.rank == bad else (lambda: VALID[case](c, x))
     collective = {"int-mean": "allreduce", "list": "allreduce", "structured-sum": "allreduce",
-                  "object-array": "allgather", "scalar": "broadcast",
+                  "object-array": "allgather", "out-shape": "allgather", "out-dtype": "allgather", "scalar": "broadcast",
                   "root-out-of-range": "broadcast"}.get(case, "reduce")
     err = every_rank_raises(c, call, own={bad: (err_type, err_text)},
                             match=rf"{collective} refused by rank {bad} .*{err_type.__name__}: .*{err_text}")

@@ -100,7 +100,48 @@ def test_allgather_every_dtype(comm, lib, dtype, op):
             assert got.shape == (comm.size,) + shape
             for r in range(comm.size):
                 assert same_bits(to_numpy(make(lib, rank_values(r, shape, dtype), dtype)), got[r])
+            if lib == "strict":  # its arrays are not written in place: out= is refused, before any transfer
+                with pytest.raises(TypeError, match="out must be an array the collective can write in place"):
+                    coll.allgather(x, out=make(lib, np.zeros((comm.size,) + shape), dtype), comm=comm)
+                continue
+            out = make(lib, np.zeros((comm.size,) + shape), dtype)
+            assert coll.allgather(x, out=out, comm=comm) is out  # (the second: the hot path into out)
+            assert same_bits(to_numpy(out), got)
         assert same_bits(before, to_numpy(x)), "allgather never writes x"
+
+
+BAD_OUT = {  # out= that every rank passes alike: refused on every rank before any transfer, nothing written
+    "shape": (lambda lib, x, n: make(lib, np.zeros((n + 1, 3)), "float64"), ValueError, r"shape \(size, \*x.shape\)"),
+    "rows": (lambda lib, x, n: make(lib, np.zeros((n * 3,)), "float64"), ValueError, "out must have shape"),
+    "dtype": (lambda lib, x, n: make(lib, np.zeros((n, 3)), "float32"), TypeError, "out must have x's dtype"),
+    "library": (lambda lib, x, n: make("torch" if lib == "numpy" else "numpy", np.zeros((n, 3)), "float64"),
+                TypeError, "out must be an array of x's library"),
+    "list": (lambda lib, x, n: [[0.0] * 3] * n, TypeError, "list"),
+    "read-only": (lambda lib, x, n: np.zeros((n, 3)).view(), TypeError, "read-only"),
+}
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+@pytest.mark.parametrize("case", sorted(BAD_OUT))
+def test_a_bad_out_is_refused_before_any_transfer(comm, lib, case):
+    if lib == "torch":
+        pytest.importorskip("torch")
+    make_out, err, text = BAD_OUT[case]
+    x = make(lib, np.arange(3.0) + comm.rank, "float64")
+    out = make_out(lib, x, comm.size)
+    if case == "read-only":
+        if lib == "torch":
+            pytest.skip("a torch tensor is always written in place")
+        out.flags.writeable = False
+    before = np.array(to_numpy(out) if not isinstance(out, list) else out)
+    for call in (lambda: coll.allgather(x, out=out, comm=comm),
+                 lambda: coll.allgather(x, out=out, comm=comm, async_op=True).wait()):
+        for _ in range(2):  # the second: after the hot path is warm for x's dtype
+            with pytest.raises(err, match=text):
+                call()
+            coll.allgather(x, comm=comm)  # every rank is still in step
+    assert same_bits(before, np.array(to_numpy(out) if not isinstance(out, list) else out)), "out untouched"
+    assert same_bits(to_numpy(x), np.arange(3.0) + comm.rank)
 
 
 @pytest.mark.parametrize("lib,dtype,op", cases(with_op=False))

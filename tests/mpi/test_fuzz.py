@@ -186,6 +186,11 @@ def calls(draw, size):
     # a third of the calls with async_op=True (their Handle's wait()): the general path's steps in MPI's
     # non-blocking calls, the fingerprint beside them (synchronize has no asynchronous form)
     p["async"] = collective != "synchronize" and draw(st.integers(0, 2)) == 0
+    # allgather into out= (a NumPy array or tensor of x's library; on the stand-in device, a device array):
+    # contiguous (the hot path once warm), strided, or holding x itself as out[rank] (not on the device)
+    p["out"] = None
+    if collective == "allgather":
+        p["out"] = draw(st.sampled_from([None, "C"] if p["device"] else [None, "C", "strided", "inside"]))
     return p
 
 
@@ -372,7 +377,15 @@ def run_call(c, p, x):
     if name == "broadcast":
         return to_numpy(done(c.broadcast(x, root=p["root"], **kw)))
     if name == "allgather":
-        return to_numpy(done(c.allgather(x, **kw)))
+        if p.get("out") is None:
+            return to_numpy(done(c.allgather(x, **kw)))
+        out = out_for(c, p, x)
+        if p["out"] == "inside":  # x itself is out[rank] (as FSDP gathers): its values copied in first
+            out[c.rank] = x
+            x = out[c.rank]
+        got = done(c.allgather(x, out=out, **kw))
+        assert got is out, "allgather(out=...) returns out itself"
+        return to_numpy(got)
     if name == "gather":
         got = done(c.gather(x, root=p["root"], **kw))
         return None if got is None else to_numpy(got)
@@ -384,6 +397,20 @@ def run_call(c, p, x):
         return to_numpy(out["x"])
     out = c.synchronize({"x": x, "step": 3}, root=p["root"])
     return to_numpy(out["x"])
+
+
+def out_for(c, p, x):
+    """allgather's ``out`` for ``x``, as drawn: of x's library, dtype and device, shape ``(size, *x.shape)``."""
+    rows = (c.size, *x.shape)
+    if isinstance(x, OnDevice):
+        return OnDevice(np.zeros(rows, x.dtype), copy=False)
+    if isinstance(x, np.ndarray):
+        base = np.zeros((2 * c.size, *x.shape) if p["out"] == "strided" else rows, x.dtype)
+    else:
+        import torch
+
+        base = torch.zeros((2 * c.size, *x.shape) if p["out"] == "strided" else rows, dtype=x.dtype)
+    return base[::2] if p["out"] == "strided" else base
 
 
 def mismatched(p, rank, size) -> dict:
@@ -502,7 +529,7 @@ def fuzz_comm(comm):
 
 def test_fuzz(comm, fuzz_comm):
     size = comm.size
-    skipped, found = [], []
+    skipped, found, into = [], [], []
 
     @SETTINGS
     @given(data=st.data())
@@ -516,6 +543,7 @@ def test_fuzz(comm, fuzz_comm):
         if REPORT and item == 1 and p["errstate"] != "default" and \
                 p["n"] * itemsize(p["dtype"]) >= SHM_THRESHOLD:
             return  # would hang (one rank raising inside the shared-memory reduction): not in a report
+        into.extend([p["out"]] if p.get("out") else [])
         verdict = outcome(fuzz_comm, p)
         verdicts = MPI.COMM_WORLD.allgather(verdict) if size > 1 else [verdict]
         problem = judge(p, verdicts, size)
@@ -537,4 +565,5 @@ def test_fuzz(comm, fuzz_comm):
             print(f"  item {item}: {problem}: {p} -> {dict(enumerate(verdicts))}")
     if comm.rank == 0:
         print(f"\nfuzz: {MAX_EXAMPLES} draws at {size} ranks (seed {SEED or 'derandomized'}); skipped as known (KNOWN_UNFIXED "
-              f"{sorted(KNOWN_UNFIXED)}): {len(skipped)}, by item {dict(collections.Counter(skipped))}")
+              f"{sorted(KNOWN_UNFIXED)}): {len(skipped)}, by item {dict(collections.Counter(skipped))}; "
+              f"allgather into out=: {dict(collections.Counter(into))}")

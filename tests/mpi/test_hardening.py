@@ -66,17 +66,21 @@ def test_a_closed_communicator_raises_backend_unavailable(comm, call):
 def test_a_warm_hot_path_on_a_closed_communicator_raises(comm):
     c = coll.init(comm=MPI.COMM_WORLD.Dup())
     x = np.ones(3)
+    rows = np.zeros((c.size, 3))
     for _ in range(3):  # warm: the cached direct calls are filled
         c.allreduce(x)
         c.broadcast(x)
         c.allgather(x)
+        c.allgather(x, out=rows)
         c.reduce(x)
     c.close()
+    rows[...] = 7
     for call in (c.allreduce, c.broadcast, c.allgather, c.reduce, lambda y: coll.allreduce(y, comm=c),
                  lambda y: coll.broadcast(y, comm=c), lambda y: coll.allgather(y, comm=c),
-                 lambda y: coll.reduce(y, comm=c)):
+                 lambda y: coll.allgather(y, out=rows, comm=c), lambda y: coll.reduce(y, comm=c)):
         with pytest.raises(coll.BackendUnavailableError):
             call(x)
+    assert (rows == 7).all()
 
 
 def test_a_warm_torch_hot_path_on_a_closed_communicator_raises(comm):

@@ -463,6 +463,79 @@ def test_gather_every_path_gives_every_rank_s_bits(comm, comms, dtype):
             assert not why, f"gather {name}: {why}"
 
 
+@pytest.mark.parametrize("dtype", ["bool", "int8", "float16", "bfloat16", "float64", "longdouble", "complex64"])
+def test_allgather_every_path_gives_every_rank_s_bits(comm, comms, dtype, monkeypatch):
+    """allgather moves bytes: every path gives every rank each rank's input bit for bit (NaN payloads and
+    signed zeros included), as a new array and written into ``out=`` (which it returns): the hot path (a
+    second call) and the general path (strided ``out``, ``x`` inside ``out`` as ``out[rank]``), asynchronous,
+    every communicator's transport, torch tensors, the device path (host staging, stand-in arrays), and the
+    torch backend's ``all_gather_into_tensor``, straight into its output and through a copy."""
+    from support.device import OnDevice, staging
+
+    op = "max" if kind(dtype) in "biuf" else "sum"
+    x = inputs(dtype, op, comm.rank)
+    want = np.stack([inputs(dtype, op, r) for r in range(comm.size)])
+    rows = (comm.size, *x.shape)
+    got = {}
+
+    def into(name, out, call):
+        result = call(out)
+        assert result is out, f"allgather {name}: out= returns out itself"
+        got[name] = out
+
+    if dtype != "bfloat16":  # (NumPy has no bfloat16 of its own; its inputs are float32)
+        got["numpy"] = coll.allgather(x, comm=comm)
+        got["async"] = coll.allgather(x, comm=comm, async_op=True).wait()
+        for i in range(2):  # the second call: the hot path, into out
+            into(f"numpy out {i}", np.empty(rows, x.dtype), lambda o: coll.allgather(x, out=o, comm=comm))
+        into("numpy out strided", np.empty((2 * comm.size, *x.shape), x.dtype)[::2],
+             lambda o: coll.allgather(x, out=o, comm=comm))
+        inside = np.empty(rows, x.dtype)
+        inside[comm.rank] = x
+        into("numpy x inside out", inside, lambda o: coll.allgather(o[comm.rank], out=o, comm=comm))
+        into("numpy async out", np.empty(rows, x.dtype),
+             lambda o: coll.allgather(x, out=o, comm=comm, async_op=True).wait())
+        for name, c in comms.items():
+            got[name] = c.allgather(x)
+            for i in range(2):
+                into(f"{name} out {i}", np.empty(rows, x.dtype), lambda o, c=c: c.allgather(x, out=o))
+            into(f"{name} async out", np.empty(rows, x.dtype), lambda o, c=c: c.allgather(x, out=o, async_op=True).wait())
+        if dtype != "longdouble":  # (no CUDA library has it)
+            staging(comm, monkeypatch)
+            got["device (host staging)"] = coll.allgather(OnDevice(x), comm=comm).values
+            into("device out", OnDevice(np.empty(rows, x.dtype)), lambda o: coll.allgather(OnDevice(x), out=o, comm=comm))
+            got["device out"] = got["device out"].values
+    if dtype != "longdouble":
+        import torch
+
+        t = as_lib(x, dtype, "torch")
+        got["torch"] = coll.allgather(t, comm=comm)
+        for i in range(2):
+            into(f"torch out {i}", torch.empty(rows, dtype=t.dtype), lambda o: coll.allgather(t, out=o, comm=comm))
+        into("torch out strided", torch.empty((2 * comm.size, *x.shape), dtype=t.dtype)[::2],
+             lambda o: coll.allgather(t, out=o, comm=comm))
+        inside = torch.empty(rows, dtype=t.dtype)
+        inside[comm.rank] = t
+        into("torch x inside out", inside, lambda o: coll.allgather(o[comm.rank], out=o, comm=comm))
+        into("torch async out", torch.empty(rows, dtype=t.dtype),
+             lambda o: coll.allgather(t, out=o, comm=comm, async_op=True).wait())
+        group, _ = torch_group(comm, "sum", "AllreduceOptions")
+        flat = torch.empty(comm.size * t.numel(), dtype=t.dtype)  # contiguous: gathered straight into it
+        group._allgather_base(flat, t).wait()  # (c10d passes its AllgatherOptions)
+        got["torch.distributed backend"] = flat.reshape(rows)
+        cols = torch.empty((x.size, comm.size), dtype=t.dtype).T  # not contiguous: through a copy
+        group._allgather_base(cols, t.reshape(1, -1)).wait()
+        got["torch.distributed backend, strided output"] = cols.reshape(rows)
+    if dtype == "bfloat16":  # the reference is float32; bfloat16 rounds it (small integers: exactly)
+        import torch
+
+        want = torch.from_numpy(want).to(torch.bfloat16).float().numpy()
+    for name, g in got.items():
+        why = same_bits(to_numpy(g, dtype), want)
+        assert not why, f"allgather {name}: {why}"
+    assert len(got) >= 8
+
+
 @pytest.mark.parametrize("dtype", ["float32", "longdouble"])
 @pytest.mark.parametrize("shape", [(67,), (3, 5, 7)])
 def test_reduce_leaves_non_root_inputs_untouched(comm, dtype, shape):

@@ -204,6 +204,19 @@ def test_all_gather_forms(pg, comm):
     flat = torch.empty(2 * n, 3, dtype=torch.float64)
     dist.all_gather_into_tensor(flat, x)
     assert torch.equal(flat, torch.cat(outs))
+    # as FSDP gathers its parameters: the input is this rank's chunk of the output, asynchronous too
+    for async_op in (False, True):
+        flat = torch.zeros(2 * n * 3, dtype=torch.float64)
+        mine = flat[6 * comm.rank:6 * (comm.rank + 1)]
+        mine.copy_(x.reshape(-1))
+        work = dist.all_gather_into_tensor(flat, mine, async_op=async_op)
+        if async_op:
+            work.wait()
+        assert torch.equal(flat, torch.cat(outs).reshape(-1))
+    # an output that is not contiguous: written through a copy, the same values
+    cols = torch.zeros(3, 2 * n, dtype=torch.float64).T
+    dist.all_gather_into_tensor(cols, x)
+    assert torch.equal(cols, torch.cat(outs))
     with pytest.raises(ValueError, match="shape"):
         dist.all_gather([torch.empty(3)] * n, torch.empty(2))
 

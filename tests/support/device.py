@@ -27,6 +27,9 @@ class OnDevice:
     def __dlpack__(self, **kw):
         raise AssertionError("a device array's memory is moved by its transport, never read as host memory")
 
+    def __setitem__(self, key, value):  # as CuPy's ``out[...] = result``, device to device
+        self.values[key] = value.values
+
 
 class DeviceLibrary:
     """The operations host staging takes of a device library (``device._TorchCUDA``'s), on :class:`OnDevice`:

@@ -13,6 +13,7 @@ or a test may replace on one communicator (``_transport_for``, ``_blocking``, ``
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections import OrderedDict, deque
 from typing import Any
@@ -32,6 +33,7 @@ from .engine import Engine
 
 _ndarray = np.ndarray  # one global look-up on the hot path instead of two
 _empty = np.empty
+_may_share_memory = np.may_share_memory  # (bounds only: cheap)
 _torch_tensor = None  # torch.Tensor, once a torch tensor's call has been cached (torch is never imported here)
 _NONE: dict = {}  # read-only by convention: what the hot path looks in for an op with no cached calls
 
@@ -57,11 +59,13 @@ def _hot_blocks(self, run, x, out):
     return out
 
 
-def _torch_blocks(self, kind: str, op, x):
+def _torch_blocks(self, kind: str, op, x, out=None):
     """The hot path of reduce_scatter, alltoall and allgather (``kind``; ``op``: reduce_scatter's, else None)
     for a plain CPU tensor ``x`` (``_torch_plain``) of a cached (op, dtype): the NumPy arrays' hot path on
     its NumPy view, the result wrapped as the general path wraps it (``torch.from_numpy``: the caching took
-    only dtypes whose view is their own, ``_fast_path``); None where it does not apply (the general path)."""
+    only dtypes whose view is their own, ``_fast_path``), or written into allgather's ``out`` (a plain
+    tensor of x's dtype and shape ``(size, *x.shape)``, apart from x's memory); None where it does not apply
+    (the general path)."""
     try:
         run = self._fast_blocks.get((kind, x.dtype) if op is None else (kind, op, x.dtype))
     except TypeError:  # an unhashable op: the general path says what is wrong with it
@@ -70,7 +74,16 @@ def _torch_blocks(self, kind: str, op, x):
         return None
     v, size = x.detach().numpy() if x.requires_grad else x.numpy(), self._size
     if kind == "allgather":
-        return _from_numpy(_hot_blocks(self, run, v, _empty((size,) + v.shape, v.dtype)))
+        if out is None:
+            return _from_numpy(_hot_blocks(self, run, v, _empty((size,) + v.shape, v.dtype)))
+        if out.__class__ is not _torch_tensor or out.dtype != x.dtype or not _torch_plain(out):
+            return None
+        w = out.detach().numpy() if out.requires_grad else out.numpy()
+        if w.shape != (size,) + v.shape or _may_share_memory(v, w):
+            return None
+        _hot_blocks(self, run, v, w)
+        _arrays.bump_versions((out,))  # written behind autograd's back: as under no_grad
+        return out
     if not v.ndim or v.shape[0] % size:  # (the general path's error)
         return None
     shape = v.shape if kind == "alltoall" else (v.shape[0] // size,) + v.shape[1:]
@@ -412,10 +425,12 @@ class Communicator:
         finally:
             _leave()
 
-    def allgather(self, x, *, async_op: bool = False):
-        """Every rank's ``x``, stacked along a new leading axis. See :func:`collectives.allgather`."""
+    def allgather(self, x, *, out=None, async_op: bool = False):
+        """Every rank's ``x``, stacked along a new leading axis (into ``out`` where given). See
+        :func:`collectives.allgather`."""
         if async_op:
-            return self._async("allgather", movement.allgather, self, x)
+            return self._async("allgather", movement.allgather if out is None else
+                               functools.partial(movement.allgather, out=out), self, x)
         if _threads.settle is not None:  # a jitted JAX computation's collectives first (_threads)
             _threads.settle()
         if not _enter(False):  # another thread is inside a collective: refused (_threads)
@@ -424,10 +439,14 @@ class Communicator:
             if x.__class__ is _ndarray:  # the hot path (see _fast_path): read only, so read-only arrays too
                 run = self._fast_blocks.get(("allgather", x.dtype))
                 if run is not None and x.flags.c_contiguous:
-                    return _hot_blocks(self, run, x, _empty((self._size,) + x.shape, x.dtype))
-            elif x.__class__ is _torch_tensor and (out := _torch_blocks(self, "allgather", None, x)) is not None:
-                return out
-            return self._blocking(movement.allgather(self, x, False))
+                    if out is None:
+                        return _hot_blocks(self, run, x, _empty((self._size,) + x.shape, x.dtype))
+                    if (out.__class__ is _ndarray and out.dtype == x.dtype and out.flags.carray
+                            and out.shape == (self._size,) + x.shape and not _may_share_memory(x, out)):
+                        return _hot_blocks(self, run, x, out)
+            elif x.__class__ is _torch_tensor and (got := _torch_blocks(self, "allgather", None, x, out)) is not None:
+                return got
+            return self._blocking(movement.allgather(self, x, False, out))
         except Exception as exc:  # noqa: BLE001 - re-raised (MPI errors as CollectiveError)
             record.note_failure(self, exc, x)
             reraise(exc, "allgather")

@@ -314,13 +314,20 @@ def reduce(x, op: str = "sum", root: int = 0, *, comm=None, async_op: bool = Fal
     return _resolve(comm).reduce(x, op, root, async_op=async_op, reproducible=reproducible)
 
 
-def allgather(x, *, comm=None, async_op: bool = False):
+def allgather(x, *, out=None, comm=None, async_op: bool = False):
     """Every rank's ``x``, stacked: ``result[r]`` is rank r's ``x``.
 
     Every rank must call it with an array of the same shape and dtype.
 
+    Args:
+        out: where to write the result instead of a new array: an array of x's library that can be
+            written in place (a writable NumPy array, a torch tensor, a CUDA array), of x's dtype and
+            device, of shape ``(size, *x.shape)``; checked before any communication (TypeError or
+            ValueError). ``x`` may lie inside it (as ``out[rank]``). Each rank chooses for itself: with or
+            without ``out``, the ranks' transfers are the same.
+
     Returns:
-        A new array of shape ``(size, *x.shape)``, of x's library, dtype and device.
+        A new array of shape ``(size, *x.shape)``, of x's library, dtype and device; or ``out``, written.
 
     Example:
         >>> import numpy as np, collectives as coll
@@ -328,8 +335,11 @@ def allgather(x, *, comm=None, async_op: bool = False):
         >>> g = coll.allgather(np.array([comm.rank]))
         >>> g.shape == (comm.size, 1) and g[:, 0].tolist() == list(range(comm.size))
         True
+        >>> buf = np.empty((comm.size, 1), dtype=int)
+        >>> coll.allgather(np.array([comm.rank]), out=buf) is buf and buf[:, 0].tolist() == list(range(comm.size))
+        True
     """
-    return _resolve(comm).allgather(x, async_op=async_op)
+    return _resolve(comm).allgather(x, out=out, async_op=async_op)
 
 
 def gather(x, root: int = 0, *, comm=None, async_op: bool = False):

@@ -29,18 +29,42 @@ def broadcast(comm, x, root, asynchronous: bool):
     return place()
 
 
-def allgather(comm, x, asynchronous: bool):
-    a, transport, view, info, _, _ = validate.prepare(comm, "allgather", x, asynchronous=asynchronous)
+def allgather(comm, x, asynchronous: bool, out=None):
+    a, transport, view, info, _, _ = validate.prepare(comm, "allgather", x, asynchronous=asynchronous, out=out)
     if transport.array_level:
-        return (yield Step(transport, "allgather", (x, a), device=True))
+        got = yield Step(transport, "allgather", (x, a), device=True)
+        return got if out is None else a.assign(out, got)
     size = comm._size
-    out = np.empty((size,) + view.shape, dtype=view.dtype)
+    send = contiguous(view)
+    if out is None:
+        buf = np.empty((size,) + view.shape, dtype=view.dtype)
+    else:
+        buf, place = writing(out, a)
+        if np.may_share_memory(send, buf):  # x inside out (FSDP's x = out[rank]): MPI takes no overlap
+            send = send.copy()
     run = None if asynchronous else (transport.fast_blocks("allgather", None, view.dtype, size)
                                      or allgather_blocks(transport, size))
-    used = yield Step(transport, "allgather", (contiguous(view), out.reshape(size, -1)), run)
+    used = yield Step(transport, "allgather", (send, buf.reshape(size, -1)), run)
     if used is not None:
         comm._fast_path(("allgather", view.dtype), x, a, view, info, used, comm._fast_blocks)
-    return a.wrap(out, info, x)
+    return a.wrap(buf, info, x) if out is None else place()
+
+
+def writing(out, a):
+    """``(buf, place)`` for a result written into ``out`` (validated, ``validate.check_out``): out's own
+    host memory where it can be written as it is, else a new buffer that ``place()`` copies into out; and
+    ``place()``, which returns ``out`` (torch: with a new version, as for a write under no_grad). Nothing
+    of out's old values is read."""
+    view, _ = a.host_view(out)
+    if view.flags.writeable and view.flags.c_contiguous:
+        return view, lambda: a.written(out, out)
+    buf = np.empty(view.shape, dtype=view.dtype)
+
+    def place():
+        a.write_back(out, view, buf)
+        return a.written(out, out)
+
+    return buf, place
 
 
 def allgather_blocks(transport, size: int):

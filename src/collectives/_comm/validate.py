@@ -45,8 +45,35 @@ def check_blocks(comm, collective: str, x) -> None:
                          f"{comm.size} rows")
 
 
+def check_out(comm, collective: str, x, a, on, out) -> None:
+    """``out`` (allgather's): an array of x's library that is written in place (a writable NumPy array, a
+    torch tensor, a CUDA array of a library whose arrays are mutable), of x's dtype and device (``on``, x's),
+    of shape ``(size, *x.shape)``; else TypeError (what it is) or ValueError (its shape or device)."""
+    b = _arrays.adapter(out)  # TypeError for what is not an array
+    if b is not a or (b is _arrays.GENERIC and type(out) is not type(x)):
+        raise TypeError(f"{collective}: out must be an array of x's library ({type(x).__module__}."
+                        f"{type(x).__name__}), got {type(out).__module__}.{type(out).__name__}")
+    device = b.device(out)
+    if not (b.mutable or (b is _arrays.NUMPY and out.flags.writeable)
+            or (b is _arrays.GENERIC and device[0] not in _arrays.HOST_DEVICE_TYPES
+                and not type(out).__module__.startswith("jax"))):
+        raise TypeError(f"{collective}: out must be an array the collective can write in place (a writable "
+                        f"NumPy array, a torch tensor, a CUDA array), got a "
+                        f"{'read-only NumPy array' if b is _arrays.NUMPY else type(out).__module__ + ' array'}; "
+                        f"leave out unset to get a new array")
+    if out.dtype != x.dtype and _dtypes.name_of(out) != _dtypes.name_of(x):  # (names: for the message only)
+        raise TypeError(f"{collective}: out must have x's dtype ({_dtypes.name_of(x)}), got "
+                        f"{_dtypes.name_of(out)}")
+    want = (comm.size, *tuple(getattr(x, "shape", ())))
+    if tuple(out.shape) != want:
+        raise ValueError(f"{collective}: out must have shape (size, *x.shape) = {want}, got {tuple(out.shape)}")
+    if device != on:
+        raise ValueError(f"{collective}: out must be on x's device ({_arrays.device_name(on)}), got "
+                         f"{_arrays.device_name(device)}")
+
+
 def prepare(comm, collective: str, x, op=UNSET, root=UNSET, blocks: bool = False,
-            asynchronous: bool = False, reproducible=None, units: bool = False):
+            asynchronous: bool = False, reproducible=None, units: bool = False, out=None):
     """Validate a call, choose its transport and, in checked mode, agree on it with the other ranks.
 
     Every check runs before any communication. In checked mode a rank whose own arguments are invalid
@@ -58,7 +85,9 @@ def prepare(comm, collective: str, x, op=UNSET, root=UNSET, blocks: bool = False
     None for the communicator's default) sets ``comm._repro`` for the call's steps; a reproducible call
     is described, and agreed, with its op named ``"reproducible sum"`` or ``"reproducible mean"``.
     ``units``: ``x`` is a stack of units (``Communicator.allreduce_units``), whose leading dimension may differ
-    between ranks (described and agreed by one unit's shape).
+    between ranks (described and agreed by one unit's shape). ``out``: allgather's array to write the result
+    into (:func:`check_out`), or None; a local choice, so neither described nor agreed (the ranks' transfers
+    are the same either way).
 
     While ``comm._staging`` (:func:`call.staged`: a device transport's host copy of the call being run) the
     call already has its record and its agreement: ``x`` is checked and described, but no record is begun
@@ -82,6 +111,8 @@ def prepare(comm, collective: str, x, op=UNSET, root=UNSET, blocks: bool = False
             check_blocks(comm, collective, x)
         if units:
             check_units(x)
+        if out is not None:
+            check_out(comm, collective, x, a, device, out)
         if op is not UNSET and device[0] not in _arrays.HOST_DEVICE_TYPES and (
                 reproducible is not False and (reproducible is not None or comm._reproducible)):
             # a reproducible sum of a device array: the host path's, on a host copy (DeviceTransport.reproducible)

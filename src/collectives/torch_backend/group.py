@@ -129,15 +129,15 @@ class ProcessGroupCollectives(dist.ProcessGroup):
     def _work(self, what, handles, finish=None, result=None) -> Work:
         return Work(what, handles, finish, result, self._wait_s)
 
-    def _start(self, opts, call, *args):
-        """``call(*args, async_op=True)``: the handle of one of our collectives; or, where torch will wait
+    def _start(self, opts, call, *args, **kwargs):
+        """``call(*args, **kwargs, async_op=True)``: the handle of one of our collectives; or, where torch will wait
         for the operation at once (``async_op=False``: torch passes it as the options' ``asyncOp``) and the
         group's communicator bounds and checks its blocking calls (a deadline: the group's ``timeout=``),
         the blocking call made now (the hot path: no handle to drive), as a completed handle. Either way
         the call is described, fingerprinted and bounded by the same engine, and gives the same bits."""
         if self._at_once and opts is not None and opts.asyncOp is False:
-            return _Done(call(*args))
-        return call(*args, async_op=True)
+            return _Done(call(*args, **kwargs))
+        return call(*args, **kwargs, async_op=True)
 
     # ---- reductions ----
     @_describing_op(1)
@@ -278,6 +278,10 @@ class ProcessGroupCollectives(dist.ProcessGroup):
             raise ValueError(f"all_gather_into_tensor: the output must hold size ({self.size()}) times the input's "
                              f"{input.numel()} elements, got {output.numel()}")
         _same_dtype("all_gather_into_tensor", output, input)
+        if output.is_contiguous() and output.device == input.device:  # gathered straight into output's memory
+            rows = output.view((self.size(), *input.shape))
+            return self._work("all_gather_into_tensor", [self._start(opts, self._comm.allgather, input, out=rows)],
+                              result=[output])
         h = self._start(opts, self._comm.allgather, input)
         return self._work("all_gather_into_tensor", [h], lambda r: output.copy_(r[0].reshape(output.shape)),
                           [output])
