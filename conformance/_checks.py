@@ -147,3 +147,28 @@ class _Step:
         if self.steps.first is None:
             self.steps.first = exc
         return True
+
+
+def check_out(sut, collective: str, lib: Lib, spec: Spec, x, shape: tuple, got: np.ndarray, what: str,
+              **kwargs) -> None:
+    """``collective(x, out=out, **kwargs)``, where the system under test takes ``out=``: for a library whose
+    arrays are written in place (NumPy, torch, CuPy), ``out`` itself is returned, holding ``got`` (the bits
+    of the same call's new array) bit for bit; for the others (array-api-strict, JAX) a ``TypeError``."""
+    import inspect
+
+    call = getattr(sut, collective)
+    if "out" not in inspect.signature(call).parameters:
+        return
+    out = lib.from_bits(np.zeros(shape, spec.storage), spec)
+    what = what.replace("(x", "(x, out=out", 1)
+    if not lib.writable("1d"):
+        try:
+            call(x, out=out, **kwargs)
+        except TypeError:
+            return
+        raise AssertionError(f"{what}: a {lib.name} array is not written in place, so out= must be a TypeError")
+    y = call(x, out=out, **kwargs)
+    assert y is out, f"{what}: returns out itself, got {type(y).__name__}"
+    assert same_bits(lib.to_bits(out, spec), got), (
+        f"{what}: out does not hold the bits of the same call without out: "
+        f"{first_difference(lib.to_bits(out, spec), got)}")

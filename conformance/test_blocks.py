@@ -58,6 +58,7 @@ def test_reduce_scatter(sut, comm, rec, lib_name, dtype, op):
                              + (f" (it is block {others[0]})" if others else "")
                              + f": {_checks.first_difference(got.astype(want.dtype), want)}")
     _checks.check_reduced(spec, op, got, want, what)
+    _checks.check_out(sut, "reduce_scatter", lib, spec, x, (ROWS, 3), lib.to_bits(y, spec), what, op=op)
 
 
 @pytest.mark.parametrize("lib_name,dtype,op", _cases(False))

@@ -68,6 +68,7 @@ def test_allgather(sut, comm, rec, lib_name, dtype, op, layout):
         assert _checks.same_bits(row, want), (
             f"{what}: result[{r}] is not rank {r}'s x, bit for bit: {_checks.first_difference(row, want)}")
     rec.same_on_every_rank("result", got.tobytes())
+    _checks.check_out(sut, "allgather", lib, spec, made.x, (comm.size, *shape), got, what)
 
 
 def _reduction_data(spec, shape, op, seed, size):

@@ -141,6 +141,8 @@ INVALID = {
     "unknown-op": (lambda c, x: c.reduce(x, op="avg"), ValueError, "unknown op"),
     "out-shape": (lambda c, x: c.allgather(x, out=np.empty((c.size + 1, 4))), ValueError, "out must have shape"),
     "out-dtype": (lambda c, x: c.allgather(x, out=np.empty((c.size, 4), np.float32)), TypeError, "out must have x's dtype"),
+    "scatter-out-shape": (lambda c, x: c.reduce_scatter(np.tile(x, (c.size, 1)), out=np.empty((1, 5))), ValueError,
+                          "out must have shape"),
 }
 VALID = {  # what the other ranks call meanwhile (the same collective, with valid arguments)
     "int-mean": lambda c, x: c.allreduce(x, op="mean"),
@@ -154,6 +156,7 @@ VALID = {  # what the other ranks call meanwhile (the same collective, with vali
     "unknown-op": lambda c, x: c.reduce(x, op="sum"),
     "out-shape": lambda c, x: c.allgather(x, out=np.empty((c.size, 4))),
     "out-dtype": lambda c, x: c.allgather(x, out=np.empty((c.size, 4))),
+    "scatter-out-shape": lambda c, x: c.reduce_scatter(np.tile(x, (c.size, 1)), out=np.empty((1, 4))),
 }
 
 
@@ -165,7 +168,8 @@ def test_invalid_arguments_on_one_rank_raise_everywhere(checked, case):
     x = np.arange(4.0) + c.rank
     call = (lambda: bad_call(c, x)) if c.rank == bad else (lambda: VALID[case](c, x))
     collective = {"int-mean": "allreduce", "list": "allreduce", "structured-sum": "allreduce",
-                  "object-array": "allgather", "out-shape": "allgather", "out-dtype": "allgather", "scalar": "broadcast",
+                  "object-array": "allgather", "out-shape": "allgather", "out-dtype": "allgather",
+                  "scatter-out-shape": "reduce_scatter", "scalar": "broadcast",
                   "root-out-of-range": "broadcast"}.get(case, "reduce")
     err = every_rank_raises(c, call, own={bad: (err_type, err_text)},
                             match=rf"{collective} refused by rank {bad} .*{err_type.__name__}: .*{err_text}")

@@ -110,38 +110,41 @@ def test_allgather_every_dtype(comm, lib, dtype, op):
         assert same_bits(before, to_numpy(x)), "allgather never writes x"
 
 
-BAD_OUT = {  # out= that every rank passes alike: refused on every rank before any transfer, nothing written
-    "shape": (lambda lib, x, n: make(lib, np.zeros((n + 1, 3)), "float64"), ValueError, r"shape \(size, \*x.shape\)"),
-    "rows": (lambda lib, x, n: make(lib, np.zeros((n * 3,)), "float64"), ValueError, "out must have shape"),
-    "dtype": (lambda lib, x, n: make(lib, np.zeros((n, 3)), "float32"), TypeError, "out must have x's dtype"),
-    "library": (lambda lib, x, n: make("torch" if lib == "numpy" else "numpy", np.zeros((n, 3)), "float64"),
+BAD_OUT = {  # out= that every rank passes alike (``rows``: the result's shape): refused on every rank before
+    # any transfer, nothing written
+    "shape": (lambda lib, rows: make(lib, np.zeros((rows[0] + 1, 3)), "float64"), ValueError, "out must have shape"),
+    "flat": (lambda lib, rows: make(lib, np.zeros((rows[0] * 3,)), "float64"), ValueError, "out must have shape"),
+    "dtype": (lambda lib, rows: make(lib, np.zeros(rows), "float32"), TypeError, "out must have x's dtype"),
+    "library": (lambda lib, rows: make("torch" if lib == "numpy" else "numpy", np.zeros(rows), "float64"),
                 TypeError, "out must be an array of x's library"),
-    "list": (lambda lib, x, n: [[0.0] * 3] * n, TypeError, "list"),
-    "read-only": (lambda lib, x, n: np.zeros((n, 3)).view(), TypeError, "read-only"),
+    "list": (lambda lib, rows: [[0.0] * 3] * rows[0], TypeError, "list"),
+    "read-only": (lambda lib, rows: np.zeros(rows).view(), TypeError, "read-only"),
 }
 
 
+@pytest.mark.parametrize("collective", ["allgather", "reduce_scatter"])
 @pytest.mark.parametrize("lib", ["numpy", "torch"])
 @pytest.mark.parametrize("case", sorted(BAD_OUT))
-def test_a_bad_out_is_refused_before_any_transfer(comm, lib, case):
+def test_a_bad_out_is_refused_before_any_transfer(comm, collective, lib, case):
     if lib == "torch":
         pytest.importorskip("torch")
     make_out, err, text = BAD_OUT[case]
-    x = make(lib, np.arange(3.0) + comm.rank, "float64")
-    out = make_out(lib, x, comm.size)
+    mine = np.arange(3.0 * comm.size).reshape(comm.size, 3) + comm.rank
+    x = make(lib, mine[0] if collective == "allgather" else mine, "float64")
+    out = make_out(lib, (comm.size, 3) if collective == "allgather" else (1, 3))
     if case == "read-only":
         if lib == "torch":
             pytest.skip("a torch tensor is always written in place")
         out.flags.writeable = False
+    call = getattr(coll, collective)
     before = np.array(to_numpy(out) if not isinstance(out, list) else out)
-    for call in (lambda: coll.allgather(x, out=out, comm=comm),
-                 lambda: coll.allgather(x, out=out, comm=comm, async_op=True).wait()):
+    for bad in (lambda: call(x, out=out, comm=comm), lambda: call(x, out=out, comm=comm, async_op=True).wait()):
         for _ in range(2):  # the second: after the hot path is warm for x's dtype
             with pytest.raises(err, match=text):
-                call()
-            coll.allgather(x, comm=comm)  # every rank is still in step
+                bad()
+            call(x, comm=comm)  # every rank is still in step
     assert same_bits(before, np.array(to_numpy(out) if not isinstance(out, list) else out)), "out untouched"
-    assert same_bits(to_numpy(x), np.arange(3.0) + comm.rank)
+    assert same_bits(to_numpy(x), mine[0] if collective == "allgather" else mine)
 
 
 @pytest.mark.parametrize("lib,dtype,op", cases(with_op=False))

@@ -86,8 +86,8 @@ NUMPY_DTYPES = ["float64", "longdouble", "float32", "float16", "int64", "bool", 
 TORCH_DTYPES = ["float32", "float64", "bfloat16", "float16", "int64", "bool", "int32", "complex64"]
 LEGAL = {"sum": "iufc", "prod": "iufc", "min": "biuf", "max": "biuf", "mean": "fc"}
 COLLECTIVES = ["allreduce", "allreduce", "reduce", "broadcast", "allgather", "gather", "allreduce_tree",
-               "synchronize"]
-REDUCTIONS = ("allreduce", "reduce", "allreduce_tree")
+               "synchronize", "reduce_scatter"]
+REDUCTIONS = ("allreduce", "reduce", "allreduce_tree", "reduce_scatter")
 REPRODUCIBLE = ("float16", "bfloat16", "float32", "float64", "complex64", "complex128")  # reproducible=True
 
 
@@ -145,6 +145,8 @@ def calls(draw, size):
     if family == "views":
         edges = [1, 0, 3, 1]
     n = max(0, draw(st.sampled_from(edges)) + (0 if family == "views" else draw(st.sampled_from([0, -1, 1]))))
+    if collective == "reduce_scatter":  # x (1-d) splits into size blocks
+        n -= n % size
     if family == "views":
         layout = draw(st.sampled_from(["neg", "C", "conj", "C", "step"]))
     else:
@@ -153,6 +155,8 @@ def calls(draw, size):
     if layout == "neg" and dtype not in ("float32", "float64"):
         layout = "C"
     if layout == "conj" and dtype != "complex64":
+        layout = "C"
+    if layout == "F" and collective == "reduce_scatter":  # (its leading dimension, 2, need not split)
         layout = "C"
     mismatch = None
     if size > 1 and family == "any" and draw(st.integers(0, 5)) == 0:
@@ -186,11 +190,13 @@ def calls(draw, size):
     # a third of the calls with async_op=True (their Handle's wait()): the general path's steps in MPI's
     # non-blocking calls, the fingerprint beside them (synchronize has no asynchronous form)
     p["async"] = collective != "synchronize" and draw(st.integers(0, 2)) == 0
-    # allgather into out= (a NumPy array or tensor of x's library; on the stand-in device, a device array):
-    # contiguous (the hot path once warm), strided, or holding x itself as out[rank] (not on the device)
+    # allgather and reduce_scatter into out= (a NumPy array or tensor of x's library; on the stand-in device,
+    # a device array): contiguous (the hot path once warm), strided, or overlapping x (allgather: x is
+    # out[rank]; reduce_scatter: out is x's own block; a plain x only)
     p["out"] = None
-    if collective == "allgather":
-        p["out"] = draw(st.sampled_from([None, "C"] if p["device"] else [None, "C", "strided", "inside"]))
+    if collective in ("allgather", "reduce_scatter"):
+        p["out"] = draw(st.sampled_from([None, "C"] if p["device"] else
+                                        [None, "C", "strided"] + (["inside"] if p["layout"] == "C" else [])))
     return p
 
 
@@ -386,6 +392,14 @@ def run_call(c, p, x):
         got = done(c.allgather(x, out=out, **kw))
         assert got is out, "allgather(out=...) returns out itself"
         return to_numpy(got)
+    if name == "reduce_scatter":
+        if p.get("out") is None:
+            return to_numpy(done(c.reduce_scatter(x, op=p["op"], **exact, **kw)))
+        k = x.shape[0] // c.size
+        out = x[c.rank * k:(c.rank + 1) * k] if p["out"] == "inside" else out_for(c, p, x, (k,))
+        got = done(c.reduce_scatter(x, op=p["op"], out=out, **exact, **kw))
+        assert got is out, "reduce_scatter(out=...) returns out itself"
+        return to_numpy(got)
     if name == "gather":
         got = done(c.gather(x, root=p["root"], **kw))
         return None if got is None else to_numpy(got)
@@ -399,17 +413,18 @@ def run_call(c, p, x):
     return to_numpy(out["x"])
 
 
-def out_for(c, p, x):
-    """allgather's ``out`` for ``x``, as drawn: of x's library, dtype and device, shape ``(size, *x.shape)``."""
-    rows = (c.size, *x.shape)
+def out_for(c, p, x, rows=None):
+    """allgather's ``out`` for ``x`` (or of the shape ``rows``), as drawn: of x's library, dtype and device,
+    shape ``(size, *x.shape)``, contiguous or strided."""
+    rows = rows or (c.size, *x.shape)
     if isinstance(x, OnDevice):
         return OnDevice(np.zeros(rows, x.dtype), copy=False)
     if isinstance(x, np.ndarray):
-        base = np.zeros((2 * c.size, *x.shape) if p["out"] == "strided" else rows, x.dtype)
+        base = np.zeros((2 * rows[0], *rows[1:]) if p["out"] == "strided" else rows, x.dtype)
     else:
         import torch
 
-        base = torch.zeros((2 * c.size, *x.shape) if p["out"] == "strided" else rows, dtype=x.dtype)
+        base = torch.zeros((2 * rows[0], *rows[1:]) if p["out"] == "strided" else rows, dtype=x.dtype)
     return base[::2] if p["out"] == "strided" else base
 
 
@@ -423,10 +438,11 @@ def mismatched(p, rank, size) -> dict:
                     n=max(p["n"], 1), specials=False, struct_b=last)
     if not last:
         return p
-    if p["mismatch"] == "shape":
-        return dict(p, n=p["n"] + 1)
+    if p["mismatch"] == "shape":  # (reduce_scatter: still a multiple of size, so only the shapes differ)
+        return dict(p, n=p["n"] + (size if p["collective"] == "reduce_scatter" else 1))
     other = {"allreduce": "allreduce_tree", "reduce": "synchronize", "broadcast": "allreduce_tree",
-             "allgather": "barrier", "gather": "allgather", "allreduce_tree": "allreduce", "synchronize": "broadcast"}
+             "allgather": "barrier", "gather": "allgather", "allreduce_tree": "allreduce", "synchronize": "broadcast",
+             "reduce_scatter": "allreduce"}
     return dict(p, collective=other[p["collective"]], op=p["op"] or "sum", barrier=True)
 
 
@@ -445,14 +461,15 @@ def outcome(c, p) -> tuple:
     if c.check != mine["checked"]:  # (setting it empties the hot path's cache: only when it changes)
         c.check = mine["checked"]
     try:
-        if mine["warm"] and mine["collective"] in ("allreduce", "broadcast", "allgather", "reduce") and mine["mismatch"] is None and not (
-                mine.get("device") or mine.get("reproducible")):
+        if mine["warm"] and mine["collective"] in ("allreduce", "broadcast", "allgather", "reduce", "reduce_scatter") \
+                and mine["mismatch"] is None and not (mine.get("device") or mine.get("reproducible")):
+            n = size if mine["collective"] == "reduce_scatter" else max(mine["n"], 1)
             if mine["lib"] == "torch":
                 import torch
 
-                like = torch.ones(max(mine["n"], 1), dtype=x.dtype)
+                like = torch.ones(n, dtype=x.dtype)
             else:
-                like = np.zeros(max(mine["n"], 1), dtype=x.dtype)
+                like = np.zeros(n, dtype=x.dtype)
             for _ in range(2):  # fills the hot path for this dtype and mode (unchecked), as a training loop does
                 run_call(c, {**mine, "layout": "C"}, like)
         with warnings.catch_warnings(record=True) as caught:
@@ -477,6 +494,10 @@ def outcome(c, p) -> tuple:
         want = inputs[rank]
     elif p["collective"] == "gather" and rank != p["root"]:
         return ("ok", None) if got is None else ("wrong", f"a non-root rank got {type(got).__name__}, not None")
+    elif p["collective"] == "reduce_scatter":  # this rank's block of the reduction
+        full = reference(p, inputs)
+        k = full.shape[0] // size
+        want = full[rank * k:(rank + 1) * k]
     else:
         want = reference(p, inputs)
     problem = compare(p, got, want)
@@ -543,7 +564,7 @@ def test_fuzz(comm, fuzz_comm):
         if REPORT and item == 1 and p["errstate"] != "default" and \
                 p["n"] * itemsize(p["dtype"]) >= SHM_THRESHOLD:
             return  # would hang (one rank raising inside the shared-memory reduction): not in a report
-        into.extend([p["out"]] if p.get("out") else [])
+        into.extend([f"{p['collective']} {p['out']}"] if p.get("out") else [])
         verdict = outcome(fuzz_comm, p)
         verdicts = MPI.COMM_WORLD.allgather(verdict) if size > 1 else [verdict]
         problem = judge(p, verdicts, size)
@@ -566,4 +587,4 @@ def test_fuzz(comm, fuzz_comm):
     if comm.rank == 0:
         print(f"\nfuzz: {MAX_EXAMPLES} draws at {size} ranks (seed {SEED or 'derandomized'}); skipped as known (KNOWN_UNFIXED "
               f"{sorted(KNOWN_UNFIXED)}): {len(skipped)}, by item {dict(collections.Counter(skipped))}; "
-              f"allgather into out=: {dict(collections.Counter(into))}")
+              f"into out=: {dict(collections.Counter(into))}")

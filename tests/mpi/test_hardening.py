@@ -87,16 +87,20 @@ def test_a_warm_torch_hot_path_on_a_closed_communicator_raises(comm):
     torch = pytest.importorskip("torch")
     c = coll.init(comm=MPI.COMM_WORLD.Dup())
     t = torch.ones(2 * comm.size)
-    calls = (c.allreduce, c.broadcast, c.allgather, c.reduce, c.reduce_scatter, c.alltoall)
+    gathered, block = torch.zeros(comm.size, 2 * comm.size), torch.zeros(2)
+    calls = (c.allreduce, c.broadcast, c.allgather, c.reduce, c.reduce_scatter, c.alltoall,
+             lambda y: c.allgather(y, out=gathered), lambda y: c.reduce_scatter(y, out=block))
     for _ in range(3):  # warm: the cached direct calls are filled for the tensor's dtype
         for call in calls:
             call(t)
     c.close()
     before = t.clone()
+    gathered.fill_(7)
+    block.fill_(7)
     for call in calls:
         with pytest.raises(coll.BackendUnavailableError):
             call(t)
-    assert torch.equal(t, before)
+    assert torch.equal(t, before) and (gathered == 7).all() and (block == 7).all()
 
 
 # ---- item 8: communicators are looked up by the MPI communicator, not by the Python wrapper ----
@@ -224,6 +228,31 @@ def test_a_collective_into_a_saved_tensor_makes_backward_raise(comm, call, warm)
         INPLACE_CALLS[call](c, b)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             loss.backward()  # as after b.mul_(1) under torch.no_grad(); it gave a wrong gradient silently
+    finally:
+        base.Free()
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
+@pytest.mark.parametrize("collective", ["allgather", "reduce_scatter"])
+def test_a_result_written_into_a_saved_out_makes_backward_raise(comm, collective, warm):
+    """``out=`` is written as ``x`` is by broadcast: behind autograd's back, with a new version, on the hot
+    path (warm) and the general path (cold) alike."""
+    torch = pytest.importorskip("torch")
+    base = MPI.COMM_WORLD.Dup()
+    try:
+        c = coll.init(comm=base)
+        rows = (c.size, 2) if collective == "allgather" else (1, 2)
+        x = torch.ones(2) if collective == "allgather" else torch.ones(c.size, 2)
+        call = getattr(c, collective)
+        if warm:
+            for _ in range(3):
+                call(x, out=torch.empty(rows))
+        a = torch.ones(rows, requires_grad=True)
+        out = torch.full(rows, 2.0)
+        loss = (a * out).sum()
+        assert call(x, out=out) is out
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
     finally:
         base.Free()
 

@@ -364,10 +364,21 @@ def scatter_input(x: np.ndarray, size: int) -> np.ndarray:
     return np.stack([np.roll(x, j) for j in range(size)])
 
 
-def reduce_scatter_paths(x, dtype, op, comm, comms):
-    """name -> this rank's block of reduce_scatter, for every host path and the device stand-ins."""
+def reduce_scatter_paths(x, dtype, op, comm, comms, monkeypatch):
+    """name -> this rank's block of reduce_scatter, for every host path and the device stand-ins; also
+    written into ``out=`` (which it returns): contiguous (the general path, then the hot path), strided,
+    inside ``x``, asynchronous, on every communicator, torch tensors, the device path (host staging,
+    stand-in arrays) and the torch backend's output (contiguous: reduced into it; strided: copied)."""
+    from support.device import OnDevice, staging
+
     out = {}
     xs = scatter_input(x, comm.size)
+    block = (1, *xs.shape[1:])
+
+    def into(name, o, call):
+        assert call(o) is o, f"reduce_scatter {name}: out= returns out itself"
+        out[f"reduce_scatter {name}"] = (o.values if isinstance(o, OnDevice) else o)[0]
+
     if dtype != "bfloat16":
         out["reduce_scatter"] = coll.reduce_scatter(xs.copy(), op, comm=comm)[0]  # fills the hot path's cache
         out["reduce_scatter hot"] = coll.reduce_scatter(xs.copy(), op, comm=comm)[0]  # ... which this takes
@@ -382,11 +393,39 @@ def reduce_scatter_paths(x, dtype, op, comm, comms):
             out[f"reduce_scatter {name}"] = c.reduce_scatter(xs.copy(), op)[0]
             out[f"reduce_scatter {name} hot"] = c.reduce_scatter(xs.copy(), op)[0]
             out[f"reduce_scatter {name} async"] = c.reduce_scatter(xs, op, async_op=True).wait()[0]
+            into(f"{name} out", np.empty(block, xs.dtype), lambda o, c=c: c.reduce_scatter(xs, op, out=o))
+            into(f"{name} async out", np.empty(block, xs.dtype),
+                 lambda o, c=c: c.reduce_scatter(xs, op, out=o, async_op=True).wait())
+        for i in range(2):  # the second: the hot path, into out
+            into(f"out {i}", np.empty(block, xs.dtype), lambda o: coll.reduce_scatter(xs, op, out=o, comm=comm))
+        into("out strided", np.empty((1, 2 * xs.shape[1]), xs.dtype)[:, ::2],
+             lambda o: coll.reduce_scatter(xs, op, out=o, comm=comm))
+        into("async out", np.empty(block, xs.dtype),
+             lambda o: coll.reduce_scatter(xs, op, out=o, comm=comm, async_op=True).wait())
+        mixed = xs.copy()  # out inside x: this rank's own block of x receives the result
+        mine = mixed[comm.rank:comm.rank + 1]
+        assert coll.reduce_scatter(mixed, op, out=mine, comm=comm) is mine
+        out["reduce_scatter out inside x"] = mine[0].copy()
+        if dtype != "longdouble":
+            staging(comm, monkeypatch)
+            out["reduce_scatter device (host staging)"] = coll.reduce_scatter(OnDevice(xs), op, comm=comm).values[0]
+            into("device out", OnDevice(np.empty(block, xs.dtype)),
+                 lambda o: coll.reduce_scatter(OnDevice(xs), op, out=o, comm=comm))
     if dtype != "longdouble":
         out["reduce_scatter torch"] = to_numpy(coll.reduce_scatter(as_lib(xs, dtype, "torch"), op, comm=comm)[0],
                                                dtype)
         out["reduce_scatter torch hot"] = to_numpy(coll.reduce_scatter(as_lib(xs, dtype, "torch"), op,
                                                                        comm=comm)[0], dtype)
+        import torch
+
+        t = as_lib(xs, dtype, "torch")
+        for i in range(2):
+            o = torch.empty(block, dtype=t.dtype)
+            assert coll.reduce_scatter(t, op, out=o, comm=comm) is o
+            out[f"reduce_scatter torch out {i}"] = to_numpy(o[0], dtype)
+        o = torch.empty(block, dtype=t.dtype)
+        assert coll.reduce_scatter(t, op, out=o, comm=comm, async_op=True).wait() is o
+        out["reduce_scatter torch async out"] = to_numpy(o[0], dtype)
         for transport in device_stand_ins(comm):
             got = transport.reduce_scatter(as_lib(xs, dtype, "torch"), None, op)
             out[f"reduce_scatter {transport.name} (CPU tensors standing in)"] = to_numpy(got[0], dtype)
@@ -395,11 +434,14 @@ def reduce_scatter_paths(x, dtype, op, comm, comms):
         mine = blocks[0].clone()
         assert group.reduce_scatter_single(mine, blocks.reshape(-1), opts).wait()
         out["reduce_scatter torch.distributed backend"] = to_numpy(mine, dtype)
+        strided = torch.zeros(2 * blocks.shape[1], dtype=blocks.dtype)[::2]  # not contiguous: through a copy
+        assert group.reduce_scatter_single(strided, blocks.reshape(-1), opts).wait()
+        out["reduce_scatter torch.distributed backend, strided output"] = to_numpy(strided, dtype)
     return {k: np.roll(v, -comm.rank) for k, v in out.items()}  # block r was x rolled by r
 
 
 @pytest.mark.parametrize(("dtype", "op"), pairs(), ids=[f"{d}-{o}" for d, o in pairs()])
-def test_every_path_gives_the_documented_bits(comm, comms, dtype, op):
+def test_every_path_gives_the_documented_bits(comm, comms, dtype, op, monkeypatch):
     x = inputs(dtype, op, comm.rank)
     want = reference(dtype, op, comm.size)
     results = {}
@@ -407,7 +449,7 @@ def test_every_path_gives_the_documented_bits(comm, comms, dtype, op):
         results.update(numpy_paths(x, op, comm, comms))
     if dtype not in ("longdouble", "uint16"):
         results.update(torch_paths(x, dtype, op, comm, comms))
-    results.update(reduce_scatter_paths(x, dtype, op, comm, comms))
+    results.update(reduce_scatter_paths(x, dtype, op, comm, comms, monkeypatch))
     if dtype == "bfloat16":  # the reference is float32; bfloat16 rounds it (small integers: exactly)
         import torch
 

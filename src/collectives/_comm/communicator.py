@@ -63,9 +63,9 @@ def _torch_blocks(self, kind: str, op, x, out=None):
     """The hot path of reduce_scatter, alltoall and allgather (``kind``; ``op``: reduce_scatter's, else None)
     for a plain CPU tensor ``x`` (``_torch_plain``) of a cached (op, dtype): the NumPy arrays' hot path on
     its NumPy view, the result wrapped as the general path wraps it (``torch.from_numpy``: the caching took
-    only dtypes whose view is their own, ``_fast_path``), or written into allgather's ``out`` (a plain
-    tensor of x's dtype and shape ``(size, *x.shape)``, apart from x's memory); None where it does not apply
-    (the general path)."""
+    only dtypes whose view is their own, ``_fast_path``), or written into allgather's or reduce_scatter's
+    ``out`` (a plain tensor of x's dtype and the result's shape, apart from x's memory); None where it does
+    not apply (the general path)."""
     try:
         run = self._fast_blocks.get((kind, x.dtype) if op is None else (kind, op, x.dtype))
     except TypeError:  # an unhashable op: the general path says what is wrong with it
@@ -74,20 +74,21 @@ def _torch_blocks(self, kind: str, op, x, out=None):
         return None
     v, size = x.detach().numpy() if x.requires_grad else x.numpy(), self._size
     if kind == "allgather":
-        if out is None:
-            return _from_numpy(_hot_blocks(self, run, v, _empty((size,) + v.shape, v.dtype)))
-        if out.__class__ is not _torch_tensor or out.dtype != x.dtype or not _torch_plain(out):
-            return None
-        w = out.detach().numpy() if out.requires_grad else out.numpy()
-        if w.shape != (size,) + v.shape or _may_share_memory(v, w):
-            return None
-        _hot_blocks(self, run, v, w)
-        _arrays.bump_versions((out,))  # written behind autograd's back: as under no_grad
-        return out
-    if not v.ndim or v.shape[0] % size:  # (the general path's error)
+        shape = (size,) + v.shape
+    elif not v.ndim or v.shape[0] % size:  # (the general path's error)
         return None
-    shape = v.shape if kind == "alltoall" else (v.shape[0] // size,) + v.shape[1:]
-    return _from_numpy(_hot_blocks(self, run, v, _empty(shape, v.dtype)))
+    else:
+        shape = v.shape if kind == "alltoall" else (v.shape[0] // size,) + v.shape[1:]
+    if out is None:
+        return _from_numpy(_hot_blocks(self, run, v, _empty(shape, v.dtype)))
+    if out.__class__ is not _torch_tensor or out.dtype != x.dtype or not _torch_plain(out):
+        return None
+    w = out.detach().numpy() if out.requires_grad else out.numpy()
+    if w.shape != shape or _may_share_memory(v, w):
+        return None
+    _hot_blocks(self, run, v, w)
+    _arrays.bump_versions((out,))  # written behind autograd's back: as under no_grad
+    return out
 
 
 def _hot_reduce(self, run, x, v, root) -> None:
@@ -460,10 +461,13 @@ class Communicator:
             return self._async("gather", movement.gather, self, x, root)
         return self._blocking(movement.gather(self, x, root, False))
 
-    def reduce_scatter(self, x, op: str = "sum", *, async_op: bool = False, reproducible: bool | None = None):
-        """This rank's block of the reduction of ``x``. See :func:`collectives.reduce_scatter`."""
+    def reduce_scatter(self, x, op: str = "sum", *, out=None, async_op: bool = False,
+                       reproducible: bool | None = None):
+        """This rank's block of the reduction of ``x`` (into ``out`` where given). See
+        :func:`collectives.reduce_scatter`."""
         if async_op:
-            return self._async("reduce_scatter", reductions.reduce_scatter, self, x, op, reproducible)
+            return self._async("reduce_scatter", reductions.reduce_scatter if out is None else
+                               functools.partial(reductions.reduce_scatter, into=out), self, x, op, reproducible)
         if _threads.settle is not None:  # a jitted JAX computation's collectives first (_threads)
             _threads.settle()
         if not _enter(False):  # another thread is inside a collective: refused (_threads)
@@ -475,11 +479,16 @@ class Communicator:
                 except TypeError:  # an unhashable op: the general path says what is wrong with it
                     run = None
                 if run is not None and x.flags.c_contiguous and x.ndim and not x.shape[0] % self._size:
-                    return _hot_blocks(self, run, x, _empty((x.shape[0] // self._size,) + x.shape[1:], x.dtype))
+                    shape = (x.shape[0] // self._size,) + x.shape[1:]
+                    if out is None:
+                        return _hot_blocks(self, run, x, _empty(shape, x.dtype))
+                    if (out.__class__ is _ndarray and out.dtype == x.dtype and out.flags.carray
+                            and out.shape == shape and not _may_share_memory(x, out)):
+                        return _hot_blocks(self, run, x, out)
             elif x.__class__ is _torch_tensor and reproducible is None and (
-                    out := _torch_blocks(self, "reduce_scatter", op, x)) is not None:
-                return out
-            return self._blocking(reductions.reduce_scatter(self, x, op, reproducible, False))
+                    got := _torch_blocks(self, "reduce_scatter", op, x, out)) is not None:
+                return got
+            return self._blocking(reductions.reduce_scatter(self, x, op, reproducible, False, out))
         except Exception as exc:  # noqa: BLE001 - re-raised (MPI errors as CollectiveError)
             record.note_failure(self, exc, x)
             reraise(exc, "reduce_scatter")

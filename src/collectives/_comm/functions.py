@@ -374,7 +374,8 @@ def gather(x, root: int = 0, *, comm=None, async_op: bool = False):
     return _resolve(comm).gather(x, root, async_op=async_op)
 
 
-def reduce_scatter(x, op: str = "sum", *, comm=None, async_op: bool = False, reproducible: bool | None = None):
+def reduce_scatter(x, op: str = "sum", *, out=None, comm=None, async_op: bool = False,
+                   reproducible: bool | None = None):
     """Reduce ``x`` over all ranks and give each rank one block of the result.
 
     The leading dimension of ``x`` is split into ``size`` equal blocks; rank r gets block r of the
@@ -388,10 +389,13 @@ def reduce_scatter(x, op: str = "sum", *, comm=None, async_op: bool = False, rep
         x: an array (host memory, or CUDA memory of torch/CuPy) whose ``x.shape[0]`` is divisible by the
             communicator's size; left unchanged.
         op: ``"sum"``, ``"prod"``, ``"min"``, ``"max"`` or ``"mean"``.
+        out: where to write this rank's block instead of a new array: as :func:`allgather`'s ``out``, of
+            shape ``(x.shape[0] // size, *x.shape[1:])`` (it may lie inside ``x``).
         comm: a :class:`Communicator` or an mpi4py communicator (default: :func:`world`).
 
     Returns:
-        A new array of shape ``(x.shape[0] // size, *x.shape[1:])``, of x's library, dtype and device.
+        A new array of shape ``(x.shape[0] // size, *x.shape[1:])``, of x's library, dtype and device; or
+        ``out``, written.
 
     Raises:
         ValueError: ``x`` is 0-d or its leading dimension is not divisible by the size (before any
@@ -405,8 +409,11 @@ def reduce_scatter(x, op: str = "sum", *, comm=None, async_op: bool = False, rep
         >>> mine = coll.reduce_scatter(x, op="sum")                            # block comm.rank of the sum
         >>> mine.shape, mine.tolist() == [(comm.size * x[comm.rank]).tolist()]
         ((1, 2), True)
+        >>> buf = np.empty((1, 2), dtype=np.int64)
+        >>> coll.reduce_scatter(x, op="sum", out=buf) is buf and buf.tolist() == mine.tolist()
+        True
     """
-    return _resolve(comm).reduce_scatter(x, op, async_op=async_op, reproducible=reproducible)
+    return _resolve(comm).reduce_scatter(x, op, out=out, async_op=async_op, reproducible=reproducible)
 
 
 def alltoall(x, *, comm=None, async_op: bool = False):

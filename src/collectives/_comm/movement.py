@@ -13,7 +13,7 @@ from .. import _agree, _arrays
 from .._threads import collective
 from . import call, validate
 from .record import traced
-from .steps import BARRIER, Step, contiguous, placing
+from .steps import BARRIER, Step, contiguous, placing, writing
 
 
 def broadcast(comm, x, root, asynchronous: bool):
@@ -48,23 +48,6 @@ def allgather(comm, x, asynchronous: bool, out=None):
     if used is not None:
         comm._fast_path(("allgather", view.dtype), x, a, view, info, used, comm._fast_blocks)
     return a.wrap(buf, info, x) if out is None else place()
-
-
-def writing(out, a):
-    """``(buf, place)`` for a result written into ``out`` (validated, ``validate.check_out``): out's own
-    host memory where it can be written as it is, else a new buffer that ``place()`` copies into out; and
-    ``place()``, which returns ``out`` (torch: with a new version, as for a write under no_grad). Nothing
-    of out's old values is read."""
-    view, _ = a.host_view(out)
-    if view.flags.writeable and view.flags.c_contiguous:
-        return view, lambda: a.written(out, out)
-    buf = np.empty(view.shape, dtype=view.dtype)
-
-    def place():
-        a.write_back(out, view, buf)
-        return a.written(out, out)
-
-    return buf, place
 
 
 def allgather_blocks(transport, size: int):

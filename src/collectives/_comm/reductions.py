@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import _reduction
 from . import rules, summing, validate
-from .steps import Step, contiguous, placing
+from .steps import Step, contiguous, placing, writing
 
 
 def on_device(comm, transport, operation: str, x, a, op: str, *rest) -> Step:
@@ -75,24 +75,32 @@ def reduce(comm, x, op, root, reproducible, asynchronous: bool):
     return place() if receives else x  # type: ignore[misc]
 
 
-def reduce_scatter(comm, x, op, reproducible, asynchronous: bool):
+def reduce_scatter(comm, x, op, reproducible, asynchronous: bool, into=None):
     a, transport, view, info, op, _ = validate.prepare(comm, "reduce_scatter", x, op=op, blocks=True,
-                                                       asynchronous=asynchronous, reproducible=reproducible)
+                                                       asynchronous=asynchronous, reproducible=reproducible,
+                                                       out=into)
     if transport.array_level:
-        return (yield on_device(comm, transport, "reduce_scatter", x, a, op))
+        got = yield on_device(comm, transport, "reduce_scatter", x, a, op)
+        return got if into is None else a.assign(into, got)
     size = comm._size
-    out = np.empty((view.shape[0] // size,) + view.shape[1:], dtype=view.dtype)
+    send = contiguous(view)
+    if into is None:
+        out = np.empty((view.shape[0] // size,) + view.shape[1:], dtype=view.dtype)
+        place = lambda: a.wrap(out, info, x)  # (the one result of every branch below)
+    else:
+        out, place = writing(into, a)
+        if np.may_share_memory(send, out):  # out inside x: MPI takes no overlapping buffers
+            send = send.copy()
     if comm._repro:
-        yield from summing.summing(comm, transport, "reduce_scatter", contiguous(view).reshape(1, -1), info, op,
+        yield from summing.summing(comm, transport, "reduce_scatter", send.reshape(1, -1), info, op,
                                    asynchronous, out=out)
-        return a.wrap(out, info, x)
+        return place()
     if not _reduction.scatters(info, op):  # longdouble min/max: the block of an allreduce, same bits
         buf = np.array(view, order="C")
         yield rules.reduction(comm, transport, "allreduce", buf, info, op, asynchronous)
         out.reshape(-1)[...] = buf.reshape(size, -1)[comm.rank]
-        return a.wrap(out, info, x)
-    used = yield rules.reduction(comm, transport, "reduce_scatter", contiguous(view), info, op, asynchronous,
-                                 out=out)
+        return place()
+    used = yield rules.reduction(comm, transport, "reduce_scatter", send, info, op, asynchronous, out=out)
     if used is not None and rules.cacheable(comm, info, op):
         comm._fast_path(("reduce_scatter", op, view.dtype), x, a, view, info, used, comm._fast_blocks)
-    return a.wrap(out, info, x)
+    return place()

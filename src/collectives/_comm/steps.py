@@ -156,3 +156,20 @@ def placing(x, a, view, info):
         return a.wrap(buf, info, x)
 
     return buf, place
+
+
+def writing(out, a):
+    """``(buf, place)`` for a result written into ``out`` (validated, ``validate.check_out``): out's own
+    host memory where it can be written as it is, else a new buffer that ``place()`` copies into out; and
+    ``place()``, which returns ``out`` (torch: with a new version, as for a write under no_grad). Nothing
+    of out's old values is read."""
+    view, _ = a.host_view(out)
+    if view.flags.writeable and view.flags.c_contiguous:
+        return view, lambda: a.written(out, out)
+    buf = np.empty(view.shape, dtype=view.dtype)
+
+    def place():
+        a.write_back(out, view, buf)
+        return a.written(out, out)
+
+    return buf, place

@@ -16,6 +16,7 @@ from .. import _agree, _arrays, _call, _dtypes, _finite, _reproducible
 from .._records import NBYTES, ON, SHAPE
 from . import record
 
+OUT_SHAPES = {"allgather": "(size, *x.shape)", "reduce_scatter": "(x.shape[0] // size, *x.shape[1:])"}
 UNSET = object()  # "argument not part of this collective" (None is a value users may pass by mistake)
 
 
@@ -45,10 +46,20 @@ def check_blocks(comm, collective: str, x) -> None:
                          f"{comm.size} rows")
 
 
+def out_shape(comm, collective: str, x) -> tuple:
+    """The shape of ``collective``'s result for ``x``: allgather's ``(size, *x.shape)``, reduce_scatter's
+    ``(x.shape[0] // size, *x.shape[1:])`` (its blocks checked already)."""
+    shape = tuple(getattr(x, "shape", ()))
+    if collective == "allgather":
+        return (comm.size, *shape)
+    return (shape[0] // comm.size, *shape[1:])
+
+
 def check_out(comm, collective: str, x, a, on, out) -> None:
-    """``out`` (allgather's): an array of x's library that is written in place (a writable NumPy array, a
-    torch tensor, a CUDA array of a library whose arrays are mutable), of x's dtype and device (``on``, x's),
-    of shape ``(size, *x.shape)``; else TypeError (what it is) or ValueError (its shape or device)."""
+    """``out`` (allgather's and reduce_scatter's): an array of x's library that is written in place (a
+    writable NumPy array, a torch tensor, a CUDA array of a library whose arrays are mutable), of x's dtype
+    and device (``on``, x's), of the result's shape (:func:`out_shape`); else TypeError (what it is) or
+    ValueError (its shape or device)."""
     b = _arrays.adapter(out)  # TypeError for what is not an array
     if b is not a or (b is _arrays.GENERIC and type(out) is not type(x)):
         raise TypeError(f"{collective}: out must be an array of x's library ({type(x).__module__}."
@@ -64,9 +75,10 @@ def check_out(comm, collective: str, x, a, on, out) -> None:
     if out.dtype != x.dtype and _dtypes.name_of(out) != _dtypes.name_of(x):  # (names: for the message only)
         raise TypeError(f"{collective}: out must have x's dtype ({_dtypes.name_of(x)}), got "
                         f"{_dtypes.name_of(out)}")
-    want = (comm.size, *tuple(getattr(x, "shape", ())))
+    want = out_shape(comm, collective, x)
     if tuple(out.shape) != want:
-        raise ValueError(f"{collective}: out must have shape (size, *x.shape) = {want}, got {tuple(out.shape)}")
+        raise ValueError(f"{collective}: out must have shape {OUT_SHAPES[collective]} = {want}, got "
+                         f"{tuple(out.shape)}")
     if device != on:
         raise ValueError(f"{collective}: out must be on x's device ({_arrays.device_name(on)}), got "
                          f"{_arrays.device_name(device)}")
@@ -85,8 +97,8 @@ def prepare(comm, collective: str, x, op=UNSET, root=UNSET, blocks: bool = False
     None for the communicator's default) sets ``comm._repro`` for the call's steps; a reproducible call
     is described, and agreed, with its op named ``"reproducible sum"`` or ``"reproducible mean"``.
     ``units``: ``x`` is a stack of units (``Communicator.allreduce_units``), whose leading dimension may differ
-    between ranks (described and agreed by one unit's shape). ``out``: allgather's array to write the result
-    into (:func:`check_out`), or None; a local choice, so neither described nor agreed (the ranks' transfers
+    between ranks (described and agreed by one unit's shape). ``out``: allgather's or reduce_scatter's array
+    to write the result into (:func:`check_out`), or None; a local choice, so neither described nor agreed (the ranks' transfers
     are the same either way).
 
     While ``comm._staging`` (:func:`call.staged`: a device transport's host copy of the call being run) the

@@ -233,6 +233,10 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         """Reduce ``blocks`` (one per rank, stacked; the dtype of ``output``) into ``output``: an integer AVG
         as a sum truncated toward zero (:func:`_integer_mean`)."""
         trunc, n = _integer_mean(op, output), self.size()
+        if output.is_contiguous() and output.device == blocks.device:  # reduced straight into output's memory
+            rows = output.view((blocks.shape[0] // n, *blocks.shape[1:]))
+            h = self._start(opts, self._comm.reduce_scatter, blocks, "sum" if trunc else op, out=rows)
+            return self._work(what, [h], (lambda _: _truncated(output, n)) if trunc else None, [output])
         h = self._start(opts, self._comm.reduce_scatter, blocks, "sum" if trunc else op)
 
         def finish(r):
