@@ -48,6 +48,12 @@ _strided = None  # torch.strided, set with _torch_tensor
 _from_numpy: Any = None  # torch.from_numpy, set with _torch_tensor
 
 
+def _numpy_of(t):
+    """A plain CPU tensor's NumPy view (``_torch_plain``), also of one that requires grad. (The hot paths
+    of allreduce and broadcast write the same expression inline: no call of its own per call there.)"""
+    return t.detach().numpy() if t.requires_grad else t.numpy()
+
+
 def _hot_blocks(self, run, x, out):
     """The hot path's call of reduce_scatter, alltoall and allgather (a cached call from ``x`` into ``out``),
     kept by the flight recorder as the cached call and ``x``'s shape (read anyway)."""
@@ -72,7 +78,7 @@ def _torch_blocks(self, kind: str, op, x, out=None):
         return None
     if run is None or not _torch_plain(x):
         return None
-    v, size = x.detach().numpy() if x.requires_grad else x.numpy(), self._size
+    v, size = _numpy_of(x), self._size
     if kind == "allgather":
         shape = (size,) + v.shape
     elif not v.ndim or v.shape[0] % size:  # (the general path's error)
@@ -83,7 +89,7 @@ def _torch_blocks(self, kind: str, op, x, out=None):
         return _from_numpy(_hot_blocks(self, run, v, _empty(shape, v.dtype)))
     if out.__class__ is not _torch_tensor or out.dtype != x.dtype or not _torch_plain(out):
         return None
-    w = out.detach().numpy() if out.requires_grad else out.numpy()
+    w = _numpy_of(out)
     if w.shape != shape or _may_share_memory(v, w):
         return None
     _hot_blocks(self, run, v, w)
@@ -113,7 +119,7 @@ def _torch_reduce(self, op, root, x) -> bool:
         return False
     if run is None or root.__class__ is not int or not 0 <= root < self._size or not _torch_plain(x):
         return False
-    _hot_reduce(self, run, x, x.detach().numpy() if x.requires_grad else x.numpy(), root)
+    _hot_reduce(self, run, x, _numpy_of(x), root)
     if root == self._host.rank:
         _arrays.bump_versions((x,))  # written behind autograd's back: as under no_grad
     return True
