@@ -349,8 +349,7 @@ def test_deadline_bounds_the_shared_memory_allreduce(comm):
     and the communicator is unusable afterwards."""
     if comm.size < 2 or comm.backend != "mpi" or comm.size != comm.local_size:
         pytest.skip("needs two MPI ranks on one node")
-    # 2 s, not less: the late ranks must both reach the first barrier within it (3 ranks on 2 busy cores in CI)
-    with communicator(COLLECTIVES_TIMEOUT=2.0, COLLECTIVES_SHM_THRESHOLD=64, COLLECTIVES_SHM_SLOT_BYTES=65536) as d:
+    with communicator(COLLECTIVES_TIMEOUT=0.5, COLLECTIVES_SHM_THRESHOLD=64, COLLECTIVES_SHM_SLOT_BYTES=65536) as d:
         x = np.arange(5000, dtype=np.float64)
         assert (d.allreduce(x.copy(), "sum") == comm.size * x).all()  # every rank: the window is made
         gather_objects(None)
@@ -358,7 +357,7 @@ def test_deadline_bounds_the_shared_memory_allreduce(comm):
         if comm.rank == 0:
             with pytest.raises(coll.CollectiveTimeoutError, match="node-shared memory"):
                 d.allreduce(x.copy(), "sum")
-            assert 1.9 < time.monotonic() - t0 < 10
+            assert 0.4 < time.monotonic() - t0 < 5
             with pytest.raises(coll.CollectiveError, match="unusable"):
                 d.allreduce(x.copy(), "sum")
         gather_objects(None)
