@@ -84,7 +84,7 @@ def mpi_run(target: str, n: int, timeout: int, extra=()) -> tuple[int, int, bool
     for f in LOGS.glob(f"summary-n{n}-rank*.json"):
         f.unlink()
     cmd = job_command(n, [sys.executable, "tests/mpi_pytest.py", target, "-q", "-x", "--color=no", "--timeout", "240",
-                       *extra])  # --color=no: PRRTE gives ranks a terminal
+                          *DURATIONS, *extra])  # --color=no: PRRTE gives ranks a terminal
     rc, out = run(cmd, timeout)
     counts = []
     for r in range(n):
@@ -109,6 +109,7 @@ def mpi_run(target: str, n: int, timeout: int, extra=()) -> tuple[int, int, bool
     return passed, failed, ok
 
 
+DURATIONS = ["--durations=12", "--durations-min=2"]  # where a suite's time goes, in CI's log (rank 0's report)
 ALONE = "exited_early"  # the crash tests run one job at a time, after the others (see main)
 
 
@@ -223,7 +224,8 @@ def main() -> int:
     crash = ["tests/crash/test_reproducible_jobs.py", "tests/crash"]
     passes = [(two, ["-k", f"not {ALONE}"]), (["-s"], ["-k", ALONE])] if two else [(["-s"], [])]
     for workers, select in passes:
-        rc, out = run([sys.executable, "-m", "pytest", *crash, "-q", *workers, *select, "--timeout", "300"], 1200)
+        rc, out = run([sys.executable, "-m", "pytest", *crash, "-q", *workers, *select, "--timeout", "300",
+                       *DURATIONS], 1200)
         p, f = pytest_counts(out)
         ok = rc == 0 and p > 0
         total_passed += p

@@ -2,6 +2,7 @@
 handles outstanding and waited in any order, done() never blocks, errors and the deadline in wait(),
 close() with handles not yet waited."""
 
+import gc
 import time
 
 import numpy as np
@@ -360,6 +361,12 @@ def test_deadline_bounds_the_shared_memory_allreduce(comm):
             assert 0.4 < time.monotonic() - t0 < 5
             with pytest.raises(coll.CollectiveError, match="unusable"):
                 d.allreduce(x.copy(), "sum")
+            # The call left pending reads this rank's fingerprint when the others arrive: memory freed and
+            # reused meanwhile would reach them as another call's (a MismatchError, where stop 57's CI found
+            # heap pointers in it on Open MPI). Reuse freed memory of a fingerprint's size now.
+            gc.collect()
+            junk = [np.full(22, -7, dtype=np.int64) for _ in range(4096)]
+            del junk
         gather_objects(None)
         if comm.rank != 0:  # late: past the first barrier (rank 0's is pending), alone at the second
             with pytest.raises(coll.CollectiveTimeoutError, match="node-shared memory"):

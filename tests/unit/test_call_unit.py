@@ -133,3 +133,34 @@ def test_render_names_every_field(field):
     text = _call.render(field, d[field])
     assert text == {"collective": "reduce", "op": "mean", "dtype": "float32", "structure": "a single array",
                     "root": "1", "count": "4"}[field]
+
+
+def test_a_fingerprint_with_values_no_rank_sends_is_still_a_mismatch_error():
+    """A reduced fingerprint whose fields no rank sent (Open MPI read a rank's freed buffer in stop 57's CI:
+    the first two fields were heap pointers) raises MismatchError and fails the transport, on every rank
+    alike; describing it once raised an IndexError instead, which left the transport usable, so that closing
+    the communicator hung in a collective the others never entered. Private names: no public call makes MPI
+    deliver a corrupted fingerprint (the MPI test that provoked it: test_async.py's shared-memory deadline)."""
+    from collectives import MismatchError
+    from collectives._backends._fingerprint import FIELDS, collective_text
+    from collectives._backends.mpi.lanes import LaneMaking
+
+    n = len(FIELDS)
+    mine = np.zeros(2 * n, dtype=np.int64)
+    mine[:n] = (0, 0, 0, 0, -1, 8) + (0, 8, 1, 0, -1)
+    mine[n:] = -mine[:n]
+    reduced = mine.copy()
+    reduced[:2] = (94356083714240, 139940652326256)  # what glibc writes into a freed chunk: two pointers
+    assert collective_text(94356083714240) == "94356083714240"  # past the lanes' codes: the number itself
+
+    class Transport:
+        rank, size, failed = 1, 3, None
+
+        def fail(self, reason):
+            self.failed = reason
+
+    t = Transport()
+    with pytest.raises(MismatchError) as err:
+        LaneMaking._verify(t, (reduced, mine.tobytes()), ("allreduce", np.zeros(8), "op=sum"))
+    assert t.failed == str(err.value)
+    LaneMaking._verify(t, (mine.copy(), mine.tobytes()), ("allreduce", np.zeros(8), "op=sum"))  # agreeing: nothing

@@ -102,9 +102,9 @@ def collective_text(code: int) -> str:
     """A fingerprint's collective field, for messages."""
     if code < 0:
         return "a call of the library's own"
-    if code >= LANE_CODE:
+    if LANE_CODE <= code < LANE_CODE + len(LANES):
         return f"the first {LANES[code - LANE_CODE]} call (its lane's making)"
-    return _call.render("collective", code)
+    return _call.render("collective", code)  # (a value no rank sends: shown as the number)
 
 
 def making_what(name: str, caller) -> tuple:

@@ -84,9 +84,9 @@ class DeadlineMPITransport(MPITransport):
         return None  # the same (the hot path's call is this transport's polled reduce)
 
     # ---- waiting ----
-    def _wait(self, what, req) -> None:
-        """Wait for ``req`` under the deadline (:meth:`MPITransport._wait_within`)."""
-        self._wait_within(what, req, self.timeout, self.timeout_setting)
+    def _wait(self, what, req, keep=None) -> None:
+        """Wait for ``req`` under the deadline (:meth:`MPITransport._wait_within`, ``keep`` as there)."""
+        self._wait_within(what, req, self.timeout, self.timeout_setting, keep)
 
     def _call(self, operation, *args) -> None:
         """One MPI call of ``operation`` (every blocking operation's pieces, the barrier), non-blocking with
@@ -116,7 +116,7 @@ class DeadlineMPITransport(MPITransport):
         whole = np.lib.stride_tricks.as_strided(np.zeros(1, dtype), (sum(b.size for b in bufs),), (0,))
         what = ("allreduce", whole, f"op={op}, node-shared memory, {len(bufs)} buffers in one pass")
         req, check = self._fingerprint("allreduce", whole, wire_op(op))
-        self._wait(what, req)
+        self._wait(what, req, check)
         self._verify(check, what)
 
         def wait(req):
@@ -148,13 +148,13 @@ class DeadlineMPITransport(MPITransport):
         """Every rank's uint8 ``data`` over ``comm``: ``(table, sizes, offsets)``, each wait bounded."""
         self.usable()
         sizes, int64, byte = np.empty(self.size, dtype=np.int64), self.MPI.INT64_T, self.MPI.BYTE
-        allgather = OPERATIONS["allgather"]
-        self._wait(what, allgather.call(comm, ([np.array([data.size], dtype=np.int64), int64], [sizes, int64]),
-                                        blocking=False))
+        allgather, size = OPERATIONS["allgather"], np.array([data.size], dtype=np.int64)
+        self._wait(what, allgather.call(comm, ([size, int64], [sizes, int64]), blocking=False), (size, sizes))
         table = np.empty(int(sizes.sum()), dtype=np.uint8)
         offsets = np.zeros(self.size, dtype=np.int64)
         np.cumsum(sizes[:-1], out=offsets[1:])
-        self._wait(what, ALLGATHERV.call(comm, ([data, byte], [table, (sizes, offsets), byte]), blocking=False))
+        self._wait(what, ALLGATHERV.call(comm, ([data, byte], [table, (sizes, offsets), byte]), blocking=False),
+                   (data, table, sizes, offsets))
         return table, sizes, offsets
 
     def _allgather_object_on(self, comm, obj, what) -> list:
@@ -169,10 +169,10 @@ class DeadlineMPITransport(MPITransport):
             data = np.frombuffer(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
             n[0] = data.size
         bcast = OPERATIONS["broadcast"]
-        self._wait(what, bcast.call(comm, ([n, self.MPI.INT64_T],), root=root, blocking=False))
+        self._wait(what, bcast.call(comm, ([n, self.MPI.INT64_T],), root=root, blocking=False), n)
         if self.rank != root:
             data = np.empty(int(n[0]), dtype=np.uint8)
-        self._wait(what, bcast.call(comm, ([data, self.MPI.BYTE],), root=root, blocking=False))
+        self._wait(what, bcast.call(comm, ([data, self.MPI.BYTE],), root=root, blocking=False), data)
         return obj if self.rank == root else pickle.loads(data.tobytes())
 
     def allgather_object(self, obj):
@@ -187,7 +187,7 @@ class DeadlineMPITransport(MPITransport):
         self.usable()
         byte = self.MPI.BYTE  # on the agreement communicator (self.comm), not the allgather lane
         self._wait(("the agreement step (allgather of fingerprints)", None, None),
-                   OPERATIONS["allgather"].call(self.comm, ([send, byte], [recv, byte]), blocking=False))
+                   OPERATIONS["allgather"].call(self.comm, ([send, byte], [recv, byte]), blocking=False), (send, recv))
 
     def objects_allgather(self, obj) -> list:
         return self._allgather_object_on(self._lanes["objects"], obj, ("allgather_object", None, None))

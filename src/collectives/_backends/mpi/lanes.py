@@ -182,8 +182,16 @@ class LaneMaking(HostTransport):
         if v.tobytes() == mine:
             return
         n = len(FIELDS)
-        what = what() if callable(what) else what
-        message = _fingerprint_message(what, np.frombuffer(mine, np.int64)[:n], v[:n], -v[n:], self.rank, self.size)
+        try:
+            what = what() if callable(what) else what
+            message = _fingerprint_message(what, np.frombuffer(mine, np.int64)[:n], v[:n], -v[n:], self.rank,
+                                           self.size)
+        except Exception as exc:  # noqa: BLE001 - values no rank sends must still end in the MismatchError
+            fields = np.frombuffer(mine, np.int64)[:n].tolist()
+            message = (f"the fingerprint of a call differs across the ranks in values no rank sends (largest "
+                       f"{v[:n].tolist()}, smallest {(-v[n:]).tolist()}, this rank's {fields}; describing it "
+                       f"failed: {exc!r}): memory corrupted on the way, or an MPI that read a buffer after it "
+                       f"was freed. The communicator cannot be used further")
         self.fail(message)
         _trace.dump(f"MismatchError: {message}")  # every rank raises (and dumps) alike
         raise MismatchError(message)

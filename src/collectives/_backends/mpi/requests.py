@@ -29,7 +29,7 @@ class _MPIRequest(Request):
         try:
             self._transport._verify(check, self._what)  # (described only for a mismatch's message)
         except MismatchError:
-            self._transport.abandon(self._req)
+            self._transport.abandon((self._req, self._call))  # (with its buffers: MPI may still use them)
             self._req = None
             raise
 

@@ -108,14 +108,14 @@ class SharedWindow(HostTransport):
     def _allreduce_at_start(self, buf, op) -> bool:
         return self._bounded_shm(buf, op, self._wait_at_start)
 
-    def _wait_at_start(self, what, req) -> None:
+    def _wait_at_start(self, what, req, keep=None) -> None:
         """A wait of :meth:`_allreduce_at_start`: bounded as :meth:`allreduce_at_start` was asked."""
         seconds, setting = self._at_start  # type: ignore[misc]  # set: only _allreduce_at_start waits here
-        self._wait_within(what, req, seconds, setting)
+        self._wait_within(what, req, seconds, setting, keep)
 
     def _bounded_shm(self, buf, op, wait, kernel=None, src=None) -> bool:
         """On one node, from the shared-memory threshold: ``buf`` reduced through the shared window, each of
-        its barriers an ``MPI_Ibarrier`` completed by ``wait(what, request)`` (the window is made after a
+        its barriers an ``MPI_Ibarrier`` completed by ``wait(what, request[, keep])`` (the window is made after a
         rendezvous of every rank waited for the same way). False where that path does not apply. The
         fingerprint of the call is reduced first (a node barrier cannot tell an allreduce of 4 elements from
         one of 8). With ``kernel``: :meth:`allreduce_exact` (from ``src`` where given), ``op`` its name."""
@@ -127,7 +127,7 @@ class SharedWindow(HostTransport):
             return False
         if self.size > 1:
             req, check = self._fingerprint("allreduce", buf, wire_op(op) if kernel is None else "sum")
-            wait(what, req)
+            wait(what, req, check)  # (the fingerprint's buffer kept with its request if it stays pending)
             self._verify(check, what)
         if kernel is None:
             return self._shm_allreduce(buf, op, lambda req: wait(what, req))

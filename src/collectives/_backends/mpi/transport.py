@@ -197,15 +197,18 @@ class MPITransport(HotPath, SharedWindow, LaneMaking, PointToPoint, BroadcastPip
     SPIN_S = 0.25
     MAX_PAUSE_S = 1e-3
 
-    def _wait_within(self, what, req, seconds: float | None, setting: str) -> None:
+    def _wait_within(self, what, req, seconds: float | None, setting: str, keep=None) -> None:
         """Wait for ``req`` until it completes or ``seconds`` from now have passed (then fail the transport
-        and raise :class:`CollectiveTimeoutError`), polling as :func:`collectives._poll.poll` does."""
+        and raise :class:`CollectiveTimeoutError`), polling as :func:`collectives._poll.poll` does.
+        ``keep``: what MPI reads or writes for ``req`` beyond ``what``'s buffer (a fingerprint's buffer,
+        a size's array), kept with it if it stays pending: mpi4py's non-blocking calls hold no reference
+        to their buffers, so once the caller's frame lets them go, MPI would read and write freed memory."""
         test = self._progressing(req) if self._receives else req.Test
         if test():  # already complete (a small call often is): no clock read
             return
         t0 = time.monotonic()
         if not poll(test, seconds, spin_s=self.SPIN_S, max_pause_s=self.MAX_PAUSE_S):
-            self.abandon(req)  # pending for good: it and its buffers live to the end of the process
+            self.abandon((req, what, keep))  # pending for good: it and its buffers live to the end of the process
             self._expire(what, time.monotonic() - t0, seconds, setting)
 
     def _expire(self, what, waited: float, seconds, setting: str = "COLLECTIVES_TIMEOUT"):
@@ -249,9 +252,10 @@ class MPITransport(HotPath, SharedWindow, LaneMaking, PointToPoint, BroadcastPip
         return _MPIRequest(self, self._start_call(operation, *args), (operation, args), check)
 
 
-    def _wait(self, what, req) -> None:
+    def _wait(self, what, req, keep=None) -> None:
         """Wait for ``req`` (no deadline on this transport); while receives are pending, polling, each
-        poll moving them on (:meth:`_progress`)."""
+        poll moving them on (:meth:`_progress`). ``keep``: as in :meth:`_wait_within` (a wait without a
+        deadline returns once ``req`` is complete)."""
         pending = self._receives
         if pending and (len(pending) > 1 or req.__class__ is not _Head or pending[0] is not req.receive):
             poll(self._progressing(req), None, spin_s=self.SPIN_S, max_pause_s=self.MAX_PAUSE_S)
