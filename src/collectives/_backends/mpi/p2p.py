@@ -167,7 +167,7 @@ class _Sending(Request):
     def wait(self) -> None:
         if not self._done:
             for req in self._reqs:
-                self._transport._wait(self._what, req)  # bounded on the deadline transport (it fails it)
+                self._transport._wait(self._what, req, self._keep)  # bounded on the deadline transport (it fails it)
             self._done = True
 
 
@@ -230,7 +230,7 @@ class _Receive(Request):
         if self._data is None:
             t._wait(self._what, _Head(self))
         for req in self._data or ():
-            t._wait(self._what, req)
+            t._wait(self._what, req, self)  # (the header and any scratch kept with it, should it stay pending)
         self._finish()
 
 
