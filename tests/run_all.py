@@ -14,6 +14,7 @@ software that calls torch.distributed, each at 2 ranks, compared with gloo).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import importlib.util
 import json
 import os
@@ -29,7 +30,11 @@ from collectives._launcher import job_command  # one way to start a job, whateve
 
 ROOT = Path(__file__).resolve().parents[1]
 LOGS = ROOT / ".test-logs"
-SECONDS = [0.0]  # how long the last run() took (the summary prints it beside each run)
+_LAST = threading.local()  # how long this thread's last run() took (the summary prints it beside each run)
+
+
+def seconds() -> float:
+    return getattr(_LAST, "seconds", 0.0)
 WHY = LOGS / "why-failed.txt"  # a few lines per failed run, which .ci/run prints last (CI shows a tail)
 _CLUES = re.compile(r"FAILED|TIMEOUT|Timeout \(|Error\b|Exception\b|^E  |^\s+File \".*tests/|rank \d+ wrote no summary")
 
@@ -44,19 +49,20 @@ def why(name: str, text: str, limit: int = 10) -> None:
         f.write(f"[{Path(sys.prefix).name}] {name}:\n" + "".join(f"    {line}\n" for line in kept))
 
 
-def run(cmd, timeout, env=None):
-    """Run cmd in its own process group, streaming its output; on timeout kill the whole group (mpiexec
-    and every rank it started), so nothing outlives the run."""
-    print(f"\n$ {' '.join(map(str, cmd))}   (timeout {timeout}s)", flush=True)
+def run(cmd, timeout, env=None, quiet=False):
+    """Run cmd in its own process group, streaming its output (``quiet``: keeping it, for the caller to
+    print); on timeout kill the whole group (mpiexec and every rank it started), so nothing outlives the run."""
+    say = (lambda text: None) if quiet else (lambda text: print(text, end="", flush=True))
+    say(f"\n$ {' '.join(map(str, cmd))}   (timeout {timeout}s)\n")
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
-    lines: list[str] = []
+    lines: list[str] = [f"$ {' '.join(map(str, cmd))}   (timeout {timeout}s)\n"] if quiet else []
 
     def pump():
         for line in proc.stdout:
             lines.append(line)
-            print(line, end="", flush=True)
+            say(line)
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
@@ -66,11 +72,12 @@ def run(cmd, timeout, env=None):
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         lines.append(f"\nTIMEOUT after {timeout}s: killed the process group\n")
-        print(lines[-1], flush=True)
+        say(lines[-1])
         rc = 124
     reader.join(timeout=10)
-    SECONDS[0] = time.monotonic() - start
-    print(f"  -> exit {rc} in {SECONDS[0]:.1f}s", flush=True)
+    _LAST.seconds = time.monotonic() - start
+    lines.append(f"  -> exit {rc} in {_LAST.seconds:.1f}s\n")
+    say(lines[-1])
     return rc, "".join(lines)
 
 
@@ -80,29 +87,38 @@ def pytest_counts(out: str) -> tuple[int, int]:
     return passed, failed
 
 
-def mpi_run(target: str, n: int, timeout: int, extra=()) -> tuple[int, int, bool]:
-    for f in LOGS.glob(f"summary-n{n}-rank*.json"):
+def mpi_run(target: str, n: int, timeout: int, extra=(), logs: Path = LOGS,
+            report: list[str] | None = None) -> tuple[int, int, bool]:
+    """``target`` under ``mpiexec -n n`` (tests/mpi_pytest.py), its ranks' counts and logs in ``logs``
+    (another folder for a run beside another one: the counts' files are named by the size alone). With a
+    ``report`` list, what it would print is appended there instead (a run in a thread: printed when joined)."""
+    logs.mkdir(parents=True, exist_ok=True)
+    for f in logs.glob(f"summary-n{n}-rank*.json"):
         f.unlink()
     cmd = job_command(n, [sys.executable, "tests/mpi_pytest.py", target, "-q", "-x", "--color=no", "--timeout", "240",
                           *DURATIONS, *extra])  # --color=no: PRRTE gives ranks a terminal
-    rc, out = run(cmd, timeout)
+    env = None if logs == LOGS else {**os.environ, "COLLECTIVES_TEST_LOGS": str(logs)}
+    quiet = report is not None
+    rc, out = run(cmd, timeout, env=env, quiet=quiet)
+    say = report.append if report is not None else (lambda text: print(text, end="", flush=True))
+    say(out if quiet else "")
     counts = []
     for r in range(n):
-        f = LOGS / f"summary-n{n}-rank{r}.json"
+        f = logs / f"summary-n{n}-rank{r}.json"
         counts.append(json.loads(f.read_text()) if f.exists() else None)
     ok = rc == 0
     for r, c in enumerate(counts):
         if c is None:
-            print(f"  rank {r} wrote no summary: it did not finish")
+            say(f"  rank {r} wrote no summary: it did not finish\n")
             ok = False
         elif c["passed"] == 0 or c["failed"]:
-            print(f"  rank {r}: {c}: a run must pass at least one test and fail none")
+            say(f"  rank {r}: {c}: a run must pass at least one test and fail none\n")
             ok = False
     if not ok:
         tails = []
-        for log in sorted(LOGS.glob(f"{Path(target).name}-n{n}-rank*.log")):
+        for log in sorted(logs.glob(f"{Path(target).name}-n{n}-rank*.log")):
             tails.append(log.read_text()[-4000:])
-            print(f"---- {log.name} (tail) ----\n{tails[-1]}")
+            say(f"---- {log.name} (tail) ----\n{tails[-1]}\n")
         why(f"{target} -n {n}", out + "".join(tails))
     passed = counts[0]["passed"] if counts and counts[0] else 0
     failed = 0 if ok else max(1, counts[0]["failed"] if counts and counts[0] else 1)
@@ -168,8 +184,8 @@ def main() -> int:
     total_passed = total_failed = 0
     results: list[tuple[str, bool, float]] = []
 
-    def done(name: str, ok: bool, out: str | None) -> None:
-        results.append((name, ok, SECONDS[0]))
+    def done(name: str, ok: bool, out: str | None, took: float | None = None) -> None:
+        results.append((name, ok, seconds() if took is None else took))
         if not ok and out is not None:
             why(name, out)
 
@@ -192,6 +208,19 @@ def main() -> int:
     # Two jobs at a time where pytest-xdist is installed (the test extra has it) and there are two cores: the
     # unit tests in two workers took 62 s instead of 77 s on CI's 2 cores; the crash suite, below, likewise
     two = ["-n", "2"] if importlib.util.find_spec("xdist") and (os.cpu_count() or 1) >= 2 else []
+    suites = [("tests/mpi", ())]
+    if (ROOT / "conformance" / "conftest.py").exists():
+        suites.append(("conformance", ()))
+    ran: set[tuple[str, int]] = set()  # the MPI runs made before the loop over the suites below
+
+    def mpi_suite(target: str, n: int, extra=()) -> None:
+        nonlocal total_passed, total_failed
+        p, f, ok = mpi_run(target, n, args.timeout, extra)
+        total_passed += p
+        total_failed += f
+        done(f"{target} -n {n}", ok, None)  # (mpi_run said why)
+        ran.add((target, n))
+
     if not args.skip_unit:
         rc, out = run([sys.executable, "-m", "pytest", "tests/unit", "-q", *two], 1800)
         p, f = pytest_counts(out)
@@ -199,24 +228,51 @@ def main() -> int:
         total_passed += p
         total_failed += f if f or ok else 1
         done("unit", ok, out)
+
+    # A 1-rank job keeps one core of two busy: on two cores, tests/mpi at 1 rank (about 90 s) runs in a thread
+    # beside the single-process stages (the doctests, the conformance suite at 1 rank: 40 s together), then
+    # beside the start of the docs' code blocks; its output is printed when it ends (its counts go to a
+    # folder of their own). CI's 1-rank stages left a core idle for about 70 s before.
+    beside = None
+    if 1 in sizes and (os.cpu_count() or 1) >= 2:
+        beside_report: list[str] = []
+
+        def tests_mpi_alone():
+            start = time.monotonic()
+            counts = mpi_run("tests/mpi", 1, args.timeout, logs=LOGS / "beside", report=beside_report)
+            return counts, time.monotonic() - start
+
+        beside = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="beside").submit(tests_mpi_alone)
+        print("\n(tests/mpi at 1 rank runs beside the stages below; its output follows when it ends)", flush=True)
+    if not args.skip_unit:
         rc, out = run([sys.executable, "-m", "pytest", "-q", "--doctest-modules", "src/collectives"], 600)
         p, f = pytest_counts(out)
         ok = rc == 0 and p > 0
         total_passed += p
         total_failed += f if f or ok else 1
         done("doctests", ok, out)
+    if beside is not None and ("conformance", ()) in suites:
+        mpi_suite("conformance", 1)
+    if not args.skip_unit:
         p, f, ok = docs_snippets()
         total_passed += p
         total_failed += f
         done("docs snippets", ok, None)
+    if beside is not None:
+        (p, f, ok), took = beside.result()
+        print("\n" + "".join(beside_report), end="", flush=True)
+        total_passed += p
+        total_failed += f
+        done("tests/mpi -n 1", ok, None, took)
+        ran.add(("tests/mpi", 1))
 
     # The crash suite: one process of pytest that launches each failure scenario under mpiexec itself
     # (exception, SIGKILL, mismatch, deadline, clean exit at 2 and 3 ranks) and times how the job ends; with
-    # it the jobs that need a world size of their own (the reproducible training step at 1, 2, 3 and 4 ranks).
+    # it the job that needs a world size of its own (the reproducible training step at 4 ranks).
     # Two jobs at a time where pytest-xdist is installed (the test extra has it): a job keeps about one core
     # busy (its ranks start Python, torch, MPI) and waits for its deadlines, so two take 226-301 s on CI's 2
     # cores under MPICH instead of 346-370 s, and 284 s instead of 455 s under Open MPI; the longest file (the
-    # reproducible step, four jobs in one test) is named first so that it starts first. The early-exit jobs
+    # reproducible step's job of 4 ranks) is named first so that it starts first. The early-exit jobs
     # then run alone, after the rest (ALONE): the one CI run that had Open MPI's jobs two at a time (stop 46)
     # had PRRTE end one of them 115 s after its MPI_Abort instead of at once, at 3 ranks beside another job.
     # It is the suite's only scenario where one rank has left through MPI_Finalize while the others abort;
@@ -232,15 +288,10 @@ def main() -> int:
         total_failed += f if f or ok else 1
         done("crash" + (f" ({' '.join(select)})" if select else ""), ok, out)
 
-    suites = [("tests/mpi", ())]
-    if (ROOT / "conformance" / "conftest.py").exists():
-        suites.append(("conformance", ()))
     for target, extra in suites:
         for n in sizes:
-            p, f, ok = mpi_run(target, n, args.timeout, extra)
-            total_passed += p
-            total_failed += f
-            done(f"{target} -n {n}", ok, None)  # (mpi_run said why)
+            if (target, n) not in ran:
+                mpi_suite(target, n, extra)
 
     # torch's own distributed test suite against the backend "collectives" (tests/torch_suite/run.py; about
     # half a minute per size, a minute and a half at 4 ranks): expected failures are listed, with their

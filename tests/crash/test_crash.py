@@ -493,15 +493,46 @@ def test_sigusr1_dumps_and_the_job_goes_on(n):
 
 
 @pytest.mark.parametrize("n", SIZES)
-def test_torch_format_numbers_the_backends_operations_as_torch_does(n):
-    """COLLECTIVES_TRACE_FORMAT=both: the torch backend's group is torch's group "0" in the torch-format
-    dumps, its operations numbered as ProcessGroupNCCL numbers them (collectives 1, 2, ... on the group,
-    p2p apart, op_id over both), its send and recv there; torch's fr_trace reads them with no error."""
+def test_records_of_the_torch_backend_and_the_gradient_buckets_in_both_formats(n):
+    """One job of the torch backend's calls and DistributedOptimizer's gradient buckets with
+    COLLECTIVES_TRACE_FORMAT=both (each rank writes our dump and torch's, from the same records), read both
+    ways:
+
+    - ours: the backend's and the buckets' records name their front end and the user's line; the verdict
+      finds no divergence; ``trace --timeline`` and ``--plot`` read them;
+    - torch's: the backend's group is torch's group "0", its operations numbered as ProcessGroupNCCL numbers
+      them (collectives 1, 2, ... on the group, p2p apart, op_id over both), its send and recv there; torch's
+      fr_trace reads them with no error."""
     pytest.importorskip("torch.distributed.flight_recorder.fr_trace")
+    import json
     import pickle
 
     job = run("clean-trace-fronts", n, COLLECTIVES_TRACE_FORMAT="both")
     assert job.rc == 0, job
+    # ours
+    for path in Path(job.trace_dir).glob("*.trace-rank*.json"):
+        dump = json.loads(path.read_text())
+        records = [e for c in dump["communicators"] for e in c["records"]]
+        dist = [e for e in records if "torch.distributed backend" in (e["path"] or "")]
+        assert any(e["site"] == [str(SCENARIO), line_of("TRACE-FRONTS-DIST"), "main"] for e in dist), records
+        buckets = [e for e in records if "DistributedOptimizer gradient bucket" in (e["path"] or "")]
+        assert buckets and all(e["state"] == "completed" for e in buckets), records
+        assert any(e["site"] == [str(SCENARIO), line_of("TRACE-FRONTS-BACKWARD"), "main"] for e in buckets), records
+    assert len(list(Path(job.trace_dir).glob("*.trace-rank*.json"))) == n, dumps_of(job)
+    out = trace_verdict(job)
+    assert out.startswith("no divergence"), out
+    timeline = Path(job.trace_dir) / "timeline.json"
+    proc = subprocess.run([sys.executable, "-m", "collectives", "trace", job.trace_dir, "--timeline", str(timeline)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    events = json.loads(timeline.read_text())["traceEvents"]
+    assert {e["pid"] for e in events if e["ph"] == "X"} == set(range(n)), events[:5]
+    picture = Path(job.trace_dir) / "timeline.png"  # the same drawn (matplotlib: in the test extra)
+    proc = subprocess.run([sys.executable, "-m", "collectives", "trace", job.trace_dir, "--plot", str(picture)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.stat().st_size > 2000, proc.stdout
+    # torch's
     for r in range(n):
         [path] = Path(job.trace_dir).glob(f"*.torch/collectives_trace_rank_{r}")
         dump = pickle.loads(path.read_bytes())
@@ -522,37 +553,6 @@ def test_torch_format_numbers_the_backends_operations_as_torch_does(n):
     missing = re.findall(r"Not all ranks joining collective.*?\ncollective: (\S+)[^\n]*\nmissing ranks: (\{.*?\})",
                          out, re.S)
     assert missing == ([] if n < 3 else [("nccl:send", "{2}")]), out
-
-
-@pytest.mark.parametrize("n", SIZES)
-def test_records_name_the_torch_backend_and_the_gradient_buckets(n):
-    job = run("clean-trace-fronts", n)
-    assert job.rc == 0, job
-    import json
-
-    for path in Path(job.trace_dir).glob("*.trace-rank*.json"):
-        dump = json.loads(path.read_text())
-        records = [e for c in dump["communicators"] for e in c["records"]]
-        dist = [e for e in records if "torch.distributed backend" in (e["path"] or "")]
-        assert any(e["site"] == [str(SCENARIO), line_of("TRACE-FRONTS-DIST"), "main"] for e in dist), records
-        buckets = [e for e in records if "DistributedOptimizer gradient bucket" in (e["path"] or "")]
-        assert buckets and all(e["state"] == "completed" for e in buckets), records
-        assert any(e["site"] == [str(SCENARIO), line_of("TRACE-FRONTS-BACKWARD"), "main"] for e in buckets), records
-    out = trace_verdict(job)
-    assert out.startswith("no divergence"), out
-    timeline = Path(job.trace_dir) / "timeline.json"
-    proc = subprocess.run([sys.executable, "-m", "collectives", "trace", job.trace_dir, "--timeline", str(timeline)],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    import json
-
-    events = json.loads(timeline.read_text())["traceEvents"]
-    assert {e["pid"] for e in events if e["ph"] == "X"} == set(range(n)), events[:5]
-    picture = Path(job.trace_dir) / "timeline.png"  # the same drawn (matplotlib: in the test extra)
-    proc = subprocess.run([sys.executable, "-m", "collectives", "trace", job.trace_dir, "--plot", str(picture)],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.stat().st_size > 2000, proc.stdout
 
 
 @pytest.mark.parametrize("n", [1, *SIZES])

@@ -515,8 +515,8 @@ def test_distributed_optimizer_under_the_default(comm):
 def test_distributed_optimizer_reproducible_at_every_size(comm, framework):
     """DistributedOptimizer(..., reproducible=True): every backward pass (torch) or every gradient tree of
     update()'s list (optax) is one unit; 20 steps on a fixed global batch give parameters bitwise identical
-    at every number of ranks (sub-communicators of every size; tests/crash/test_reproducible_jobs.py runs
-    jobs of 1 to 4 ranks)."""
+    at every number of ranks (the world communicator and sub-communicators of every size;
+    tests/crash/test_reproducible_jobs.py runs the same steps in a job of 4 ranks)."""
     from support import steps
 
     if framework == "torch":

@@ -1,10 +1,10 @@
 """The world-size-invariant training step (issue 36) as the tests run it: K steps of a small MLP on a fixed
 global batch of micro-batches, through ``DistributedOptimizer(..., reproducible=True)``, with torch and
 with JAX+optax. Each returns the parameters' bytes after the steps; they must be the same at every number
-of ranks (``tests/mpi/test_reproducible.py`` on sub-communicators, ``tests/crash/test_reproducible_jobs.py``
-in jobs of 1 to 4 ranks).
+of ranks (``tests/mpi/test_reproducible.py`` on the world communicator of its 1-, 2- and 3-rank jobs and on
+sub-communicators of every size, ``tests/crash/test_reproducible_jobs.py`` in a job of 4 ranks).
 
-    mpiexec -n 3 python tests/support/steps.py     # prints each framework's digest on rank 0
+    mpiexec -n 4 python tests/support/steps.py     # on rank 0: each framework's digest, the job's and one rank's
 """
 
 from __future__ import annotations
@@ -71,11 +71,15 @@ def digest(b: bytes) -> str:
 
 if __name__ == "__main__":
     world = coll.init()
+    alone = world.split(color=0 if world.rank == 0 else None)  # rank 0 alone: the steps at one rank, this job
     lines = []
     for name, run in (("torch", torch_steps), ("jax", jax_steps)):
         mine = digest(run(world))
         every = world.allgather_object(mine)
-        lines.append(f"{name} {mine} {'same-on-every-rank' if len(set(every)) == 1 else 'DIFFERENT ' + ' '.join(every)}")
+        solo = digest(run(alone)) if alone is not None else ""
+        lines.append(f"{name} {mine} {'same-on-every-rank' if len(set(every)) == 1 else 'DIFFERENT ' + ' '.join(every)}"
+                     f" one-rank {solo}")
+        world.barrier()
     if world.rank == 0:
         print("\n".join(lines), flush=True)
     sys.exit(0)
