@@ -33,7 +33,7 @@ LOGS = ROOT / ".test-logs"
 _LAST = threading.local()  # how long this thread's last run() took (the summary prints it beside each run)
 
 
-def seconds() -> float:
+def last_seconds() -> float:
     return getattr(_LAST, "seconds", 0.0)
 WHY = LOGS / "why-failed.txt"  # a few lines per failed run, which .ci/run prints last (CI shows a tail)
 _CLUES = re.compile(r"FAILED|TIMEOUT|Timeout \(|Error\b|Exception\b|^E  |^\s+File \".*tests/|rank \d+ wrote no summary")
@@ -185,7 +185,7 @@ def main() -> int:
     results: list[tuple[str, bool, float]] = []
 
     def done(name: str, ok: bool, out: str | None, took: float | None = None) -> None:
-        results.append((name, ok, seconds() if took is None else took))
+        results.append((name, ok, last_seconds() if took is None else took))
         if not ok and out is not None:
             why(name, out)
 
