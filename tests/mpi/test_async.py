@@ -199,6 +199,140 @@ def test_general_path_write_back_and_new_arrays(comm):
     assert got is not ro and (got == n).all() and (ro == 1).all()
 
 
+@pytest.mark.parametrize("dtype", ["bool", "int8", "int32", "float16", "float64", "complex128", "longdouble"])
+def test_the_asynchronous_allgather_s_hot_path_gives_the_general_paths_bits(comm, dtype):
+    """From the second asynchronous allgather of a dtype on, the call takes the asynchronous hot path (the
+    cached transfer, no validation), into a new array or into ``out=``, for NumPy arrays and CPU torch
+    tensors: the bits of the general path (its first call) and of the blocking call. A strided ``out``,
+    ``x`` inside ``out``, a strided ``x`` and an ``out`` of another class take the general path, which
+    gives the same bits; a wrong ``out`` is the general path's error, raised at the call."""
+    hot = "hot path, asynchronous"
+    with communicator() as c:
+        x = tricky(c.rank, dtype, (2, 3))
+        want = c.allgather(x)
+        paths = []
+        for _ in range(3):
+            h = c.allgather(x, async_op=True)
+            paths.append(last_path(c))
+            assert same(h.wait(), want), paths
+        assert paths == ["asynchronous, mpi", hot, hot], paths
+        with pytest.raises(TypeError, match="op must be"):  # (no other collective's entry serves it)
+            c.reduce_scatter(np.repeat(x, c.size, axis=0), None, async_op=True)
+        out = np.empty_like(want)
+        h = c.allgather(x, out=out, async_op=True)
+        assert last_path(c) == hot and h.wait() is out and same(out, want)
+        frozen = x.copy()
+        frozen.flags.writeable = False  # (read only: the hot path reads x, as the blocking one does)
+        h = c.allgather(frozen, async_op=True)
+        assert last_path(c) == hot and same(h.wait(), want)
+        general = {
+            "strided out": (x, np.empty((c.size, 2, 6), x.dtype)[:, :, ::2]),
+            "x inside out": (None, np.empty_like(want)),
+            "strided x": (np.repeat(x, 2, axis=1)[:, ::2], np.empty_like(want)),
+        }
+        for name, (y, o) in general.items():
+            if y is None:
+                o[c.rank] = x
+                y = o[c.rank]
+            h = c.allgather(y, out=o, async_op=True)
+            assert last_path(c) == "asynchronous, mpi", name
+            assert h.wait() is o and same(o, want), name
+        for bad in (np.empty((c.size + 1, 2, 3), x.dtype), np.empty((c.size, 2, 3), np.complex64 if dtype != "complex128"
+                                                                         else np.float64)):
+            with pytest.raises((TypeError, ValueError)):
+                c.allgather(x, out=bad, async_op=True)
+        torch = pytest.importorskip("torch") if dtype in ("bool", "int8", "int32", "float16", "float64") else None
+        if torch is not None:
+            t = torch.from_numpy(x.copy())
+            for i in range(3):
+                got = c.allgather(t, async_op=True).wait()
+                assert isinstance(got, torch.Tensor) and same(got.numpy(), want)
+                assert i == 0 or last_path(c) == hot, (i, last_path(c))
+            o = torch.empty(want.shape, dtype=t.dtype)
+            before = o._version  # torch's public read of the counter
+            h = c.allgather(t, out=o, async_op=True)
+            assert last_path(c) == hot and h.wait() is o and same(o.numpy(), want) and o._version > before
+            h = c.allgather(t, out=torch.from_numpy(np.empty_like(want)), async_op=True)  # (another tensor: fine)
+            assert last_path(c) == hot and same(h.wait().numpy(), want)
+            mixed = np.empty_like(want)  # a NumPy out for a tensor: the general path's rule
+            try:
+                r = c.allgather(t, out=mixed, async_op=True).wait()
+            except (TypeError, ValueError):
+                pass
+            else:
+                assert last_path(c) == "asynchronous, mpi" and same(np.asarray(r), want)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int32", "float16", "float32", "float64", "complex128", "longdouble", "bool"])
+@pytest.mark.parametrize("op", ["sum", "prod", "min", "max", "mean"])
+def test_the_asynchronous_reduce_scatter_s_hot_path_gives_the_general_paths_bits(comm, dtype, op):
+    """From the second asynchronous reduce_scatter of an (op, dtype) on, a pair whose values travel as they
+    are takes the asynchronous hot path (as allreduce's: float min/max and bool never do), into a new array
+    or into ``out=``, for NumPy arrays and CPU torch tensors: the bits of the general path (its first call),
+    of the blocking call and of the blocking hot path."""
+    kind = np.dtype(dtype).kind
+    if (op == "mean" and kind in "biu") or (op in ("sum", "prod", "mean") and kind == "b") or (
+            op in ("min", "max") and kind == "c"):
+        pytest.skip("illegal pair")
+    hot = "hot path, asynchronous"
+    with communicator() as c:
+        x = tricky(c.rank, dtype, (2 * c.size, 3))
+        if op == "prod" and kind in "fc":
+            x = np.where(np.isfinite(x), x, 1).astype(dtype)  # (finite: the order of a product's infinities)
+        want = c.reduce_scatter(x, op)
+        assert same(c.reduce_scatter(x, op), want)  # the blocking hot path, where it has one
+        paths = []
+        for _ in range(3):
+            h = c.reduce_scatter(x, op, async_op=True)
+            paths.append(last_path(c))
+            assert same(h.wait(), want), (paths, op, dtype)
+        out = np.empty_like(want)
+        h = c.reduce_scatter(x, op, out=out, async_op=True)
+        paths.append(last_path(c))
+        assert h.wait() is out and same(out, want)
+        assert paths[0] == "asynchronous, mpi", paths
+        if kind == "b" or (op in ("min", "max") and kind == "f"):
+            assert hot not in paths, paths
+        if dtype in ("float32", "float64") and op in ("sum", "mean"):  # (MPI reduces these itself everywhere)
+            assert paths[1:] == [hot] * 3, paths
+        torch = pytest.importorskip("torch") if dtype in ("int32", "float32", "float64") else None
+        if torch is not None:
+            t = torch.from_numpy(x.copy())
+            for i in range(3):
+                got = c.reduce_scatter(t, op, async_op=True).wait()
+                assert isinstance(got, torch.Tensor) and same(got.numpy(), want)
+                assert i == 0 or dtype not in ("float32", "float64") or op not in ("sum", "mean") or last_path(c) == hot
+            o = torch.empty(want.shape, dtype=t.dtype)
+            before = o._version
+            h = c.reduce_scatter(t, op, out=o, async_op=True)
+            assert h.wait() is o and same(o.numpy(), want) and o._version > before
+            if dtype in ("float32", "float64") and op in ("sum", "mean"):
+                assert last_path(c) == hot
+
+
+def test_the_asynchronous_allgather_s_hot_path_keeps_the_guarantees(comm):
+    """The asynchronous allgather's hot path keeps what every asynchronous call has: another count or
+    dtype on one rank is a MismatchError on every rank, from the fingerprint beside the transfer, and the
+    call's out is never handed back; the record says so; the failed communicator refuses at the call."""
+    if comm.size < 2 or comm.backend != "mpi":
+        pytest.skip("needs two MPI ranks")
+    hot = "hot path, asynchronous"
+    for other in ("count", "dtype"):
+        with communicator() as c:
+            for dtype in (np.float64, np.int64):
+                c.allgather(np.ones(2, dtype), async_op=True).wait()  # fills the hot path's table
+            last = c.rank == c.size - 1
+            x = np.ones(3 if last and other == "count" else 2, np.int64 if last and other == "dtype" else np.float64)
+            h = c.allgather(x, async_op=True)
+            assert last_path(c) == hot
+            with pytest.raises(coll.MismatchError, match="count" if other == "count" else "int64"):
+                h.wait()
+            entry = engine_of(c).trace_entries()[-1]
+            assert entry["state"] == "failed" and "MismatchError" in entry["error"] and entry["path"] == hot, entry
+            with pytest.raises(coll.CollectiveError):
+                c.allgather(np.ones(2), async_op=True)  # failed for good: refused at the call
+
+
 def test_torch(comm):
     torch = pytest.importorskip("torch")
     t = torch.full((comm.size * 2,), float(comm.rank), dtype=torch.bfloat16)

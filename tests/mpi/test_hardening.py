@@ -12,6 +12,7 @@ import pytest
 from mpi4py import MPI
 
 import collectives as coll
+from collectives._comm import engine_of
 
 
 def _closed_communicator():
@@ -587,4 +588,44 @@ def test_a_failed_call_s_buffers_outlive_its_communicator(comm):
     del c, x
     gc.collect()
     assert alive() is not None, "the array of a transfer left in flight was freed"
+    comm.barrier()
+
+
+@pytest.mark.parametrize("collective", ["allreduce", "allgather", "reduce_scatter"])
+def test_a_failed_call_of_the_asynchronous_hot_path_keeps_its_buffers(comm, collective):
+    """The same on the asynchronous hot path (a second asynchronous call of a dtype, no validation): the
+    ranks disagree on the op's name (allreduce, reduce_scatter: sum and mean travel alike) or on the dtype
+    (allgather: float64 and int64, eight bytes each), the transfer meets on every rank, the fingerprint
+    refuses it; the input and the output the transfer writes outlive the communicator."""
+    import gc
+    import weakref
+
+    if comm.size < 2:
+        pytest.skip("a disagreement needs two ranks")
+    c = coll.init(comm=MPI.COMM_WORLD.Dup())
+    n = 2 * c.size
+    for dtype in (np.float64, np.int64) if collective == "allgather" else (np.float64,):
+        for op in ("sum", "mean"):  # fills the asynchronous hot path's tables
+            if collective == "allgather":
+                c.allgather(np.ones(n, dtype), async_op=True).wait()
+            else:
+                getattr(c, collective)(np.ones(n, dtype), op, async_op=True).wait()
+    odd = c.rank == c.size - 1
+    x = np.ones(n, np.int64 if odd and collective == "allgather" else np.float64)
+    out = np.empty((c.size, n) if collective == "allgather" else (n // c.size,), x.dtype)
+    alive = [weakref.ref(x), weakref.ref(out)]
+    with pytest.raises(coll.MismatchError):
+        if collective == "allgather":
+            c.allgather(x, out=out, async_op=True).wait()
+        elif collective == "allreduce":
+            c.allreduce(x, "mean" if odd else "sum", async_op=True).wait()
+        else:
+            c.reduce_scatter(x, "mean" if odd else "sum", out=out, async_op=True).wait()
+    assert engine_of(c).trace_entries()[-1]["path"] == "hot path, asynchronous"  # (the record, a private:
+    # the one place that says which path a call took)
+    c.close()
+    del c, x, out
+    gc.collect()
+    assert alive[0]() is not None, "the input of a transfer left in flight was freed"
+    assert collective == "allreduce" or alive[1]() is not None, "the output of a transfer left in flight was freed"
     comm.barrier()

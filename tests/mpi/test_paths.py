@@ -367,8 +367,9 @@ def scatter_input(x: np.ndarray, size: int) -> np.ndarray:
 def reduce_scatter_paths(x, dtype, op, comm, comms, monkeypatch):
     """name -> this rank's block of reduce_scatter, for every host path and the device stand-ins; also
     written into ``out=`` (which it returns): contiguous (the general path, then the hot path), strided,
-    inside ``x``, asynchronous, on every communicator, torch tensors, the device path (host staging,
-    stand-in arrays) and the torch backend's output (contiguous: reduced into it; strided: copied)."""
+    inside ``x``, asynchronous (its hot path: a second asynchronous call), on every communicator, torch
+    tensors, the device path (host staging, stand-in arrays) and the torch backend's output (contiguous:
+    reduced into it; strided: copied)."""
     from support.device import OnDevice, staging
 
     out = {}
@@ -389,13 +390,16 @@ def reduce_scatter_paths(x, dtype, op, comm, comms, monkeypatch):
         ro.flags.writeable = False
         out["reduce_scatter read-only"] = comm.reduce_scatter(ro, op)[0]
         out["reduce_scatter async"] = comm.reduce_scatter(xs, op, async_op=True).wait()[0]
+        out["reduce_scatter async hot"] = comm.reduce_scatter(xs, op, async_op=True).wait()[0]  # (where it has one)
         for name, c in comms.items():
             out[f"reduce_scatter {name}"] = c.reduce_scatter(xs.copy(), op)[0]
             out[f"reduce_scatter {name} hot"] = c.reduce_scatter(xs.copy(), op)[0]
             out[f"reduce_scatter {name} async"] = c.reduce_scatter(xs, op, async_op=True).wait()[0]
+            out[f"reduce_scatter {name} async hot"] = c.reduce_scatter(xs, op, async_op=True).wait()[0]
             into(f"{name} out", np.empty(block, xs.dtype), lambda o, c=c: c.reduce_scatter(xs, op, out=o))
-            into(f"{name} async out", np.empty(block, xs.dtype),
-                 lambda o, c=c: c.reduce_scatter(xs, op, out=o, async_op=True).wait())
+            for i in range(2):
+                into(f"{name} async out {i}", np.empty(block, xs.dtype),
+                     lambda o, c=c: c.reduce_scatter(xs, op, out=o, async_op=True).wait())
         for i in range(2):  # the second: the hot path, into out
             into(f"out {i}", np.empty(block, xs.dtype), lambda o: coll.reduce_scatter(xs, op, out=o, comm=comm))
         into("out strided", np.empty((1, 2 * xs.shape[1]), xs.dtype)[:, ::2],
@@ -423,17 +427,21 @@ def reduce_scatter_paths(x, dtype, op, comm, comms, monkeypatch):
             o = torch.empty(block, dtype=t.dtype)
             assert coll.reduce_scatter(t, op, out=o, comm=comm) is o
             out[f"reduce_scatter torch out {i}"] = to_numpy(o[0], dtype)
-        o = torch.empty(block, dtype=t.dtype)
-        assert coll.reduce_scatter(t, op, out=o, comm=comm, async_op=True).wait() is o
-        out["reduce_scatter torch async out"] = to_numpy(o[0], dtype)
+        for i in range(2):  # (the second: the asynchronous hot path, where the pair has one)
+            o = torch.empty(block, dtype=t.dtype)
+            assert coll.reduce_scatter(t, op, out=o, comm=comm, async_op=True).wait() is o
+            out[f"reduce_scatter torch async out {i}"] = to_numpy(o[0], dtype)
+            got = coll.reduce_scatter(t, op, comm=comm, async_op=True).wait()
+            out[f"reduce_scatter torch async {i}"] = to_numpy(got[0], dtype)
         for transport in device_stand_ins(comm):
             got = transport.reduce_scatter(as_lib(xs, dtype, "torch"), None, op)
             out[f"reduce_scatter {transport.name} (CPU tensors standing in)"] = to_numpy(got[0], dtype)
         group, opts = torch_group(comm, op, "ReduceScatterOptions")
         blocks = as_lib(xs, dtype, "torch")
-        mine = blocks[0].clone()
-        assert group.reduce_scatter_single(mine, blocks.reshape(-1), opts).wait()
-        out["reduce_scatter torch.distributed backend"] = to_numpy(mine, dtype)
+        for i in range(2):  # (the second: the asynchronous hot path, where the pair has one)
+            mine = blocks[0].clone()
+            assert group.reduce_scatter_single(mine, blocks.reshape(-1), opts).wait()
+            out[f"reduce_scatter torch.distributed backend {i}"] = to_numpy(mine, dtype)
         strided = torch.zeros(2 * blocks.shape[1], dtype=blocks.dtype)[::2]  # not contiguous: through a copy
         assert group.reduce_scatter_single(strided, blocks.reshape(-1), opts).wait()
         out["reduce_scatter torch.distributed backend, strided output"] = to_numpy(strided, dtype)
@@ -509,9 +517,10 @@ def test_gather_every_path_gives_every_rank_s_bits(comm, comms, dtype):
 def test_allgather_every_path_gives_every_rank_s_bits(comm, comms, dtype, monkeypatch):
     """allgather moves bytes: every path gives every rank each rank's input bit for bit (NaN payloads and
     signed zeros included), as a new array and written into ``out=`` (which it returns): the hot path (a
-    second call) and the general path (strided ``out``, ``x`` inside ``out`` as ``out[rank]``), asynchronous,
-    every communicator's transport, torch tensors, the device path (host staging, stand-in arrays), and the
-    torch backend's ``all_gather_into_tensor``, straight into its output and through a copy."""
+    second call) and the general path (strided ``out``, ``x`` inside ``out`` as ``out[rank]``), asynchronous
+    (its hot path: a second asynchronous call), every communicator's transport, torch tensors, the device
+    path (host staging, stand-in arrays), and the torch backend's ``all_gather_into_tensor``, straight into
+    its output and through a copy."""
     from support.device import OnDevice, staging
 
     op = "max" if kind(dtype) in "biuf" else "sum"
@@ -528,6 +537,7 @@ def test_allgather_every_path_gives_every_rank_s_bits(comm, comms, dtype, monkey
     if dtype != "bfloat16":  # (NumPy has no bfloat16 of its own; its inputs are float32)
         got["numpy"] = coll.allgather(x, comm=comm)
         got["async"] = coll.allgather(x, comm=comm, async_op=True).wait()
+        got["async hot"] = coll.allgather(x, comm=comm, async_op=True).wait()  # (the asynchronous hot path)
         for i in range(2):  # the second call: the hot path, into out
             into(f"numpy out {i}", np.empty(rows, x.dtype), lambda o: coll.allgather(x, out=o, comm=comm))
         into("numpy out strided", np.empty((2 * comm.size, *x.shape), x.dtype)[::2],
@@ -535,13 +545,15 @@ def test_allgather_every_path_gives_every_rank_s_bits(comm, comms, dtype, monkey
         inside = np.empty(rows, x.dtype)
         inside[comm.rank] = x
         into("numpy x inside out", inside, lambda o: coll.allgather(o[comm.rank], out=o, comm=comm))
-        into("numpy async out", np.empty(rows, x.dtype),
-             lambda o: coll.allgather(x, out=o, comm=comm, async_op=True).wait())
+        for i in range(2):  # (the second: the asynchronous hot path)
+            into(f"numpy async out {i}", np.empty(rows, x.dtype),
+                 lambda o: coll.allgather(x, out=o, comm=comm, async_op=True).wait())
         for name, c in comms.items():
             got[name] = c.allgather(x)
             for i in range(2):
                 into(f"{name} out {i}", np.empty(rows, x.dtype), lambda o, c=c: c.allgather(x, out=o))
-            into(f"{name} async out", np.empty(rows, x.dtype), lambda o, c=c: c.allgather(x, out=o, async_op=True).wait())
+                into(f"{name} async out {i}", np.empty(rows, x.dtype),
+                     lambda o, c=c: c.allgather(x, out=o, async_op=True).wait())
         if dtype != "longdouble":  # (no CUDA library has it)
             staging(comm, monkeypatch)
             got["device (host staging)"] = coll.allgather(OnDevice(x), comm=comm).values
@@ -559,12 +571,15 @@ def test_allgather_every_path_gives_every_rank_s_bits(comm, comms, dtype, monkey
         inside = torch.empty(rows, dtype=t.dtype)
         inside[comm.rank] = t
         into("torch x inside out", inside, lambda o: coll.allgather(o[comm.rank], out=o, comm=comm))
-        into("torch async out", torch.empty(rows, dtype=t.dtype),
-             lambda o: coll.allgather(t, out=o, comm=comm, async_op=True).wait())
+        for i in range(2):  # (the second: the asynchronous hot path, where the dtype is the tensor's own)
+            got[f"torch async {i}"] = coll.allgather(t, comm=comm, async_op=True).wait()
+            into(f"torch async out {i}", torch.empty(rows, dtype=t.dtype),
+                 lambda o: coll.allgather(t, out=o, comm=comm, async_op=True).wait())
         group, _ = torch_group(comm, "sum", "AllreduceOptions")
-        flat = torch.empty(comm.size * t.numel(), dtype=t.dtype)  # contiguous: gathered straight into it
-        group._allgather_base(flat, t).wait()  # (c10d passes its AllgatherOptions)
-        got["torch.distributed backend"] = flat.reshape(rows)
+        for i in range(2):  # (the second: the asynchronous hot path)
+            flat = torch.empty(comm.size * t.numel(), dtype=t.dtype)  # contiguous: gathered straight into it
+            group._allgather_base(flat, t).wait()  # (c10d passes its AllgatherOptions)
+            got[f"torch.distributed backend {i}"] = flat.reshape(rows)
         cols = torch.empty((x.size, comm.size), dtype=t.dtype).T  # not contiguous: through a copy
         group._allgather_base(cols, t.reshape(1, -1)).wait()
         got["torch.distributed backend, strided output"] = cols.reshape(rows)

@@ -58,17 +58,17 @@ def communicator(**env):
     user = MPI.COMM_WORLD.Dup()
     with settings(**env):
         c = coll.init(comm=user)
+    failed = False
     try:
         yield c
     except BaseException as exc:
-        if MPI.COMM_WORLD.Get_size() > 1 and not isinstance(exc, pytest.skip.Exception):
-            # A failed test, on this rank: the suite aborts the job once pytest reports it (conftest), and
-            # closing first could hang it, collective as the close is where the ranks' transports still
-            # work (a rank whose call raised where another's timed out would free the node-shared window
-            # alone) -- then nothing is reported at all. The communicator lives to the abort.
-            raise
-        c.close()
-        user.Free()
+        # A failed test, on this rank: the suite aborts the job once pytest reports it (conftest), and
+        # closing first could hang it, collective as the close is where the ranks' transports still work (a
+        # rank whose call raised where another's timed out would free the node-shared window alone) -- then
+        # nothing is reported at all. The communicator lives to the abort. (A skip is no failure.)
+        failed = MPI.COMM_WORLD.Get_size() > 1 and not isinstance(exc, pytest.skip.Exception)
         raise
-    c.close()
-    user.Free()  # (freeing it would also close the library's communicator made for it)
+    finally:
+        if not failed:
+            c.close()
+            user.Free()  # (freeing it would also close the library's communicator made for it)

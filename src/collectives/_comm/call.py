@@ -176,6 +176,10 @@ def requests(comm, steps, step: Step, calling):
             return stop.value
 
 
+BLOCKS = object()  # in the keys of the asynchronous allgather's and reduce_scatter's tables in ``comm._fast_async``:
+# ``(BLOCKS, "allgather")``, ``(BLOCKS, "reduce_scatter", op)`` (no op is such a key: only this module has BLOCKS)
+
+
 def cache_start(comm, op, x, a, info, transport) -> None:
     """Put the asynchronous allreduce of (``op``, ``x``'s dtype) on ``transport`` in the hot path's table
     of asynchronous calls (``comm._fast_async``, read by ``Communicator.allreduce``), once a fully
@@ -190,6 +194,9 @@ def cache_start(comm, op, x, a, info, transport) -> None:
     Not where ``COLLECTIVES_CHECK_NAN`` scans this pair's inputs first (the general path's step). The
     entry is marked ``asynchronous`` (the timeline times it from the call to its completion:
     ``Engine.instrument_hot``)."""
+    if op.__class__ is tuple:  # ("allgather", dtype) or ("reduce_scatter", op, dtype): the blocking hot path's keys
+        _cache_start_blocks(comm, op[0], op[1] if op[0] == "reduce_scatter" else None, x, info, transport)
+        return
     if comm._check_nan and _finite.checks(info):
         return
     table = comm._fast_async.setdefault(op, {})
@@ -224,17 +231,66 @@ def cache_start(comm, op, x, a, info, transport) -> None:
     table.setdefault(x.dtype, steps)
 
 
+def _cache_start_blocks(comm, kind: str, op: str | None, x, info, transport) -> None:
+    """Put the asynchronous allgather (``kind``; ``op`` None) or reduce_scatter with ``op`` of ``x``'s dtype
+    on ``transport`` in the hot path's table of asynchronous calls (``comm._fast_async[(BLOCKS, kind)]``,
+    ``[(BLOCKS, kind, op)]``, read by ``Communicator.allgather`` and ``reduce_scatter``), once a fully
+    validated asynchronous call of it has completed (``Communicator._fast_path`` has checked the array): a
+    generator function ``steps(send, (out, result, written))`` of the general path's one transfer,
+    ``transport.start`` of ``send`` into ``out`` beside the call's description (a reduce_scatter: only a
+    pair whose values travel as they are, its wire op, and for ``mean`` ``_dtypes.divide`` after it, as
+    ``cache_start``'s allreduce), without the validation, the record and the plan it has already made once;
+    then the result (``out``, a new tensor over it, or the caller's ``out``), the tensor ``written`` given a
+    new version (as the general path's write-back). Not where ``COLLECTIVES_CHECK_NAN`` scans a reduction's
+    inputs first."""
+    if op is not None and comm._check_nan and _finite.checks(info):
+        return
+    table = comm._fast_async.setdefault((BLOCKS, kind) if op is None else (BLOCKS, kind, op), {})
+    if x.dtype in table:
+        return
+    wire = divide = None
+    if op is not None:
+        plan = _dtypes.wire(info, op, transport.reduces)
+        if plan.ordered is not None or not _reduction.travels_as_is(info, op, plan.dtype):
+            return
+        wire, divide = plan.op, plan.divide
+    with _call.naming():  # the entry serves calls of any naming: cache the plain head (as steps.described)
+        plain = _call.head(kind, op, info)
+    now, head, size, start = _call.naming_now, _call.head, comm._size, transport.start
+
+    def steps(send, into):
+        out, result, written = into
+        transport.caller = (plain if now() is PLAIN else head(kind, op, info)) + (send.size,)
+        try:
+            request = (start("allgather", send, out.reshape(size, -1)) if wire is None else
+                       start("reduce_scatter", send, out.reshape(-1), wire))
+        finally:
+            transport.caller = None
+        yield request
+        if divide:
+            _dtypes.divide(out, size)
+        if written is not None:
+            _arrays.bump_versions((written,))  # written behind autograd's back: as under no_grad
+        return result
+
+    steps.asynchronous = True  # type: ignore[attr-defined]
+    comm._hot_names.setdefault(steps, (kind, op, info.name))
+    table.setdefault(x.dtype, steps)
+
+
 HOT_ASYNC = "hot path, asynchronous"  # the path of a record made by hot_async
 
 
-def hot_async(comm, steps, buf, x, op: str):
-    """The hot path of ``allreduce(x, async_op=True)`` (``Communicator.allreduce``): a :class:`Handle`
-    over the cached ``steps`` (:func:`cache_start`) of ``buf`` (``x``, or a CPU tensor's NumPy view),
-    started at the call as the general path's are. What every asynchronous call has stays: the thread
-    guard, dropped handles released first (:func:`sweep`), the transfer with its fingerprint, the wait's
-    bounds, the failure of the communicator on a timeout. Its flight-recorder record is a record as
-    ``record.begin`` makes them (``_records``: a list, finished by the handle), less the call site: the
-    path :data:`HOT_ASYNC`, the op as given, dtype and shape, thread and start."""
+def hot_async(comm, steps, buf, x, op: str | None, collective: str = "allreduce", into=None):
+    """The asynchronous hot path of ``allreduce(x, async_op=True)`` (``Communicator.allreduce``), and of
+    ``allgather`` and ``reduce_scatter`` (``collective``; ``into``: what their steps write and return, see
+    :func:`_cache_start_blocks`): a :class:`Handle` over the cached ``steps`` (:func:`cache_start`) of
+    ``buf`` (``x``, or a CPU tensor's NumPy view), started at the call as the general path's are. What
+    every asynchronous call has stays: the thread guard, dropped handles released first (:func:`sweep`),
+    the transfer with its fingerprint, the wait's bounds, the failure of the communicator on a timeout. Its
+    flight-recorder record is a record as ``record.begin`` makes them (``_records``: a list, finished by
+    the handle), less the call site: the path :data:`HOT_ASYNC`, the op as given, dtype and shape, thread
+    and start."""
     if _threads.settle is not None:  # a jitted JAX computation's collectives first (_threads)
         _threads.settle()
     if not _enter(False):  # another thread is inside a collective: refused (_threads)
@@ -246,10 +302,10 @@ def hot_async(comm, steps, buf, x, op: str):
         rec = None
         if ring is not None:
             n = comm._seq = comm._seq + 1
-            rec = ring[n & comm._mask] = [n, "allreduce", op, None, x.dtype, x.shape, None, HOT_ASYNC, None, None,
+            rec = ring[n & comm._mask] = [n, collective, op, None, x.dtype, x.shape, None, HOT_ASYNC, None, None,
                                           None, _get_ident(), _clock(), None, None, None]  # (_records: SEQ ... ON)
             comm._last_activity = rec[START]  # (as record.begin: the stall inspector's choice of communicator)
-        return Handle("allreduce", steps(buf, x), comm._outstanding, comm._host.fail, rec)
+        return Handle(collective, steps(buf, x if into is None else into), comm._outstanding, comm._host.fail, rec)
     finally:
         _leave()
 

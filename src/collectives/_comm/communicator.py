@@ -36,6 +36,7 @@ _empty = np.empty
 _may_share_memory = np.may_share_memory  # (bounds only: cheap)
 _torch_tensor = None  # torch.Tensor, once a torch tensor's call has been cached (torch is never imported here)
 _NONE: dict = {}  # read-only by convention: what the hot path looks in for an op with no cached calls
+_ALLGATHER = (call.BLOCKS, "allgather")  # the key of the asynchronous allgather's hot path (call.cache_start)
 
 
 def _torch_plain(t) -> bool:
@@ -65,20 +66,24 @@ def _hot_blocks(self, run, x, out):
     return out
 
 
-def _torch_blocks(self, kind: str, op, x, out=None):
-    """The hot path of reduce_scatter, alltoall and allgather (``kind``; ``op``: reduce_scatter's, else None)
-    for a plain CPU tensor ``x`` (``_torch_plain``) of a cached (op, dtype): the NumPy arrays' hot path on
-    its NumPy view, the result wrapped as the general path wraps it (``torch.from_numpy``: the caching took
-    only dtypes whose view is their own, ``_fast_path``), or written into allgather's or reduce_scatter's
-    ``out`` (a plain tensor of x's dtype and the result's shape, apart from x's memory); None where it does
-    not apply (the general path)."""
-    try:
-        run = self._fast_blocks.get((kind, x.dtype) if op is None else (kind, op, x.dtype))
-    except TypeError:  # an unhashable op: the general path says what is wrong with it
+def _hot_into(self, kind: str, x, out):
+    """Where the hot path of reduce_scatter, alltoall or allgather (``kind``) of ``x`` (a NumPy array, or a
+    plain CPU tensor, ``_torch_plain``, of a dtype the hot path has cached) writes its result:
+    ``(v, w, result, written)``, ``x``'s NumPy view ``v`` (C-contiguous: read only), the NumPy array ``w``
+    the call writes, what the call returns (a new array, a tensor over it made as the general path wraps
+    it: the caching took only dtypes whose view is their own, ``_fast_path``; or ``out``) and the tensor
+    ``out`` to give a new version once written (else None). ``out``: of x's class and dtype, writable in
+    place, of the result's shape, apart from x's memory. None where it does not apply: the general path
+    (which raises what is wrong, or copies)."""
+    if x.__class__ is _ndarray:
+        if not x.flags.c_contiguous:
+            return None
+        v = x
+    elif _torch_plain(x):
+        v = _numpy_of(x)
+    else:
         return None
-    if run is None or not _torch_plain(x):
-        return None
-    v, size = _numpy_of(x), self._size
+    size = self._size
     if kind == "allgather":
         shape = (size,) + v.shape
     elif not v.ndim or v.shape[0] % size:  # (the general path's error)
@@ -86,15 +91,54 @@ def _torch_blocks(self, kind: str, op, x, out=None):
     else:
         shape = v.shape if kind == "alltoall" else (v.shape[0] // size,) + v.shape[1:]
     if out is None:
-        return _from_numpy(_hot_blocks(self, run, v, _empty(shape, v.dtype)))
-    if out.__class__ is not _torch_tensor or out.dtype != x.dtype or not _torch_plain(out):
+        w = _empty(shape, v.dtype)
+        return v, w, (w if v is x else _from_numpy(w)), None
+    if out.__class__ is not x.__class__ or out.dtype != x.dtype:
+        return None
+    if v is x:
+        if not out.flags.carray or out.shape != shape or _may_share_memory(v, out):
+            return None
+        return v, out, out, None
+    if not _torch_plain(out):
         return None
     w = _numpy_of(out)
     if w.shape != shape or _may_share_memory(v, w):
         return None
+    return v, w, out, out
+
+
+def _async_blocks(self, kind: str, x, op, out):
+    """The asynchronous hot path of allgather and reduce_scatter (``kind``; ``op``: reduce_scatter's, else
+    None): a Handle over the cached steps of ``x``'s dtype (``call.hot_async``: no validation; their table in
+    ``_fast_async``: ``call.cache_start``), into what :func:`_hot_into` says; None where it does not apply
+    (the general path)."""
+    cls = x.__class__
+    if cls is not _ndarray and cls is not _torch_tensor:
+        return None
+    try:
+        steps = self._fast_async.get(_ALLGATHER if kind == "allgather" else (call.BLOCKS, kind, op), _NONE).get(x.dtype)
+    except TypeError:  # an unhashable op: the general path says what is wrong with it
+        return None
+    if steps is None or _hinting[0] or (into := _hot_into(self, kind, x, out)) is None:
+        return None  # (a site hint: a jitted call's record keeps its site)
+    return call.hot_async(self, steps, into[0], x, op, kind, into[1:])
+
+
+def _torch_blocks(self, kind: str, op, x, out=None):
+    """The hot path of reduce_scatter, alltoall and allgather (``kind``; ``op``: reduce_scatter's, else None)
+    for a plain CPU tensor ``x`` of a cached (op, dtype): the NumPy arrays' hot path on its NumPy view, into
+    what :func:`_hot_into` says; None where it does not apply (the general path)."""
+    try:
+        run = self._fast_blocks.get((kind, x.dtype) if op is None else (kind, op, x.dtype))
+    except TypeError:  # an unhashable op: the general path says what is wrong with it
+        return None
+    if run is None or (into := _hot_into(self, kind, x, out)) is None:
+        return None
+    v, w, result, written = into
     _hot_blocks(self, run, v, w)
-    _arrays.bump_versions((out,))  # written behind autograd's back: as under no_grad
-    return out
+    if written is not None:
+        _arrays.bump_versions((written,))  # written behind autograd's back: as under no_grad
+    return result
 
 
 def _hot_reduce(self, run, x, v, root) -> None:
@@ -132,8 +176,8 @@ def _fast_path(self, op, x, a, view, info, run, blocks: dict | None = None, star
     methods (``Communicator._fast_path``, bound from here). Here, which arrays the hot path may take (the
     rules: ``call.cache``, which fills the tables); written in this module because it sets
     ``_torch_tensor``, a global the hot path reads.
-    ``starts``: the transport of a completed asynchronous allreduce, whose steps the asynchronous hot
-    path may repeat (``call.cache_start``; ``run`` is then None)."""
+    ``starts``: the transport of a completed asynchronous allreduce, allgather or reduce_scatter, whose steps the
+    asynchronous hot path may repeat (``call.cache_start``; ``run`` is then None)."""
     global _torch_tensor, _strided, _from_numpy
     if self._check or _call.naming_now()[0] is not None:  # (a front end's own op name: not for later calls;
         return  # a bucket's layout is: each hot call reads its own, see steps.described)
@@ -435,9 +479,9 @@ class Communicator:
     def allgather(self, x, *, out=None, async_op: bool = False):
         """Every rank's ``x``, stacked along a new leading axis (into ``out`` where given). See
         :func:`collectives.allgather`."""
-        if async_op:
-            return self._async("allgather", movement.allgather if out is None else
-                               functools.partial(movement.allgather, out=out), self, x)
+        if async_op:  # the asynchronous hot path (a Handle), else the general path's
+            return _async_blocks(self, "allgather", x, None, out) or self._async(
+                "allgather", movement.allgather if out is None else functools.partial(movement.allgather, out=out), self, x)
         if _threads.settle is not None:  # a jitted JAX computation's collectives first (_threads)
             _threads.settle()
         if not _enter(False):  # another thread is inside a collective: refused (_threads)
@@ -471,9 +515,10 @@ class Communicator:
                        reproducible: bool | None = None):
         """This rank's block of the reduction of ``x`` (into ``out`` where given). See
         :func:`collectives.reduce_scatter`."""
-        if async_op:
-            return self._async("reduce_scatter", reductions.reduce_scatter if out is None else
-                               functools.partial(reductions.reduce_scatter, into=out), self, x, op, reproducible)
+        if async_op:  # the asynchronous hot path (a Handle), else the general path's
+            return (reproducible is None and _async_blocks(self, "reduce_scatter", x, op, out)) or self._async(
+                "reduce_scatter", reductions.reduce_scatter if out is None else
+                functools.partial(reductions.reduce_scatter, into=out), self, x, op, reproducible)
         if _threads.settle is not None:  # a jitted JAX computation's collectives first (_threads)
             _threads.settle()
         if not _enter(False):  # another thread is inside a collective: refused (_threads)

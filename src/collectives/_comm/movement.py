@@ -47,6 +47,8 @@ def allgather(comm, x, asynchronous: bool, out=None):
     used = yield Step(transport, "allgather", (send, buf.reshape(size, -1)), run)
     if used is not None:
         comm._fast_path(("allgather", view.dtype), x, a, view, info, used, comm._fast_blocks)
+    elif asynchronous:  # completed: its transfer for the asynchronous hot path (call.cache_start)
+        comm._fast_path(("allgather", view.dtype), x, a, view, info, None, starts=transport)
     return a.wrap(buf, info, x) if out is None else place()
 
 

@@ -101,6 +101,9 @@ def reduce_scatter(comm, x, op, reproducible, asynchronous: bool, into=None):
         out.reshape(-1)[...] = buf.reshape(size, -1)[comm.rank]
         return place()
     used = yield rules.reduction(comm, transport, "reduce_scatter", send, info, op, asynchronous, out=out)
-    if used is not None and rules.cacheable(comm, info, op):
-        comm._fast_path(("reduce_scatter", op, view.dtype), x, a, view, info, used, comm._fast_blocks)
+    if rules.cacheable(comm, info, op):
+        if used is not None:
+            comm._fast_path(("reduce_scatter", op, view.dtype), x, a, view, info, used, comm._fast_blocks)
+        elif asynchronous:  # completed: its transfer for the asynchronous hot path (call.cache_start)
+            comm._fast_path(("reduce_scatter", op, view.dtype), x, a, view, info, None, starts=transport)
     return place()
