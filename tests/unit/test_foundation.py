@@ -285,21 +285,6 @@ def test_open_mpi_osc_ucx_noise_is_dropped_and_nothing_else(capfd):
     assert capfd.readouterr().err == noise
 
 
-def test_train_jax_example_under_mpiexec():
-    """examples/train_jax.py at 2 ranks, shortened: the loss falls and the parameters agree on every rank."""
-    pytest.importorskip("jax")
-    pytest.importorskip("optax")
-    if find_mpiexec() is None:
-        pytest.skip("no mpiexec")
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run(job_command(2, [sys.executable, str(root / "examples" / "train_jax.py"), "--steps", "60"]),
-                          capture_output=True, text=True, timeout=300, env=job_environment(), cwd=root)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    losses = [float(v) for v in re.findall(r"^step +\d+ +loss ([\d.]+)$", proc.stdout, re.M)]
-    assert len(losses) == 2 and losses[-1] < losses[0], proc.stdout
-    assert "on 2 process(es)" in proc.stdout and "parameters identical on every rank" in proc.stdout, proc.stdout
-
-
 def test_info_into_a_closed_pipe_ends_without_a_traceback():
     """``python -m collectives info | head`` (issue 38): the reader gone, no BrokenPipeError traceback."""
     import subprocess
