@@ -31,12 +31,13 @@ from collectives._launcher import job_command  # one way to start a job, whateve
 ROOT = Path(__file__).resolve().parents[1]
 LOGS = ROOT / ".test-logs"
 _LAST = threading.local()  # how long this thread's last run() took (the summary prints it beside each run)
+WHY = LOGS / "why-failed.txt"  # a few lines per failed run, which .ci/run prints last (CI shows a tail)
+_CLUES = re.compile(r"FAILED|TIMEOUT|Timeout \(|Error\b|Exception\b|^E  |^\s+File \".*tests/|rank \d+ wrote no summary")
 
 
 def last_seconds() -> float:
+    """How long this thread's last :func:`run` took, in seconds."""
     return getattr(_LAST, "seconds", 0.0)
-WHY = LOGS / "why-failed.txt"  # a few lines per failed run, which .ci/run prints last (CI shows a tail)
-_CLUES = re.compile(r"FAILED|TIMEOUT|Timeout \(|Error\b|Exception\b|^E  |^\s+File \".*tests/|rank \d+ wrote no summary")
 
 
 def why(name: str, text: str, limit: int = 10) -> None:
@@ -100,8 +101,9 @@ def mpi_run(target: str, n: int, timeout: int, extra=(), logs: Path = LOGS,
     env = None if logs == LOGS else {**os.environ, "COLLECTIVES_TEST_LOGS": str(logs)}
     quiet = report is not None
     rc, out = run(cmd, timeout, env=env, quiet=quiet)
-    say = report.append if report is not None else (lambda text: print(text, end="", flush=True))
-    say(out if quiet else "")
+    say = report.append if quiet else (lambda text: print(text, end="", flush=True))
+    if quiet:  # (a run in the foreground has printed its output as it came)
+        say(out)
     counts = []
     for r in range(n):
         f = logs / f"summary-n{n}-rank{r}.json"

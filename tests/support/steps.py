@@ -79,7 +79,6 @@ if __name__ == "__main__":
         solo = digest(run(alone)) if alone is not None else ""
         lines.append(f"{name} {mine} {'same-on-every-rank' if len(set(every)) == 1 else 'DIFFERENT ' + ' '.join(every)}"
                      f" one-rank {solo}")
-        world.barrier()
     if world.rank == 0:
         print("\n".join(lines), flush=True)
     sys.exit(0)

@@ -176,8 +176,15 @@ def requests(comm, steps, step: Step, calling):
             return stop.value
 
 
-BLOCKS = object()  # in the keys of the asynchronous allgather's and reduce_scatter's tables in ``comm._fast_async``:
-# ``(BLOCKS, "allgather")``, ``(BLOCKS, "reduce_scatter", op)`` (no op is such a key: only this module has BLOCKS)
+BLOCKS = object()  # in the keys of the asynchronous allgather's and reduce_scatter's tables in ``comm._fast_async``
+# (no op is such a key: only this module has BLOCKS)
+
+
+def async_key(kind: str, op=None) -> tuple:
+    """The key of the asynchronous ``kind`` ("allgather", or "reduce_scatter" with ``op``) in
+    ``comm._fast_async``: ``(BLOCKS, kind)`` or ``(BLOCKS, kind, op)``, where :func:`_cache_start_blocks` puts
+    its entries and ``Communicator.allgather``/``reduce_scatter`` look for them."""
+    return (BLOCKS, kind) if op is None else (BLOCKS, kind, op)
 
 
 def cache_start(comm, op, x, a, info, transport) -> None:
@@ -232,20 +239,19 @@ def cache_start(comm, op, x, a, info, transport) -> None:
 
 
 def _cache_start_blocks(comm, kind: str, op: str | None, x, info, transport) -> None:
-    """Put the asynchronous allgather (``kind``; ``op`` None) or reduce_scatter with ``op`` of ``x``'s dtype
-    on ``transport`` in the hot path's table of asynchronous calls (``comm._fast_async[(BLOCKS, kind)]``,
-    ``[(BLOCKS, kind, op)]``, read by ``Communicator.allgather`` and ``reduce_scatter``), once a fully
-    validated asynchronous call of it has completed (``Communicator._fast_path`` has checked the array): a
-    generator function ``steps(send, (out, result, written))`` of the general path's one transfer,
-    ``transport.start`` of ``send`` into ``out`` beside the call's description (a reduce_scatter: only a
-    pair whose values travel as they are, its wire op, and for ``mean`` ``_dtypes.divide`` after it, as
-    ``cache_start``'s allreduce), without the validation, the record and the plan it has already made once;
-    then the result (``out``, a new tensor over it, or the caller's ``out``), the tensor ``written`` given a
-    new version (as the general path's write-back). Not where ``COLLECTIVES_CHECK_NAN`` scans a reduction's
-    inputs first."""
+    """Put the asynchronous allgather (``kind``; ``op`` None) or reduce_scatter with ``op`` of ``x``'s dtype on
+    ``transport`` in the hot path's table of asynchronous calls (``comm._fast_async[async_key(kind, op)]``, read by
+    ``Communicator.allgather`` and ``reduce_scatter``), once a fully validated asynchronous call of it has completed
+    (``Communicator._fast_path`` has checked the array): a generator function ``steps(send, (out, result,
+    written))`` of the general path's one transfer, ``transport.start`` of ``send`` into ``out`` beside the call's
+    description (a reduce_scatter: only a pair whose values travel as they are, its wire op, and for ``mean``
+    ``_dtypes.divide`` after it, as ``cache_start``'s allreduce), without the validation, the record and the plan it
+    has already made once; then the result (``out``, a new tensor over it, or the caller's ``out``), the tensor
+    ``written`` given a new version (as the general path's write-back). Not where ``COLLECTIVES_CHECK_NAN`` scans a
+    reduction's inputs first."""
     if op is not None and comm._check_nan and _finite.checks(info):
         return
-    table = comm._fast_async.setdefault((BLOCKS, kind) if op is None else (BLOCKS, kind, op), {})
+    table = comm._fast_async.setdefault(async_key(kind, op), {})
     if x.dtype in table:
         return
     wire = divide = None

@@ -36,7 +36,6 @@ _empty = np.empty
 _may_share_memory = np.may_share_memory  # (bounds only: cheap)
 _torch_tensor = None  # torch.Tensor, once a torch tensor's call has been cached (torch is never imported here)
 _NONE: dict = {}  # read-only by convention: what the hot path looks in for an op with no cached calls
-_ALLGATHER = (call.BLOCKS, "allgather")  # the key of the asynchronous allgather's hot path (call.cache_start)
 
 
 def _torch_plain(t) -> bool:
@@ -116,7 +115,7 @@ def _async_blocks(self, kind: str, x, op, out):
     if cls is not _ndarray and cls is not _torch_tensor:
         return None
     try:
-        steps = self._fast_async.get(_ALLGATHER if kind == "allgather" else (call.BLOCKS, kind, op), _NONE).get(x.dtype)
+        steps = self._fast_async.get(call.async_key(kind, op), _NONE).get(x.dtype)
     except TypeError:  # an unhashable op: the general path says what is wrong with it
         return None
     if steps is None or _hinting[0] or (into := _hot_into(self, kind, x, out)) is None:
@@ -492,9 +491,8 @@ class Communicator:
                 if run is not None and x.flags.c_contiguous:
                     if out is None:
                         return _hot_blocks(self, run, x, _empty((self._size,) + x.shape, x.dtype))
-                    if (out.__class__ is _ndarray and out.dtype == x.dtype and out.flags.carray
-                            and out.shape == (self._size,) + x.shape and not _may_share_memory(x, out)):
-                        return _hot_blocks(self, run, x, out)
+                    if (into := _hot_into(self, "allgather", x, out)) is not None:  # (a fitting out: out itself)
+                        return _hot_blocks(self, run, x, into[1])
             elif x.__class__ is _torch_tensor and (got := _torch_blocks(self, "allgather", None, x, out)) is not None:
                 return got
             return self._blocking(movement.allgather(self, x, False, out))
@@ -530,12 +528,10 @@ class Communicator:
                 except TypeError:  # an unhashable op: the general path says what is wrong with it
                     run = None
                 if run is not None and x.flags.c_contiguous and x.ndim and not x.shape[0] % self._size:
-                    shape = (x.shape[0] // self._size,) + x.shape[1:]
                     if out is None:
-                        return _hot_blocks(self, run, x, _empty(shape, x.dtype))
-                    if (out.__class__ is _ndarray and out.dtype == x.dtype and out.flags.carray
-                            and out.shape == shape and not _may_share_memory(x, out)):
-                        return _hot_blocks(self, run, x, out)
+                        return _hot_blocks(self, run, x, _empty((x.shape[0] // self._size,) + x.shape[1:], x.dtype))
+                    if (into := _hot_into(self, "reduce_scatter", x, out)) is not None:  # (a fitting out: out itself)
+                        return _hot_blocks(self, run, x, into[1])
             elif x.__class__ is _torch_tensor and reproducible is None and (
                     got := _torch_blocks(self, "reduce_scatter", op, x, out)) is not None:
                 return got
