@@ -1,8 +1,11 @@
-"""The asynchronous allgather and reduce_scatter at 8 B and 1 MiB (float64), against raw mpi4py's non-blocking
-calls in the same job: the library's calls (``async_op=True``, into a new array and into ``out=``) and the torch
-backend's ``dist.all_gather_into_tensor`` / ``dist.reduce_scatter_tensor`` with ``async_op=True`` (what FSDP
-starts). The sides alternate within each of ``--rounds`` rounds (the first side changes every round), each
-block after a barrier; a block's time is the slowest rank's; printed: the median per call over the rounds.
+"""The asynchronous allgather and reduce_scatter at 8 B and 1 MiB (float64), against raw mpi4py's non-blocking calls in
+the same job: the library's calls (``async_op=True``, into a new array and into ``out=``) and the torch backend's
+``dist.all_gather_into_tensor`` / ``dist.reduce_scatter_tensor`` with ``async_op=True`` (what FSDP starts). Raw
+mpi4py's non-blocking reduce-scatter both ways: ``Ireduce_scatter_block`` (the library's) and ``Ireduce_scatter``
+with equal counts, which MPICH 5 runs with another algorithm for blocks of about 256 KiB to 1 MiB
+(docs/performance.md, "MPICH's non-blocking reduce-scatter"). The sides alternate within each of ``--rounds`` rounds
+(the first side changes every round), each block after a barrier; a block's time is the slowest rank's; printed: the
+median per call over the rounds.
 
     mpiexec -n 2 python benchmarks/bench_async_blocks.py
 
@@ -28,6 +31,7 @@ def sides_for(c, raw, dist, torch, MPI, n: int) -> dict:
     return {
         "raw Iallgather": lambda: raw.Iallgather(x, rbuf).Wait(),
         "raw Ireduce_scatter_block": lambda: raw.Ireduce_scatter_block(xs, blk, MPI.SUM).Wait(),
+        "raw Ireduce_scatter": lambda: raw.Ireduce_scatter(xs, blk, [n] * size, MPI.SUM).Wait(),
         "allgather async": lambda: c.allgather(x, async_op=True).wait(),
         "allgather async out": lambda: c.allgather(x, out=out, async_op=True).wait(),
         "reduce_scatter async": lambda: c.reduce_scatter(xs, async_op=True).wait(),
