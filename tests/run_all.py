@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from collectives._launcher import job_command  # one way to start a job, whatever the launcher
+from support.launch import LAUNCH_FAILED  # (tests/support: this script's folder is on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
 LOGS = ROOT / ".test-logs"
@@ -52,7 +53,18 @@ def why(name: str, text: str, limit: int = 10) -> None:
 
 def run(cmd, timeout, env=None, quiet=False):
     """Run cmd in its own process group, streaming its output (``quiet``: keeping it, for the caller to
-    print); on timeout kill the whole group (mpiexec and every rank it started), so nothing outlives the run."""
+    print); on timeout kill the whole group (mpiexec and every rank it started), so nothing outlives the run.
+    A launcher that could not start at all (support.launch) is started once more, saying so."""
+    rc, out = _run_once(cmd, timeout, env, quiet)
+    if rc != 0 and LAUNCH_FAILED.search(out):
+        note = "\n(the launcher did not start: the same command once more)\n"
+        print(note, end="", flush=True)
+        rc, again = _run_once(cmd, timeout, env, quiet)
+        out += note + again
+    return rc, out
+
+
+def _run_once(cmd, timeout, env, quiet):
     say = (lambda text: None) if quiet else (lambda text: print(text, end="", flush=True))
     say(f"\n$ {' '.join(map(str, cmd))}   (timeout {timeout}s)\n")
     start = time.monotonic()
