@@ -185,6 +185,14 @@ def main() -> int:
     # the flight recorder's dumps (every MismatchError and timeout the suites provoke writes one) go with
     # the logs, not into the working directory; one directory for every rank of a job
     os.environ.setdefault("COLLECTIVES_TRACE_DIR", str(LOGS / "trace"))
+    # JAX's persistent compilation cache, one for every run below (every rank, both MPIs' runs of one
+    # checkout): the suites jit the same programs at every size, and XLA's compile of each was most of the
+    # JAX tests' time (tests/mpi/test_jax*.py at 3 ranks on 2 cores: 75 s with a cold cache, 41 s with a
+    # warm one). What runs is what XLA compiled for the same program (the key is the program, the JAX
+    # version and the compile options); the tracing and every call of collectives run as before.
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(LOGS / "jax-cache"))
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
     sizes = [int(s) for s in args.sizes.split(",") if s]
     if args.torch_suite_sizes is None:
         torch_sizes = sorted({s for s in sizes if s >= 2} | {4})
