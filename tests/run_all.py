@@ -51,14 +51,17 @@ def why(name: str, text: str, limit: int = 10) -> None:
         f.write(f"[{Path(sys.prefix).name}] {name}:\n" + "".join(f"    {line}\n" for line in kept))
 
 
-def run(cmd, timeout, env=None, quiet=False):
+def run(cmd, timeout, env=None, quiet=False, job=False):
     """Run cmd in its own process group, streaming its output (``quiet``: keeping it, for the caller to
     print); on timeout kill the whole group (mpiexec and every rank it started), so nothing outlives the run.
-    A launcher that could not start at all (support.launch) is started once more, saying so."""
+    ``job``: cmd is a launcher's job (mpiexec ...); one whose launcher could not start at all
+    (support.launch) is started once more, saying so. (A pytest run that launches jobs itself, the crash
+    suite, reruns such a test itself: tests/crash/conftest.py.)"""
     rc, out = _run_once(cmd, timeout, env, quiet)
-    if rc != 0 and LAUNCH_FAILED.search(out):
+    if job and rc != 0 and LAUNCH_FAILED.search(out):
         note = "\n(the launcher did not start: the same command once more)\n"
-        print(note, end="", flush=True)
+        if not quiet:
+            print(note, end="", flush=True)
         rc, again = _run_once(cmd, timeout, env, quiet)
         out += note + again
     return rc, out
@@ -112,7 +115,7 @@ def mpi_run(target: str, n: int, timeout: int, extra=(), logs: Path = LOGS,
                           *DURATIONS, *extra])  # --color=no: PRRTE gives ranks a terminal
     env = None if logs == LOGS else {**os.environ, "COLLECTIVES_TEST_LOGS": str(logs)}
     quiet = report is not None
-    rc, out = run(cmd, timeout, env=env, quiet=quiet)
+    rc, out = run(cmd, timeout, env=env, quiet=quiet, job=True)
     say = report.append if quiet else (lambda text: print(text, end="", flush=True))
     if quiet:  # (a run in the foreground has printed its output as it came)
         say(out)
@@ -322,7 +325,7 @@ def main() -> int:
         suite = ROOT / "tests" / "torch_suite"
         cmd = job_command(n, [sys.executable, "-W", "ignore", str(suite / "run.py"), "--expected",
                               str(suite / "expected_failures.txt")])
-        rc, out = run(cmd, 900)
+        rc, out = run(cmd, 900, job=True)
         m = re.search(r"(\d+) passed, (\d+) failed", out)
         ok = rc == 0 and m is not None and int(m.group(1)) > 0
         total_passed += int(m.group(1)) if m else 0
@@ -336,7 +339,7 @@ def main() -> int:
             if cmd is None:
                 print(f"\nclient {name}: skipped (accelerate launch builds Hydra's mpirun command line; this MPI is not Hydra)")
                 continue
-            rc, out = run(cmd, 600)
+            rc, out = run(cmd, 600, job=True)
             ok = rc == 0 and f"PASS {name}" in out
             total_passed += ok
             total_failed += not ok
